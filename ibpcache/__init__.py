@@ -1,0 +1,35 @@
+"""ibpcache: a lossless Invariant Bit Packing (IBP) offload cache for ML data bigger than GPU memory.
+
+Importing the package touches no CUDA and compiles nothing; kernels build on first use.
+"""
+
+from __future__ import annotations
+
+from .codec import Codec
+from .compressed import CompressedRows
+from .errors import CapacityError, FormatError, IbpcacheError, InvalidIdsError, KernelBuildError
+from .format import FORMAT_VERSION, Layout
+
+__all__ = [
+    "Codec",
+    "CompressedRows",
+    "FeatureCache",
+    "Layout",
+    "FORMAT_VERSION",
+    "IbpcacheError",
+    "FormatError",
+    "CapacityError",
+    "KernelBuildError",
+    "InvalidIdsError",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``FeatureCache`` is imported on first use so the codec imports stay light."""
+    if name == "FeatureCache":
+        from .cache.feature_cache import FeatureCache
+
+        return FeatureCache
+    raise AttributeError(f"module 'ibpcache' has no attribute {name!r}")

@@ -1,0 +1,249 @@
+"""``Codec``: one fitted mask/bitval pair per dataset, and compression of rows with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ._validation import as_row_bytes, check_rows, resolve_device
+from .errors import FormatError
+from .fit import DEFAULT_THRESHOLDS, fit_rows, sample_rows
+from .format import CHUNK_SIZES, FileKind, Layout, RowGeometry, dtype_to_name, name_to_dtype, read_container, write_container
+from .kernels.backends import backend_for
+from .kernels import bitpack_cpu as cpu
+
+if TYPE_CHECKING:
+    from .compressed import CompressedRows
+
+__all__ = ["Codec"]
+
+_FIT_BATCH_BYTES = 1 << 28  # fit/compress stream CPU rows to the GPU in pieces of this size
+
+
+class Codec:
+    """The metadata IBP keeps once per dataset (a few KB): which bits are invariant, and their values.
+
+    ``mask[j]`` / ``bitval[j]`` (uint64, low ``chunk_bytes * 8`` bits used) describe chunk position j of
+    every row. Rows are ``row_bytes`` bytes of ``dtype`` elements shaped ``row_shape``.
+    """
+
+    def __init__(
+        self,
+        mask: np.ndarray,
+        bitval: np.ndarray,
+        *,
+        chunk_bytes: int,
+        row_bytes: int,
+        dtype: torch.dtype,
+        row_shape: tuple[int, ...],
+        threshold: float,
+        fitted_rows: int = 0,
+        scores: "dict | None" = None,
+    ) -> None:
+        self.geometry = RowGeometry(int(row_bytes), int(chunk_bytes))
+        mask = np.ascontiguousarray(mask, dtype=np.uint64)
+        bitval = np.ascontiguousarray(bitval, dtype=np.uint64)
+        n = self.geometry.n_chunks
+        if mask.shape != (n,) or bitval.shape != (n,):
+            raise FormatError(f"mask/bitval must have {n} entries for {row_bytes}-byte rows of {chunk_bytes}-byte "
+                              f"chunks, got {mask.shape} and {bitval.shape}")
+        width = np.uint64((1 << (8 * chunk_bytes)) - 1)
+        if np.any(mask & ~width) or np.any(bitval & ~mask):
+            raise FormatError("bitval must be a subset of mask and both must fit the chunk width")
+        row_elems = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
+        if row_elems * torch.empty((), dtype=dtype).element_size() != row_bytes:
+            raise FormatError(f"row_shape {row_shape} of {dtype} is not {row_bytes} bytes")
+        self.mask = mask
+        self.bitval = bitval
+        self.dtype = dtype
+        self.row_shape = tuple(int(s) for s in row_shape)
+        self.threshold = float(threshold)
+        self.fitted_rows = int(fitted_rows)
+        self.scores = dict(scores or {})
+        self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- geometry ---------------------------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        return self.geometry.row_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.geometry.chunk_bytes
+
+    @property
+    def n_chunks(self) -> int:
+        return self.geometry.n_chunks
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Bytes of mask + bitval (what lives on the GPU once per dataset)."""
+        return int(self.mask.nbytes + self.bitval.nbytes)
+
+    def __repr__(self) -> str:
+        saved = int(sum(bin(int(m)).count("1") for m in self.mask))
+        return (f"Codec(dtype={dtype_to_name(self.dtype)}, row_shape={self.row_shape}, row_bytes={self.row_bytes}, "
+                f"chunk_bytes={self.chunk_bytes}, threshold={self.threshold:.2f}, invariant_bits={saved})")
+
+    def device_tables(self, device: "str | torch.device") -> tuple[torch.Tensor, torch.Tensor]:
+        """mask and bitval as int64 tensors on ``device`` (uploaded once, then cached)."""
+        dev = torch.device(device)
+        key = str(dev)
+        if key not in self._device_tables:
+            m = torch.from_numpy(self.mask.view(np.int64).copy()).to(dev)
+            b = torch.from_numpy(self.bitval.view(np.int64).copy()).to(dev)
+            self._device_tables[key] = (m, b)
+        return self._device_tables[key]
+
+    # -- fit --------------------------------------------------------------------------------------
+    @classmethod
+    def fit(
+        cls,
+        x: torch.Tensor,
+        threshold: "float | str" = "auto",
+        chunk_bytes: "int | str" = "auto",
+        sample: "float | int | None" = None,
+        *,
+        thresholds: "tuple[float, ...]" = DEFAULT_THRESHOLDS,
+        seed: int = 0,
+    ) -> "Codec":
+        """Learn mask/bitval from ``x`` ([N, ...], CPU or CUDA; runs where ``x`` lives).
+
+        One pass counts set bits per bit position; one more scores every candidate threshold
+        (``thresholds``, default T/N = 0.70..0.95) and chunk size in {1, 2, 4, 8}, and the smallest total
+        wins. ``threshold``/``chunk_bytes`` pin one value instead of "auto". ``sample`` fits on a
+        fraction (float) or a count (int) of randomly chosen rows (paper Table 5: 10% loses ~nothing).
+        """
+        x = check_rows(x)
+        dtype_to_name(x.dtype)
+        if x.shape[0] == 0:
+            raise ValueError("cannot fit a codec on zero rows")
+        rows = as_row_bytes(x)
+        idx = sample_rows(rows.shape[0], sample, seed)
+        if idx is not None:
+            rows = rows[torch.from_numpy(idx).to(rows.device)]
+        if threshold == "auto":
+            grid = tuple(thresholds)
+        elif isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            if not 0.5 < float(threshold) <= 1.0:
+                raise ValueError(f"threshold must be in (0.5, 1.0] or 'auto', got {threshold}")
+            grid = (float(threshold),)
+        else:
+            raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
+        if chunk_bytes == "auto":
+            sizes = CHUNK_SIZES
+        elif chunk_bytes in CHUNK_SIZES:
+            sizes = (int(chunk_bytes),)
+        else:
+            raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES} or 'auto', got {chunk_bytes!r}")
+        result = fit_rows(rows, thresholds=grid, chunk_sizes=sizes, backend=backend_for(rows))
+        return cls(result.mask, result.bitval, chunk_bytes=result.chunk_bytes, row_bytes=rows.shape[1],
+                   dtype=x.dtype, row_shape=tuple(x.shape[1:]), threshold=result.threshold,
+                   fitted_rows=result.fitted_rows, scores=result.scores)
+
+    # -- compress ---------------------------------------------------------------------------------
+    def _check_compatible(self, x: torch.Tensor) -> torch.Tensor:
+        x = check_rows(x)
+        if x.dtype != self.dtype:
+            raise TypeError(f"x: expected dtype {self.dtype} (the codec's), got {x.dtype}")
+        if tuple(x.shape[1:]) != self.row_shape:
+            raise ValueError(f"x: expected rows of shape {self.row_shape}, got {tuple(x.shape[1:])}")
+        return as_row_bytes(x)
+
+    def stored_lengths(self, x: torch.Tensor) -> torch.Tensor:
+        """int32 [N]: stored bytes per row of ``x`` under this codec (row_bytes for raw rows)."""
+        rows = self._check_compatible(x)
+        if rows.is_cuda:
+            from .kernels.bitpack import size_rows
+
+            return size_rows(rows, self)
+        return torch.from_numpy(cpu.size_rows_cpu(rows.numpy(), self.mask, self.bitval, self.chunk_bytes))
+
+    def compress(
+        self,
+        x: torch.Tensor,
+        layout: "str | Layout" = "inplace",
+        pin: bool = True,
+        device: "str | torch.device | None" = None,
+    ) -> "CompressedRows":
+        """Compress every row of ``x``; the result lives in host memory (pinned when CUDA exists and ``pin``).
+
+        Runs on the GPU when ``x`` is a CUDA tensor or ``device='cuda'`` (CPU rows then stream to the GPU
+        in pieces, so datasets larger than GPU memory work), otherwise with the Numba CPU encoder. Both
+        produce identical bytes.
+        """
+        from .compressed import CompressedRows
+
+        layout = Layout.from_str(layout)
+        rows = self._check_compatible(x)
+        run_dev = rows.device if rows.is_cuda else resolve_device(device)
+        pin = bool(pin) and torch.cuda.is_available()
+        if run_dev.type == "cuda":
+            from .kernels.bitpack import compress_rows_gpu
+
+            data, lengths = compress_rows_gpu(rows, self, layout, pin, _FIT_BATCH_BYTES)
+        else:
+            data, lengths = _compress_rows_cpu(rows, self, layout, pin)
+        return CompressedRows(self, data, lengths, layout=layout, origin=str(x.device.type))
+
+    # -- persistence ------------------------------------------------------------------------------
+    def header(self) -> dict:
+        return {
+            "dtype": dtype_to_name(self.dtype),
+            "row_shape": list(self.row_shape),
+            "row_bytes": self.row_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "threshold": self.threshold,
+            "fitted_rows": self.fitted_rows,
+        }
+
+    @classmethod
+    def from_header(cls, hdr: dict, mask: np.ndarray, bitval: np.ndarray) -> "Codec":
+        try:
+            return cls(mask, bitval, chunk_bytes=int(hdr["chunk_bytes"]), row_bytes=int(hdr["row_bytes"]),
+                       dtype=name_to_dtype(hdr["dtype"]), row_shape=tuple(hdr["row_shape"]),
+                       threshold=float(hdr["threshold"]), fitted_rows=int(hdr.get("fitted_rows", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"bad codec header: {exc}") from None
+
+    def save(self, path: "str | Path") -> None:
+        """Write the codec (mask, bitval, geometry) to a self-describing, checksummed file."""
+        write_container(path, FileKind.CODEC, self.header(), [self.mask, self.bitval])
+
+    @classmethod
+    def load(cls, path: "str | Path") -> "Codec":
+        """Read a file written by :meth:`save`; corrupt or truncated files raise FormatError."""
+        hdr, sections = read_container(path, FileKind.CODEC)
+        if len(sections) != 2:
+            raise FormatError(f"{path}: expected 2 sections (mask, bitval), found {len(sections)}")
+        return cls.from_header(hdr, sections[0].astype(np.uint64), sections[1].astype(np.uint64))
+
+    def same_tables(self, other: "Codec") -> bool:
+        return (self.geometry == other.geometry and np.array_equal(self.mask, other.mask)
+                and np.array_equal(self.bitval, other.bitval))
+
+
+def _alloc_host(nbytes: int, pin: bool) -> torch.Tensor:
+    """Zeroed host buffer (pinned for zero-copy GPU reads when asked)."""
+    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+    return buf[:nbytes]
+
+
+def _compress_rows_cpu(rows: torch.Tensor, codec: Codec, layout: Layout, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    src = rows.numpy()
+    lengths = cpu.size_rows_cpu(src, codec.mask, codec.bitval, codec.chunk_bytes)
+    n, row_bytes = src.shape
+    if layout is Layout.INPLACE:
+        offsets = np.arange(n, dtype=np.int64) * row_bytes
+        total = n * row_bytes
+    else:
+        offsets = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        total = int(lengths.sum(dtype=np.int64))
+    data = _alloc_host(total, pin)
+    if n:
+        cpu.encode_rows_cpu(src, codec.mask, codec.bitval, codec.chunk_bytes, data.numpy(), offsets, lengths)
+    return data, torch.from_numpy(lengths)

@@ -1,0 +1,233 @@
+"""Thin launchers for ``bitpack.cu``: grid math, dtype-to-symbol mapping, torch-stream ordering.
+
+Every launch goes on torch's current stream; nothing here synchronizes the device except the fit
+(which must read its counts back) and ``compress_rows_gpu`` (which must size host buffers).
+Workspaces (the error word) are cached per device, so the fetch path does no cudaMalloc.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..format import Layout
+from ._build import cupy_stream, get_function
+
+if TYPE_CHECKING:
+    from ..codec import Codec
+    from ..compressed import CompressedRows
+
+__all__ = [
+    "GpuBackend",
+    "size_rows",
+    "encode_into",
+    "decode_descriptors",
+    "gather_rows",
+    "gather_raw",
+    "compress_rows_gpu",
+]
+
+_SRC = "bitpack.cu"
+_WARPS_PER_BLOCK = 8  # keep in sync with IBP_WARPS_PER_BLOCK in bitpack.cu
+_THREADS = 32 * _WARPS_PER_BLOCK
+_err_words: dict[int, torch.Tensor] = {}
+
+
+def _ptr(t: "torch.Tensor | None") -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _dev_id(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _warp_grid(n_rows: int, device_id: int) -> int:
+    """Blocks for a warp-per-row grid-stride kernel: enough to fill the GPU, never more than needed."""
+    sms = torch.cuda.get_device_properties(device_id).multi_processor_count
+    return max(1, min(-(-n_rows // _WARPS_PER_BLOCK), sms * 16))
+
+
+def _launch(symbol: str, device_id: int, grid: "int | tuple", block: int, args: tuple) -> None:
+    fn = get_function(_SRC, symbol, device_id)
+    import cupy
+
+    with cupy.cuda.Device(device_id), cupy_stream(device_id):
+        fn(grid if isinstance(grid, tuple) else (grid,), (block,), args)
+
+
+def _err_word(device_id: int) -> torch.Tensor:
+    if device_id not in _err_words:
+        _err_words[device_id] = torch.zeros(1, dtype=torch.int32, device=f"cuda:{device_id}")
+    return _err_words[device_id]
+
+
+def _check_u8_rows(rows: torch.Tensor, name: str) -> None:
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous uint8 [N, row_bytes] tensor, got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+
+
+class GpuBackend:
+    """Fit passes on the GPU; ``rows`` is a CUDA uint8 [N, row_bytes] tensor."""
+
+    name = "gpu"
+
+    @staticmethod
+    def bitcount(rows: torch.Tensor) -> np.ndarray:
+        n, rb = rows.shape
+        dev = _dev_id(rows)
+        counts = torch.zeros(rb * 8, dtype=torch.int64, device=rows.device)
+        gx = -(-rb // 256)
+        gy = max(1, min(n, (torch.cuda.get_device_properties(dev).multi_processor_count * 64) // gx))
+        _launch("ibp_bitcount", dev, (gx, gy), 256, (_ptr(rows), np.int64(n), np.int32(rb), _ptr(counts)))
+        return counts.cpu().numpy()
+
+    @staticmethod
+    def fit_sizes(rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray, c: int) -> np.ndarray:
+        n, rb = rows.shape
+        k = pc.shape[0]
+        if k > 32:
+            raise ValueError(f"the GPU fit scores at most 32 thresholds at once, got {k}")
+        dev = _dev_id(rows)
+        d = rows.device
+        lv = torch.from_numpy(np.ascontiguousarray(level, dtype=np.uint8)).to(d)
+        iv = torch.from_numpy(np.ascontiguousarray(inv).view(np.int64)).to(d)
+        pct = torch.from_numpy(np.ascontiguousarray(pc, dtype=np.int32)).to(d)
+        totals = torch.zeros(k, dtype=torch.int64, device=d)
+        _launch(f"ibp_fit_sizes_c{c}", dev, _warp_grid(n, dev), _THREADS,
+                (_ptr(rows), np.int64(n), np.int32(rb), np.int32(inv.shape[0]), _ptr(lv), _ptr(iv), _ptr(pct),
+                 np.int32(k), _ptr(totals)))
+        return totals.cpu().numpy()
+
+
+def size_rows(rows: torch.Tensor, codec: "Codec") -> torch.Tensor:
+    """int32 [N] stored bytes per row, computed on the GPU (no sync)."""
+    _check_u8_rows(rows, "rows")
+    n, rb = rows.shape
+    dev = _dev_id(rows)
+    mask, bitval = codec.device_tables(rows.device)
+    lengths = torch.empty(n, dtype=torch.int32, device=rows.device)
+    if n:
+        _launch(f"ibp_size_c{codec.chunk_bytes}", dev, _warp_grid(n, dev), _THREADS,
+                (_ptr(rows), np.int64(n), np.int32(rb), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval),
+                 _ptr(lengths)))
+    return lengths
+
+
+def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torch.Tensor, codec: "Codec") -> None:
+    """Compress each row straight to ``dst_ptrs[m]`` (device memory, or pinned host memory via UVA).
+
+    Each destination needs room for ``row_bytes``; ``lengths_out[m] < row_bytes`` iff row m was
+    compressed. Runs on torch's current stream with no host sync (the KV manager appends with it).
+    """
+    _check_u8_rows(rows_u8, "rows_u8")
+    n, rb = rows_u8.shape
+    if rb != codec.row_bytes:
+        raise ValueError(f"rows_u8: expected {codec.row_bytes}-byte rows, got {rb}")
+    for name, t, dt in (("dst_ptrs", dst_ptrs, torch.int64), ("lengths_out", lengths_out, torch.int32)):
+        if t.dtype != dt or t.shape != (n,) or not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if n == 0:
+        return
+    dev = _dev_id(rows_u8)
+    mask, bitval = codec.device_tables(rows_u8.device)
+    _launch(f"ibp_encode_c{codec.chunk_bytes}", dev, _warp_grid(n, dev), _THREADS,
+            (_ptr(rows_u8), np.int64(n), np.int32(rb), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval),
+             _ptr(dst_ptrs), _ptr(lengths_out)))
+
+
+def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: torch.Tensor, compressed: torch.Tensor,
+                       out_rows: "torch.Tensor | None", codec: "Codec") -> None:
+    """Decode M rows, row m from absolute address ``src_ptrs[m]`` into ``out_u8[out_rows[m]]`` (or ``[m]``).
+
+    Sources may mix device memory (slab hits) and pinned host memory (misses): one launch serves both.
+    """
+    _check_u8_rows(out_u8, "out_u8")
+    m = src_ptrs.numel()
+    if out_u8.shape[1] != codec.row_bytes:
+        raise ValueError(f"out_u8: expected {codec.row_bytes}-byte rows, got {out_u8.shape[1]}")
+    if m == 0:
+        return
+    for name, t, dt in (("src_ptrs", src_ptrs, torch.int64), ("lengths", lengths, torch.int32),
+                        ("compressed", compressed, torch.uint8)):
+        if t.dtype != dt or t.numel() != m or not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous CUDA {dt} tensor of {m} elements, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if out_rows is not None and (out_rows.dtype != torch.int64 or out_rows.numel() != m or not out_rows.is_cuda):
+        raise ValueError(f"out_rows: expected a CUDA int64 tensor of {m} elements")
+    dev = _dev_id(out_u8)
+    mask, bitval = codec.device_tables(out_u8.device)
+    _launch(f"ibp_decode_desc_c{codec.chunk_bytes}", dev, _warp_grid(m, dev), _THREADS,
+            (_ptr(src_ptrs), _ptr(lengths), _ptr(compressed), _ptr(out_rows), _ptr(out_u8), np.int64(m),
+             np.int32(codec.row_bytes), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval)))
+
+
+def gather_rows(packed: "CompressedRows", ids: torch.Tensor, out_u8: torch.Tensor) -> None:
+    """Fused gather + decode of ``packed`` rows ``ids`` (already range-checked) into ``out_u8``."""
+    dev = _dev_id(out_u8)
+    base = packed.host_data_for_gpu()
+    meta = packed.device_meta(out_u8.device)
+    codec = packed.codec
+    mask, bitval = codec.device_tables(out_u8.device)
+    err = _err_word(dev)
+    n = ids.numel()
+    _launch(f"ibp_gather_c{codec.chunk_bytes}", dev, _warp_grid(n, dev), _THREADS,
+            (_ptr(ids), np.int64(n), _ptr(base), _ptr(meta.get("offsets")), _ptr(meta["lengths"]),
+             _ptr(meta["flags"]), np.int64(packed.n_rows), _ptr(out_u8), np.int32(codec.row_bytes),
+             np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval), _ptr(err)))
+
+
+def gather_raw(base: torch.Tensor, ids: torch.Tensor, out_u8: torch.Tensor, n_rows: int) -> None:
+    """Zero-copy gather of raw rows ``base`` (pinned host or device, [n_rows * row_bytes] bytes)."""
+    _check_u8_rows(out_u8, "out_u8")
+    dev = _dev_id(out_u8)
+    n = ids.numel()
+    if n == 0:
+        return
+    _launch("ibp_gather_raw", dev, _warp_grid(n, dev), _THREADS,
+            (_ptr(ids), np.int64(n), _ptr(base), np.int64(n_rows), _ptr(out_u8), np.int32(out_u8.shape[1]),
+             _ptr(_err_word(dev))))
+
+
+def compress_rows_gpu(rows: torch.Tensor, codec: "Codec", layout: Layout, pin: bool,
+                      batch_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress on the GPU into host memory; CPU rows stream through the GPU in ``batch_bytes`` pieces.
+
+    Returns ``(data, lengths)`` on the host. With ``pin`` the encoder writes straight into pinned host
+    memory (zero-copy); otherwise it encodes into a device buffer that is copied out per batch.
+    """
+    n, rb = rows.shape
+    dev = torch.device("cuda", rows.device.index) if rows.is_cuda else torch.device("cuda", torch.cuda.current_device())
+    step = max(1, batch_bytes // max(rb, 1))
+
+    def batches():
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            chunk = rows[a:b]
+            yield a, b, (chunk if chunk.is_cuda else chunk.to(dev, non_blocking=chunk.is_pinned()))
+
+    lengths = torch.empty(n, dtype=torch.int32, device=dev)
+    if layout is Layout.PACKED:
+        for a, b, chunk in batches():
+            lengths[a:b] = size_rows(chunk, codec)
+        offsets = torch.cumsum(lengths.to(torch.int64), 0) - lengths.to(torch.int64)
+        total = int(lengths.sum(dtype=torch.int64)) if n else 0
+    else:
+        offsets = torch.arange(n, dtype=torch.int64, device=dev) * rb
+        total = n * rb
+    data = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=pin)[:total]
+    if pin:
+        for a, b, chunk in batches():
+            encode_into(chunk, offsets[a:b] + data.data_ptr(), lengths[a:b], codec)
+    else:
+        for a, b, chunk in batches():
+            lo = int(offsets[a]) if layout is Layout.PACKED else a * rb
+            hi = (int(offsets[b - 1]) + int(lengths[b - 1])) if layout is Layout.PACKED else b * rb
+            stage = torch.zeros(hi - lo, dtype=torch.uint8, device=dev)
+            encode_into(chunk, offsets[a:b] - lo + stage.data_ptr(), lengths[a:b], codec)
+            data[lo:hi].copy_(stage)
+    torch.cuda.current_stream(dev).synchronize()
+    return data, lengths.cpu()
