@@ -13,7 +13,7 @@
 //  * No kernel traps or asserts: bad ids are reported through an error word.
 //  * No shift is ever by >= the operand width.
 
-#include <stdint.h>
+// NVRTC has no libc headers: no #include here.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -377,13 +377,13 @@ __device__ void ibp_decode_row(const unsigned char* src, int L, bool compressed,
                                int n_chunks, const u64* __restrict__ mask, const u64* __restrict__ bitval,
                                uint4* ring, int lane) {
     IbpRing r;
-    r.abase = reinterpret_cast<const unsigned char*>(reinterpret_cast<uintptr_t>(src) & ~(uintptr_t)15);
+    r.abase = reinterpret_cast<const unsigned char*>(reinterpret_cast<unsigned long long>(src) & ~(unsigned long long)15);
     r.skew = (int)(src - r.abase);
     r.aend = (r.skew + L + 15) & ~15;
     r.loaded = 0;
     const u32* ring32 = reinterpret_cast<const u32*>(ring);
     const u64 width = ibp_lowmask(8 * C);
-    bool aligned = (reinterpret_cast<uintptr_t>(dst) % C) == 0;
+    bool aligned = (reinterpret_cast<unsigned long long>(dst) % C) == 0;
     long long bit = (long long)r.skew * 8;  // stream position, counted from abase
     const int group_max_bytes = 4 + 32 * C + 16;
     for (int g0 = 0; g0 < n_chunks; g0 += IBP_GROUP) {
