@@ -1,0 +1,122 @@
+"""Shared test setup: GPU gating and session-cached real data sets.
+
+Markers are registered in pyproject.toml (``--strict-markers``). Here ``gpu``/``multi_gpu`` tests become skips
+with a reason on machines that cannot run them; with ``IBPCACHE_REQUIRE_GPU=1`` (set by scripts/gpu_check.sh)
+that situation is an error instead, so a broken GPU setup cannot pass as "all skipped".
+ibpcache is imported inside fixtures only, so a half-written module fails its own tests, not collection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:  # Numba's first compile can take seconds; a per-example deadline would make property tests flaky.
+    from hypothesis import settings
+
+    settings.register_profile("ibpcache", deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ibpcache"))
+except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
+    pass
+
+
+def _gpu_skip_reason() -> str | None:
+    """Why GPU tests cannot run here, or None if they can (torch sees a GPU and CuPy can use it)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch cannot be imported: {exc}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: torch.cuda.is_available() is False"
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"cupy cannot be imported: {exc}"
+    try:
+        if not cupy.is_available():
+            return "cupy sees no usable CUDA device (cupy.is_available() is False)"
+    except Exception as exc:  # noqa: BLE001 - any driver/runtime failure means "cannot run"
+        return f"cupy cannot use the GPU: {exc}"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [it for it in items if it.get_closest_marker("gpu") or it.get_closest_marker("multi_gpu")]
+    if not gpu_items:
+        return
+    reason = _gpu_skip_reason()
+    if reason is not None and os.environ.get("IBPCACHE_REQUIRE_GPU") == "1":
+        raise pytest.UsageError(f"IBPCACHE_REQUIRE_GPU=1 but GPU tests cannot run: {reason}")
+    n_devices = 0
+    if reason is None:
+        import torch
+
+        n_devices = torch.cuda.device_count()
+    for item in gpu_items:
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        elif item.get_closest_marker("multi_gpu") and n_devices < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2+ GPUs, found {n_devices}"))
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> Path:
+    """The shared real-data folder (../shared/data beside the checkout, or $IBPCACHE_SHARED); skip if absent."""
+    from ibpcache.datasets import shared_data_dir as find
+
+    try:
+        return find()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def cora() -> Any:
+    """Bundled Cora as ``GraphData`` (always available). Shared by all tests: clone before modifying."""
+    from ibpcache.datasets import load_cora
+
+    return load_cora()
+
+
+@pytest.fixture(scope="session")
+def pubmed(shared_data_dir: Path) -> Any:
+    """PubMed ``GraphData`` (19717 nodes; see load_pubmed for how nodes without features get rows)."""
+    from ibpcache.datasets import load_pubmed
+
+    return load_pubmed(shared_data_dir)
+
+
+@pytest.fixture(scope="session")
+def minilm(shared_data_dir: Path) -> Any:
+    """The MiniLM word-embedding table, float32 [30522, 384]. Shared: clone before modifying."""
+    from ibpcache.datasets import load_minilm
+
+    return load_minilm(shared_data_dir)
+
+
+@pytest.fixture(scope="session")
+def real_rows() -> Callable[[str], Any]:
+    """``real_rows(name)`` -> rows of ``ibpcache.datasets.DATASETS[name]``, loaded once per session.
+
+    Cora needs nothing; every other data set skips the test when the shared data folder is missing.
+    Returned tensors are shared between tests: clone before modifying.
+    """
+    from ibpcache import datasets
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            if name != "cora":
+                try:
+                    datasets.shared_data_dir()
+                except FileNotFoundError as exc:
+                    pytest.skip(str(exc))
+            cache[name] = datasets.load_rows(name)
+        return cache[name]
+
+    return get
