@@ -227,8 +227,12 @@ class Codec:
 
 
 def _alloc_host(nbytes: int, pin: bool) -> torch.Tensor:
-    """Zeroed host buffer (pinned for zero-copy GPU reads when asked)."""
-    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+    """Zeroed host buffer (pinned for zero-copy GPU reads when asked).
+
+    16 spare bytes past the end: decoders read whole aligned 16-byte blocks, so the last row's final block may
+    reach past ``nbytes`` (never past the allocation).
+    """
+    buf = torch.zeros(nbytes + 16, dtype=torch.uint8, pin_memory=pin)
     return buf[:nbytes]
 
 

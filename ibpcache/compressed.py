@@ -194,6 +194,6 @@ class CompressedRows:
         if lengths.dtype != np.int32 or int(hdr.get("n_rows", -1)) != lengths.size:
             raise FormatError(f"{path}: row count does not match the header")
         pin = pin and torch.cuda.is_available()
-        buf = torch.empty(data.size, dtype=torch.uint8, pin_memory=pin)
+        buf = torch.zeros(data.size + 16, dtype=torch.uint8, pin_memory=pin)[: data.size]  # 16 spare: aligned reads
         buf.copy_(torch.from_numpy(data))
         return cls(codec, buf, torch.from_numpy(lengths.copy()), layout=hdr.get("layout", ""))

@@ -218,7 +218,7 @@ def compress_rows_gpu(rows: torch.Tensor, codec: "Codec", layout: Layout, pin: b
     else:
         offsets = torch.arange(n, dtype=torch.int64, device=dev) * rb
         total = n * rb
-    data = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=pin)[:total]
+    data = torch.zeros(total + 16, dtype=torch.uint8, pin_memory=pin)[:total]  # 16 spare: aligned reads
     if pin:
         for a, b, chunk in batches():
             encode_into(chunk, offsets[a:b] + data.data_ptr(), lengths[a:b], codec)

@@ -1,0 +1,500 @@
+"""``FeatureCache``: a GPU (or CPU) row cache in front of a host store, with IBP compression on either side.
+
+A fetch is two launches on CUDA: the probe kernel (``kernels/hashmap.cu``) looks every requested id up in
+the cache index and writes one decode descriptor per id (source address in the slab for a hit, in pinned host
+memory for a miss; stored length; compressed flag), then the codec's ``decode_descriptors`` decodes hits and
+misses together straight into the output, in request order. The only host sync is the id range check.
+
+The four combinations of ``compress_cache`` x ``compress_host`` are the paper's configurations:
+
+====================  ===============  ===============
+name                  compress_cache   compress_host
+====================  ===============  ===============
+baseline (raw/raw)    False            False
+IBP(M)                False            True
+IBP(C)                True             False
+IBP(C/M)              True             True
+====================  ===============  ===============
+
+Static caches are filled once and a fetch never syncs beyond the id check. Dynamic policies (``lru``,
+``lfu``) admit missed rows after each fetch has been served, on the same stream, from the decoded output
+(re-encoded on the GPU for a compressed slab, so admissions cost no PCIe traffic); their bookkeeping is
+vectorised torch code with a few host syncs for data-dependent sizes (``policy.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._validation import as_row_bytes, check_ids, resolve_device
+from ..codec import Codec
+from ..compressed import CompressedRows
+from ..errors import CapacityError
+from ..kernels import bitpack_cpu as cpu_codec
+from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
+from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
+from .host_store import HostStore
+from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
+from .slab import Slab, usable_bytes
+from .stats import FetchStats
+
+__all__ = ["FeatureCache", "mode_name"]
+
+_AUTO_FIT_ROWS = 1 << 18
+"""``codec="auto"`` fits on at most this many sampled rows (paper Table 5: a 1-10% sample loses ~nothing)."""
+
+_SIZE_PIECE_BYTES = 1 << 28
+"""Rows are sized on the GPU in pieces of this many bytes (datasets may exceed GPU memory)."""
+
+_GROWTH = 1.5
+
+
+def mode_name(compress_cache: bool, compress_host: bool) -> str:
+    """Paper name of a compress_cache x compress_host combination."""
+    return {(False, False): "baseline", (False, True): "IBP(M)", (True, False): "IBP(C)",
+            (True, True): "IBP(C/M)"}[(bool(compress_cache), bool(compress_host))]
+
+
+def resolve_budget(budget_bytes: "int | float", raw_nbytes: int) -> int:
+    """Bytes from an int byte count or a float fraction in (0, 1] of the raw feature bytes."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, np.integer, np.floating)):
+        raise TypeError(f"budget_bytes: expected int bytes or a float fraction, got {type(budget_bytes).__name__}")
+    if isinstance(budget_bytes, (float, np.floating)):
+        if not 0.0 < float(budget_bytes) <= 1.0:
+            raise ValueError(f"budget_bytes as a fraction must be in (0, 1], got {budget_bytes}")
+        return int(float(budget_bytes) * raw_nbytes)
+    if budget_bytes < 0:
+        raise CapacityError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    return int(budget_bytes)
+
+
+def identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> Codec:
+    """A codec with no invariant bits: what the decoder needs to copy raw rows (all flags 0) when no
+    compression is on, so the baseline runs through the very same fetch kernels as IBP."""
+    chunk = next(c for c in (8, 4, 2, 1) if row_bytes % c == 0)
+    n_chunks = row_bytes // chunk
+    zeros = np.zeros(n_chunks, dtype=np.uint64)
+    return Codec(zeros, zeros.copy(), chunk_bytes=chunk, row_bytes=row_bytes, dtype=dtype, row_shape=row_shape,
+                 threshold=1.0)
+
+
+class FeatureCache:
+    """Rows of a dataset, served by id from a byte-budgeted cache slab plus a host store.
+
+    Args:
+        rows: ``[N, ...]`` tensor of any dtype (kept in host memory; pinned on CUDA), or a
+            :class:`CompressedRows` (then its codec is used and rows stay compressed on the host).
+        budget_bytes: cache slab size, as int bytes, or as a float fraction in (0, 1] of the raw feature
+            bytes (``0.01`` = 1% of ``N * row_bytes``). The slab never exceeds it. Index and per-row
+            tables are metadata outside the budget and are reported by :meth:`stats`.
+        hotness: ``[N]`` score for the ``static`` policy (node degree, trace frequency); None = id order.
+            Ignored by dynamic policies.
+        policy: ``"static"``, ``"lru"`` or ``"lfu"`` (see ``policy.py``).
+        device: ``"cuda"`` or ``"cpu"`` (the CPU path runs the same design with Numba decoders).
+        codec: None or ``"auto"`` (fit on the rows when any compression is on), or a :class:`Codec`.
+        compress_cache / compress_host: store compressed rows in the slab / in host memory.
+        index: ``"auto"``, ``"hash"`` or ``"direct"`` (see ``hashmap.make_index``).
+        max_probes: hash probe bound.
+        slot_bytes: slot size of dynamic policies, ``"auto"`` (``policy.choose_slot_bytes``) or an int.
+    """
+
+    def __init__(
+        self,
+        rows: "torch.Tensor | CompressedRows",
+        budget_bytes: "int | float",
+        hotness: torch.Tensor | None = None,
+        policy: "str | PolicyKind" = "static",
+        device: "str | torch.device" = "cuda",
+        codec: "Codec | str | None" = None,
+        compress_cache: bool = True,
+        compress_host: bool = True,
+        *,
+        index: str = "auto",
+        max_probes: int = DEFAULT_MAX_PROBES,
+        slot_bytes: "int | str" = "auto",
+    ) -> None:
+        self.device = resolve_device(device)
+        self.policy_kind = PolicyKind.from_str(policy)
+        self.compress_cache = bool(compress_cache)
+        self.compress_host = bool(compress_host)
+        self._describe_rows(rows)
+        self.budget_bytes = resolve_budget(budget_bytes, self.n_rows * self.row_bytes)
+        self.codec = self._resolve_codec(rows, codec)
+        self._decode_codec = self.codec if self.codec is not None else identity_codec(
+            self.row_bytes, self.dtype, self.row_shape)
+        self.host = HostStore(rows, codec=self.codec, compress=self.compress_host, device=self.device)
+        self._rows = rows
+        self.cache_lengths = self._cache_lengths(rows)  # int32 [N] on CPU: stored bytes in the slab format
+        self._index_kind, self._max_probes = index, max_probes
+        self.stats_ = FetchStats(self.device, self.row_bytes)
+        self._probe_status = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._ws: dict[str, torch.Tensor] = {}
+        if self.policy_kind is PolicyKind.STATIC:
+            self._build_static(StaticPolicy(hotness))
+        else:
+            self._build_dynamic(slot_bytes)
+        self.slab_bases = torch.zeros(MAX_SLABS, dtype=torch.int64)
+        self.slab_bases[self.slab.slab_id] = self.slab.base_ptr
+        self.slab_bases = self.slab_bases.to(self.device)
+        self._rows = None  # the slab is filled; keep no second reference to the caller's rows
+
+    # ------------------------------------------------------------------------------------------------
+    # construction
+    # ------------------------------------------------------------------------------------------------
+
+    def _describe_rows(self, rows: "torch.Tensor | CompressedRows") -> None:
+        if isinstance(rows, CompressedRows):
+            self.n_rows, self.row_bytes = rows.n_rows, rows.row_bytes
+            self.dtype, self.row_shape = rows.dtype, tuple(rows.codec.row_shape)
+        elif isinstance(rows, torch.Tensor):
+            if rows.dim() < 1:
+                raise ValueError("rows: expected a tensor of shape [N, ...], got a 0-d tensor")
+            if not rows.is_contiguous():
+                raise ValueError(f"rows: expected a contiguous tensor, got strides {rows.stride()}")
+            self.n_rows = int(rows.shape[0])
+            self.dtype, self.row_shape = rows.dtype, tuple(rows.shape[1:])
+            self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * rows.element_size()
+            if self.row_bytes == 0:
+                raise ValueError(f"rows of zero bytes cannot be cached (shape {tuple(rows.shape)})")
+        else:
+            raise TypeError(f"rows: expected a torch.Tensor or CompressedRows, got {type(rows).__name__}")
+        if self.n_rows == 0:
+            raise ValueError("rows: expected at least one row")
+        check_row_length(self.row_bytes)
+
+    def _resolve_codec(self, rows: "torch.Tensor | CompressedRows", codec: "Codec | str | None") -> Codec | None:
+        if isinstance(rows, CompressedRows):
+            if isinstance(codec, Codec) and not codec.same_tables(rows.codec):
+                raise ValueError("codec differs from the codec the CompressedRows were made with")
+            return rows.codec
+        if isinstance(codec, Codec):
+            if (codec.row_bytes, codec.dtype, tuple(codec.row_shape)) != (self.row_bytes, self.dtype, self.row_shape):
+                raise ValueError(f"codec is for {codec.dtype} rows of shape {codec.row_shape}, got {self.dtype} "
+                                 f"rows of shape {self.row_shape}")
+            return codec
+        if codec not in (None, "auto"):
+            raise ValueError(f"codec must be None, 'auto' or a Codec, got {codec!r}")
+        if not (self.compress_cache or self.compress_host):
+            return None
+        if self.n_rows > _AUTO_FIT_ROWS:  # fit on a random sample, on the cache's device
+            gen = torch.Generator().manual_seed(0)
+            pick = torch.randperm(self.n_rows, generator=gen)[:_AUTO_FIT_ROWS].sort().values
+            rows = rows[pick.to(rows.device)]
+        return Codec.fit(rows.to(self.device))
+
+    def _cache_lengths(self, rows: "torch.Tensor | CompressedRows") -> torch.Tensor:
+        """Stored bytes of every row in the slab's format (compressed or raw), int32 on the CPU."""
+        if not self.compress_cache:
+            return torch.full((self.n_rows,), self.row_bytes, dtype=torch.int32)
+        if self.host.packed is not None:
+            return self.host.packed.lengths
+        if isinstance(rows, CompressedRows):
+            return rows.lengths
+        assert self.codec is not None
+        if self.device.type == "cuda" and not rows.is_cuda:  # size on the GPU, streaming pieces of the rows
+            step = max(1, _SIZE_PIECE_BYTES // self.row_bytes)
+            return torch.cat([self.codec.stored_lengths(rows[i : i + step].to(self.device)).cpu()
+                              for i in range(0, self.n_rows, step)]).to(torch.int32)
+        return self.codec.stored_lengths(rows).to("cpu", torch.int32)
+
+    def _raw_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """uint8 [len(ids), row_bytes] raw bytes of rows ``ids`` (for filling the slab)."""
+        if isinstance(self._rows, torch.Tensor) and self._rows.device.type == "cpu":
+            return as_row_bytes(self._rows)[ids.to(self._rows.device)]
+        return self.host.raw_rows(ids)
+
+    def _slab_payload(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Bytes of rows ``ids`` in slab format, back to back (1-D uint8)."""
+        raw = self._raw_rows(ids)
+        if not self.compress_cache:
+            return raw.reshape(-1)
+        assert self.codec is not None
+        typed = raw.contiguous().view(self.dtype).reshape(ids.numel(), *self.row_shape)
+        packed = self.codec.compress(typed, layout="packed", pin=False, device=self.device)
+        if not torch.equal(packed.lengths.cpu(), lengths.cpu().to(torch.int32)):
+            raise RuntimeError("internal error: re-compressed rows differ in length from the dataset pass")
+        return packed.data
+
+    def _build_static(self, policy: StaticPolicy) -> None:
+        self.policy: CachePolicy = policy
+        self.slot_bytes = 0
+        chosen = policy.select(self.cache_lengths, usable_bytes(self.budget_bytes))
+        lens = self.cache_lengths[chosen]
+        self.slab = Slab(int(lens.sum(dtype=torch.int64)), self.budget_bytes, self.device)
+        offsets = self.slab.pack(lens)
+        if chosen.numel():
+            self.slab.write(0, self._slab_payload(chosen, lens))
+        self.capacity_rows = int(chosen.numel())
+        self.index: CacheIndex = make_index(self.n_rows, self.capacity_rows, self.device, self._index_kind,
+                                            self._max_probes)
+        entries = pack_entries(offsets, lens, lens < self.row_bytes, self.slab.slab_id)
+        self.index.build(chosen.to(self.device), entries.to(self.device))
+        self.cached_ids = chosen
+
+    def _build_dynamic(self, slot_bytes: "int | str") -> None:
+        if slot_bytes == "auto":
+            self.slot_bytes = choose_slot_bytes(self.cache_lengths, usable_bytes(self.budget_bytes), self.row_bytes)
+        elif isinstance(slot_bytes, (int, np.integer)) and not isinstance(slot_bytes, bool) and 0 < slot_bytes:
+            self.slot_bytes = min(int(slot_bytes), self.row_bytes)
+        else:
+            raise ValueError(f"slot_bytes must be 'auto' or a positive int, got {slot_bytes!r}")
+        n_slots = min(usable_bytes(self.budget_bytes) // self.slot_bytes, self.n_rows)
+        self.slab = Slab(n_slots * self.slot_bytes, self.budget_bytes, self.device)
+        self.slot_view = self.slab.slots(self.slot_bytes)
+        self.capacity_rows = n_slots
+        self.policy = make_policy(self.policy_kind, n_slots=n_slots, n_rows=self.n_rows, device=self.device)
+        self.index = make_index(self.n_rows, n_slots, self.device, self._index_kind, self._max_probes)
+        self._lengths_dev = self.cache_lengths.to(self.device)
+        self._cacheable = self._lengths_dev <= self.slot_bytes
+        self.cached_ids = None
+
+    # ------------------------------------------------------------------------------------------------
+    # fetch
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def dynamic(self) -> bool:
+        return isinstance(self.policy, SlotPolicy)
+
+    def fetch(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``rows[ids]``, bit-identical, in request order, on the cache's device.
+
+        ``ids``: 1-D int64 (int32 is widened) tensor on any device; any order, duplicates allowed; an empty
+        batch returns an empty ``[0, *row_shape]`` tensor. Negative or out-of-range ids raise
+        :class:`InvalidIdsError` (one min/max reduction: the fetch's only host sync); float or bool ids too.
+        ``out``: optional preallocated ``[len(ids), *row_shape]`` tensor of the rows' dtype on the device.
+        """
+        ids = check_ids(ids, self.n_rows, self.device)
+        b = int(ids.numel())
+        out = self._check_out(out, b)
+        if b == 0:
+            return out
+        out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
+        t0 = self.stats_.start()
+        if self.device.type == "cuda":
+            entries = self._probe(ids)
+            self._decode(out_u8, b)
+        else:
+            entries = self._fetch_cpu(ids, out_u8)
+        if self.dynamic:
+            self._admit(ids, entries, out_u8)
+        self.stats_.stop(t0, b)
+        return out
+
+    def _check_out(self, out: torch.Tensor | None, b: int) -> torch.Tensor:
+        shape = (b, *self.row_shape)
+        if out is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != self.dtype or tuple(out.shape) != shape:
+            raise ValueError(f"out: expected a {self.dtype} tensor of shape {shape}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        if out.device.type != self.device.type:
+            raise ValueError(f"out: expected a tensor on {self.device}, got {out.device}")
+        if not out.is_contiguous():
+            raise ValueError("out: expected a contiguous tensor")
+        return out
+
+    def _workspace(self, b: int) -> dict[str, torch.Tensor]:
+        """Descriptor buffers, grown geometrically to the largest batch seen (no allocation per fetch)."""
+        have = self._ws["src"].numel() if self._ws else 0
+        if b > have:
+            cap = max(b, int(have * _GROWTH))
+            dev = self.device
+            self._ws = {
+                "src": torch.empty(cap, dtype=torch.int64, device=dev),
+                "len": torch.empty(cap, dtype=torch.int32, device=dev),
+                "comp": torch.empty(cap, dtype=torch.uint8, device=dev),
+                "entries": torch.empty(cap, dtype=torch.int64, device=dev),
+            }
+        return self._ws
+
+    def _probe(self, ids: torch.Tensor) -> torch.Tensor:
+        """CUDA: one probe launch writes the decode descriptors of ``ids``; returns their entries."""
+        from ..kernels.hashmap import launch_probe
+
+        b = ids.numel()
+        ws = self._workspace(b)
+        entries = ws["entries"][:b]
+        launch_probe(ids, self.n_rows, self.index.kernel_args(), self.slab_bases, self.host.host_args(),
+                     ws["src"][:b], ws["len"][:b], ws["comp"][:b], entries, self.stats_.counters,
+                     self._probe_status)
+        return entries
+
+    def _decode(self, out_u8: torch.Tensor, b: int) -> None:
+        """CUDA: one decode launch over the descriptors written by :meth:`_probe`."""
+        from ..kernels.bitpack import decode_descriptors
+
+        ws = self._ws
+        decode_descriptors(out_u8, ws["src"][:b], ws["len"][:b], ws["comp"][:b], None, codec=self._decode_codec)
+
+    def _fetch_cpu(self, ids: torch.Tensor, out_u8: torch.Tensor) -> torch.Tensor:
+        """CPU: look ids up, decode hits from the slab and misses from the host store."""
+        entries = self.index.lookup(ids)
+        hit = entries != EMPTY_ENTRY
+        hit_pos = torch.nonzero(hit).reshape(-1)
+        miss_pos = torch.nonzero(~hit).reshape(-1)
+        codec = self._decode_codec
+        out_np = out_u8.numpy()
+        slab_bytes = host_bytes = 0
+        if hit_pos.numel():
+            e = entries[hit_pos]
+            lens = entry_lengths(e)
+            cpu_codec.decode_rows_cpu(self.slab.data.numpy(), entry_offsets(e).numpy(), lens.numpy(),
+                                      entry_compressed(e).numpy(), codec.mask, codec.bitval, codec.chunk_bytes,
+                                      out_np, hit_pos.numpy())
+            slab_bytes = int(lens.sum(dtype=torch.int64))
+        if miss_pos.numel():
+            offsets, lens_np, comp = self.host.cpu_descriptors(ids[miss_pos].numpy())
+            cpu_codec.decode_rows_cpu(self.host.data.numpy(), offsets, lens_np, comp, codec.mask, codec.bitval,
+                                      codec.chunk_bytes, out_np, miss_pos.numpy())
+            host_bytes = int(lens_np.sum(dtype=np.int64))
+        self.stats_.add_cpu(ids.numel(), int(hit_pos.numel()), host_bytes, slab_bytes)
+        return entries
+
+    # ------------------------------------------------------------------------------------------------
+    # dynamic admission
+    # ------------------------------------------------------------------------------------------------
+
+    def _admit(self, ids: torch.Tensor, entries: torch.Tensor, out_u8: torch.Tensor) -> None:
+        """After serving a batch: let the policy admit missed rows (taken from the decoded output)."""
+        policy = self.policy
+        assert isinstance(policy, SlotPolicy)
+        hit = entries != EMPTY_ENTRY
+        hit_slots = torch.div(entry_offsets(entries[hit]), self.slot_bytes, rounding_mode="floor")
+        policy.record(ids, hit_slots)
+        if policy.n_slots == 0:
+            return
+        miss_pos = torch.nonzero(~hit).reshape(-1)
+        if miss_pos.numel() == 0:
+            return
+        cand, inverse, counts = torch.unique(ids[miss_pos], return_inverse=True, return_counts=True)
+        first = torch.full((cand.numel(),), miss_pos.numel(), dtype=torch.int64, device=ids.device)
+        first.scatter_reduce_(0, inverse, torch.arange(miss_pos.numel(), device=ids.device), "amin")
+        keep = self._cacheable[cand]
+        cand, counts, first = cand[keep], counts[keep], miss_pos[first[keep]]
+        plan = policy.plan(cand, counts)
+        if plan.empty:
+            return
+        if plan.evicted.numel():
+            self.index.erase(plan.evicted)
+        self._write_slots(plan.slots, plan.ids, out_u8[first[plan.picks]])
+        self.index.insert(plan.ids, self._slot_entries(plan.slots, plan.ids))
+        if self.index.wants_rebuild:
+            self._rebuild_index()
+
+    def _slot_entries(self, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        lens = self._lengths_dev[ids]
+        return pack_entries(slots * self.slot_bytes, lens, lens < self.row_bytes, self.slab.slab_id, check=False)
+
+    def _write_slots(self, slots: torch.Tensor, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
+        """Store decoded rows ``rows_u8`` (raw bytes) into ``slots`` in the slab's format."""
+        if not self.compress_cache:
+            self.slot_view[slots] = rows_u8
+            return
+        codec = self.codec
+        assert codec is not None
+        k = ids.numel()
+        if self.device.type == "cuda":
+            from ..kernels.bitpack import encode_into
+
+            stage = torch.empty((k, self.row_bytes), dtype=torch.uint8, device=self.device)
+            dst = stage.data_ptr() + torch.arange(k, dtype=torch.int64, device=self.device) * self.row_bytes
+            got = torch.empty(k, dtype=torch.int32, device=self.device)
+            encode_into(rows_u8.contiguous(), dst, got, codec)
+            self.slot_view[slots] = stage[:, : self.slot_bytes]
+        else:
+            offsets = (slots * self.slot_bytes).numpy()
+            cpu_codec.encode_rows_cpu(rows_u8.contiguous().numpy(), codec.mask, codec.bitval, codec.chunk_bytes,
+                                      self.slab.data.numpy(), offsets, self.cache_lengths[ids].numpy())
+
+    def _rebuild_index(self) -> None:
+        """Rebuild a hash index from the resident slots (drops tombstones; frees duplicate slots)."""
+        policy = self.policy
+        assert isinstance(policy, SlotPolicy)
+        slots, ids = policy.resident()
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        first = torch.full((uniq.numel(),), slots.numel(), dtype=torch.int64, device=ids.device)
+        first.scatter_reduce_(0, inverse, torch.arange(slots.numel(), device=ids.device), "amin")
+        dup = torch.ones(slots.numel(), dtype=torch.bool, device=ids.device)
+        dup[first] = False
+        if bool(dup.any()):
+            policy.free(slots[dup])
+        slots, ids = slots[first], ids[first]
+        self.index.build(ids, self._slot_entries(slots, ids))
+
+    # ------------------------------------------------------------------------------------------------
+    # reporting
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return mode_name(self.compress_cache, self.compress_host)
+
+    @property
+    def capacity_rows_raw(self) -> int:
+        """Rows an uncompressed cache of the same budget holds."""
+        return usable_bytes(self.budget_bytes) // self.row_bytes
+
+    @property
+    def ratio(self) -> float:
+        """Dataset compression ratio under the codec (raw bytes / stored bytes, metadata excluded)."""
+        if self.codec is None:
+            return 1.0
+        if self.host.packed is not None:
+            return self.host.ratio
+        return self.n_rows * self.row_bytes / max(int(self.cache_lengths.sum(dtype=torch.int64)), 1)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes: hits, misses, host bytes read, raw-equivalent bytes, GB/s, capacity...
+
+        ``raw_bytes_equivalent`` is what fetching the same requests raw and uncached would have read;
+        ``effective_gbps`` is output bytes per second over recent timed fetches (None before the first).
+        Reading stats syncs the device.
+        """
+        snap = self.stats_.snapshot()
+        status = int(self._probe_status[0])
+        return {
+            **snap,
+            "mode": self.mode,
+            "policy": self.policy_kind.value,
+            "ratio": self.ratio,
+            "host_ratio": self.host.ratio,
+            "transfer_ratio": (snap["raw_host_bytes_equivalent"] / snap["host_bytes_read"]
+                               if snap["host_bytes_read"] else None),
+            "capacity_rows": self.capacity_rows,
+            "capacity_rows_raw": self.capacity_rows_raw,
+            "capacity_increase": self.capacity_rows / self.capacity_rows_raw if self.capacity_rows_raw else None,
+            "budget_bytes": self.budget_bytes,
+            "used_bytes": self.slab.used_bytes,
+            "slab_bytes": self.slab.nbytes,
+            "slot_bytes": self.slot_bytes or None,
+            "index": self.index.status(),
+            "metadata_bytes": self.metadata_nbytes,
+            "kernel_status": status,
+        }
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Device bytes outside the slab: index, per-row host tables, policy state, codec tables."""
+        extra = self.index.nbytes + self.host.device_table_nbytes
+        if self.codec is not None:
+            extra += self.codec.metadata_nbytes
+        if self.dynamic:
+            extra += self._lengths_dev.numel() * 4 + getattr(self.policy, "nbytes", 0)
+            extra += self.policy.slot_ids.numel() * 8  # type: ignore[attr-defined]
+        return extra
+
+    def reset_stats(self) -> None:
+        """Zero the counters and timings (cache contents stay)."""
+        self.stats_.reset()
+        self._probe_status.zero_()
+
+    def __repr__(self) -> str:
+        return (f"FeatureCache(mode={self.mode}, policy={self.policy_kind.value}, device={self.device}, "
+                f"n_rows={self.n_rows}, row_bytes={self.row_bytes}, budget_bytes={self.budget_bytes}, "
+                f"capacity_rows={self.capacity_rows})")
