@@ -1,0 +1,304 @@
+"""The DGL drop-in: DGL's own DataLoader must return exactly the original rows through every fetch mode.
+
+Real data only: Cora (sparse binary rows, bundled) and a small power-law graph carrying real MiniLM rows
+(dense float32). Comparisons are on raw bytes, so any lossy step would fail.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# Deterministic cuBLAS for the GPU loss-equality test; must be set before cuBLAS starts in this process.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest
+import torch
+
+from ibpcache.errors import IbpcacheError, InvalidIdsError
+
+# DGL suggests enable_cpu_affinity() whenever a DataLoader has workers; irrelevant to these checks.
+pytestmark = pytest.mark.filterwarnings("ignore:Dataloader CPU affinity")
+
+
+@pytest.fixture(scope="module")
+def dgl() -> Any:
+    try:
+        from ibpcache.loaders.dgl import import_dgl
+
+        return import_dgl()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def mod(dgl: Any) -> Any:
+    import ibpcache.loaders.dgl as m
+
+    return m
+
+
+ALL_MODES = ["dgl", "dgl_pinned", "raw", "ibp_m", "ibp_c", "ibp_cm"]
+CACHE_MODES = ["raw", "ibp_m", "ibp_c", "ibp_cm"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _graph(dgl: Any, src: torch.Tensor, dst: torch.Tensor, n: int, labels: torch.Tensor | None = None) -> Any:
+    g = dgl.graph((src, dst), num_nodes=n)
+    if labels is not None:
+        g.ndata["label"] = labels
+    return g
+
+
+def _loader(dgl: Any, g: Any, nids: torch.Tensor, batch_size: int, workers: int = 0, **sampler_kw: Any) -> Any:
+    sampler = dgl.dataloading.NeighborSampler([25, 10], **sampler_kw)
+    return dgl.dataloading.DataLoader(g, nids, sampler, device="cpu", batch_size=batch_size, shuffle=True,
+                                      num_workers=workers)
+
+
+@pytest.fixture(scope="module")
+def minilm_graph(minilm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 3000-node power-law graph whose nodes carry real MiniLM rows (1536 B, dense) drawn at random."""
+    from ibpcache.datasets import power_law_graph
+
+    n = 3000
+    src, dst = power_law_graph(n, avg_degree=12, seed=3)
+    pick = torch.randint(minilm.shape[0], (n,), generator=torch.Generator().manual_seed(4))
+    return src, dst, minilm[pick].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The DataLoader path, every batch of an epoch
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_cora_every_batch_bit_identical(dgl: Any, mod: Any, cora: Any, mode: str) -> None:
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
+    feats = cora.features.clone()
+    mod.attach(g, {"feat": feats}, mode=mode, device="cpu", budget=0.02)
+    loader = _loader(dgl, g, torch.arange(cora.num_nodes), 512, workers=1 if mode == "ibp_cm" else 0,
+                     prefetch_node_feats=["feat"], prefetch_labels=["label"])
+    batches = 0
+    for input_nodes, output_nodes, blocks in loader:
+        x = blocks[0].srcdata["feat"]
+        assert x.dtype == feats.dtype and x.shape == (len(input_nodes), feats.shape[1])
+        assert torch.equal(_bytes(x), _bytes(feats[input_nodes]))
+        assert torch.equal(blocks[-1].dstdata["label"], cora.labels[output_nodes])
+        batches += 1
+    assert batches == -(-cora.num_nodes // 512)
+    stats = g.get_node_storage("feat").ibp.stats()
+    assert stats["fetch_mode"] == mode and stats["calls"] == batches
+    if mode in CACHE_MODES:
+        assert stats["requests"] == stats["rows"]
+    if mode in ("ibp_m", "ibp_cm"):  # compressed host store: Cora moves far fewer bytes than raw
+        assert stats["host_bytes_read"] < stats["raw_bytes"] / 5
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_dense_minilm_graph_every_batch(dgl: Any, mod: Any, minilm_graph: Any, mode: str) -> None:
+    src, dst, feats = minilm_graph
+    g = _graph(dgl, src, dst, feats.shape[0])
+    mod.attach(g, {"feat": feats}, mode=mode, device="cpu", budget=0.05)
+    for input_nodes, _, blocks in _loader(dgl, g, torch.arange(feats.shape[0]), 256, prefetch_node_feats=["feat"]):
+        assert torch.equal(_bytes(blocks[0].srcdata["feat"]), _bytes(feats[input_nodes]))
+
+
+def test_attach_ready_cache_and_byte_budget(dgl: Any, mod: Any, cora: Any) -> None:
+    from ibpcache.cache.feature_cache import FeatureCache
+
+    cache = FeatureCache(cora.features, budget_bytes=64 * 1024, device="cpu",
+                         hotness=mod.degree_hotness(_graph(dgl, cora.src, cora.dst, cora.num_nodes)))
+    g = mod.attach(_graph(dgl, cora.src, cora.dst, cora.num_nodes), {"feat": cache})
+    assert cache.stats()["budget_bytes"] == 64 * 1024
+    for input_nodes, _, blocks in _loader(dgl, g, torch.arange(0, cora.num_nodes, 3), 300,
+                                          prefetch_node_feats=["feat"]):
+        assert torch.equal(_bytes(blocks[0].srcdata["feat"]), _bytes(cora.features[input_nodes]))
+    assert cache.stats()["hits"] > 0
+
+
+def test_degree_admission_scores(dgl: Any, mod: Any, cora: Any) -> None:
+    g = _graph(dgl, cora.src, torch.flip(cora.dst, (0,)), cora.num_nodes)  # make in != out degrees
+    assert torch.equal(mod.degree_hotness(g), g.out_degrees().float() + 1)
+    assert torch.equal(mod.degree_hotness(g, edge_dir="out"), g.in_degrees().float() + 1)
+    with pytest.raises(ValueError, match="edge_dir"):
+        mod.degree_hotness(g, edge_dir="both")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Heterographs, edge features, the rest of DGL's column protocol
+
+
+def test_heterograph_one_storage_per_node_type(dgl: Any, mod: Any, cora: Any, minilm: torch.Tensor) -> None:
+    n_paper, n_word = 600, 400
+    gen = torch.Generator().manual_seed(0)
+    cites = (torch.randint(n_paper, (3000,), generator=gen), torch.randint(n_paper, (3000,), generator=gen))
+    has = (torch.randint(n_paper, (2000,), generator=gen), torch.randint(n_word, (2000,), generator=gen))
+    g = dgl.heterograph({("paper", "cites", "paper"): cites, ("paper", "has", "word"): has,
+                         ("word", "in", "paper"): (has[1], has[0])})
+    feats = {"paper": cora.features[:n_paper].clone(), "word": minilm[:n_word].clone()}
+    mod.attach(g, {"feat": feats}, mode="ibp_cm", device="cpu", budget=0.05)
+    with pytest.raises(ValueError, match="several ntypes"):
+        mod.attach(g, {"feat": feats["paper"]})
+    sampler = dgl.dataloading.NeighborSampler([5, 5], prefetch_node_feats={"paper": ["feat"], "word": ["feat"]})
+    loader = dgl.dataloading.DataLoader(g, {"paper": torch.arange(n_paper)}, sampler, batch_size=128,
+                                        shuffle=True)
+    for input_nodes, _, blocks in loader:
+        for ntype, ids in input_nodes.items():
+            got = blocks[0].srcdata["feat"][ntype]
+            assert torch.equal(_bytes(got), _bytes(feats[ntype][ids]))
+
+
+@pytest.mark.parametrize("mode", ["dgl", "ibp_cm"])
+def test_edge_features(dgl: Any, mod: Any, cora: Any, minilm: torch.Tensor, mode: str) -> None:
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes)
+    weights = minilm[torch.arange(g.num_edges()) % minilm.shape[0], :16].contiguous()  # real float rows
+    mod.attach_edges(g, {"w": weights}, mode=mode, device="cpu", budget=0.05)
+    loader = _loader(dgl, g, torch.arange(cora.num_nodes), 512, prefetch_edge_feats=["w"])
+    for _, _, blocks in loader:
+        for block in blocks:
+            assert torch.equal(_bytes(block.edata["w"]), _bytes(weights[block.edata[dgl.EID]]))
+
+
+def test_column_protocol(dgl: Any, mod: Any, cora: Any) -> None:
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes)
+    mod.attach(g, {"feat": cora.features}, mode="ibp_cm", device="cpu")
+    # full read decompresses every row; subgraphs slice lazily and read through the cache too
+    assert torch.equal(_bytes(g.ndata["feat"]), _bytes(cora.features))
+    nodes = torch.tensor([5, 0, 2707, 5, 100])
+    sub = g.subgraph(torch.tensor([5, 0, 2707, 100]))
+    assert torch.equal(_bytes(sub.ndata["feat"]), _bytes(cora.features[sub.ndata[dgl.NID]]))
+    assert torch.equal(_bytes(g.get_node_storage("feat").fetch(nodes, "cpu")), _bytes(cora.features[nodes]))
+    assert g.ndata["feat"].shape == cora.features.shape
+    assert "IBPColumn" in repr(g._node_frames[0]._columns["feat"])
+    half = g._node_frames[0].half()  # DGL's Frame.half -> Column.astype: deferred, applied on read
+    assert torch.equal(half["feat"][:10], cora.features[:10].half())
+    assert half._columns["feat"].fetch(torch.tensor([7]), "cpu").dtype == torch.float16
+    with pytest.raises(IbpcacheError, match="read-only"):
+        g.nodes[torch.tensor([0])].data["feat"] = torch.zeros(1, cora.features.shape[1])
+    g.ndata["feat"] = torch.ones_like(cora.features)  # replacing the whole column is allowed
+    assert bool((g.ndata["feat"] == 1).all())
+
+
+def test_storage_is_a_dgl_feature_storage(dgl: Any, mod: Any, cora: Any) -> None:
+    storage = mod.make_storage(cora.features, "ibp_c", device="cpu", budget=0.01)
+    assert isinstance(storage, dgl.storages.FeatureStorage)
+    assert isinstance(storage, mod.IBPFeatureStorage)
+    empty = storage.fetch(torch.empty(0, dtype=torch.int64), "cpu")
+    assert empty.shape == (0, cora.features.shape[1]) and empty.dtype == torch.float32
+    ids32 = torch.tensor([3, 1, 3], dtype=torch.int32)  # graphs with idtype int32 give int32 ids
+    assert torch.equal(storage.fetch(ids32, "cpu"), cora.features[ids32.long()])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_input_is_named(dgl: Any, mod: Any, cora: Any) -> None:
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes)
+    with pytest.raises(ValueError, match="2708 rows"):
+        mod.attach(g, {"feat": cora.features[:100]}, device="cpu")
+    with pytest.raises(TypeError, match="torch.Tensor, a FeatureCache"):
+        mod.attach(g, {"feat": [1, 2, 3]}, device="cpu")
+    with pytest.raises(TypeError, match="non-empty dict"):
+        mod.attach(g, {}, device="cpu")
+    with pytest.raises(ValueError, match="unknown fetch mode 'zstd'"):
+        mod.attach(g, {"feat": cora.features}, mode="zstd", device="cpu")
+    with pytest.raises(ValueError, match="contiguous"):
+        mod.make_storage(cora.features.t(), "raw", device="cpu")
+    with pytest.raises(ValueError, match="hotness"):
+        mod.make_storage(cora.features, "raw", device="cpu", hotness=torch.ones(5))
+    storage = mod.make_storage(cora.features, "ibp_cm", device="cpu")
+    with pytest.raises(InvalidIdsError, match="out of range"):
+        storage.fetch(torch.tensor([0, 2708]), "cpu")
+    with pytest.raises(InvalidIdsError, match="negative"):
+        storage.fetch(torch.tensor([-1, 3]), "cpu")
+    with pytest.raises(InvalidIdsError, match="dtype"):
+        storage.fetch(torch.tensor([0.0, 1.0]), "cpu")
+    with pytest.raises(TypeError, match="one storage per type"):
+        storage.fetch({"paper": torch.tensor([0])}, "cpu")
+
+
+def test_import_error_names_the_extra(mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_dgl(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "dgl":
+            raise ImportError("No module named 'dgl'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_dgl)
+    monkeypatch.delitem(sys.modules, "dgl", raising=False)
+    mod.import_dgl.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r'pip install "ibpcache\[dgl\]"'):
+            mod.import_dgl()
+    finally:
+        monkeypatch.undo()
+        mod.import_dgl.cache_clear()
+        mod.import_dgl()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training: the lossless path changes nothing
+
+
+def test_training_losses_identical_with_and_without_ibpcache(dgl: Any, cora: Any) -> None:
+    from ibpcache import gnn
+
+    ds = gnn.load_gnn_dataset("cora")
+    g = gnn.build_graph(ds)
+    cfg = gnn.TrainConfig(batch_size=32, epochs=2, hidden=64, lr=0.01, num_workers=1)
+    cpu = torch.device("cpu")
+    base = gnn.run_mode(ds, g, "dgl", cfg, device=cpu)
+    ibp = gnn.run_mode(ds, g, "ibp_cm", cfg, device=cpu, budget=0.01)
+    assert len(base.losses) == 2 and len(base.losses[0]) == 5  # 140 training nodes / 32
+    assert base.losses == ibp.losses
+    assert base.predictions_sha1 == ibp.predictions_sha1 and base.accuracy == ibp.accuracy
+    assert 0.3 < ibp.accuracy <= 1.0
+    summary = gnn.stats_summary(ibp, ds)
+    assert summary["ratio"] > 10 and summary["bytes_moved"] < summary["raw_bytes"]
+    assert base.losses[0] != base.losses[1]
+
+
+@pytest.mark.gpu
+def test_gpu_every_mode_bit_identical_and_same_losses(dgl: Any, cora: Any) -> None:
+    from ibpcache import gnn
+
+    ds = gnn.load_gnn_dataset("cora")
+    g = gnn.build_graph(ds)
+    cuda = torch.device("cuda")
+    for mode in ALL_MODES:
+        from ibpcache.loaders.dgl import attach
+
+        attach(g, {"feat": ds.features}, mode=mode, device="cuda", budget=0.01)
+        for input_nodes, _, blocks in _loader(dgl, g, torch.arange(ds.num_nodes), 512, workers=1,
+                                              prefetch_node_feats=["feat"]):
+            x = blocks[0].srcdata["feat"]
+            assert x.device.type == "cuda"
+            assert torch.equal(_bytes(x.cpu()), _bytes(ds.features[input_nodes]))
+    cfg = gnn.TrainConfig(batch_size=32, epochs=2, hidden=64, lr=0.01, num_workers=1)
+    runs = [gnn.run_mode(ds, g, m, cfg, device=cuda) for m in ALL_MODES]
+    for r in runs[1:]:
+        assert r.losses == runs[0].losses, r.mode
+        assert r.predictions_sha1 == runs[0].predictions_sha1, r.mode
+
+
+@pytest.mark.gpu
+def test_gpu_storage_reads_and_errors(dgl: Any, mod: Any, cora: Any) -> None:
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes)
+    mod.attach(g, {"feat": cora.features}, mode="ibp_cm", device="cuda", budget=0.01)
+    storage = g.get_node_storage("feat")
+    ids = torch.tensor([2707, 0, 0, 5, 1000])
+    got = storage.fetch(ids, "cpu")  # rows land on the cache's device whatever DGL asks for
+    assert got.device.type == "cuda" and torch.equal(_bytes(got.cpu()), _bytes(cora.features[ids]))
+    assert torch.equal(storage.fetch(ids.cuda(), "cuda").cpu(), cora.features[ids])  # ids already on the GPU
+    full = g.ndata["feat"]  # a full read is assembled in host memory, piece by piece
+    assert full.device.type == "cpu" and torch.equal(_bytes(full), _bytes(cora.features))
+    with pytest.raises(InvalidIdsError):
+        storage.fetch(torch.tensor([cora.num_nodes]), "cuda")
