@@ -58,9 +58,12 @@ def test_main_job_runs_and_prints_table(tmp_path: Path) -> None:
 
 def test_overrides(tmp_path: Path, shared_data_dir: Path) -> None:
     _pytest_dgl_available()
-    res = _run(["dataset=pubmed", "cache.budget=0.05", "epochs=2", "progress=false"], tmp_path)
+    res = _run(["dataset=pubmed", "cache.budget=0.05", "epochs=1", "cache.modes=[ibp_cm]", "progress=false"],
+               tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "on pubmed (19,717 nodes" in res.stdout and "cache budget 0.05" in res.stdout
+    assert "(6) IBP(C/M)" in res.stdout and "(1) DGL" not in res.stdout
+    assert "%|" not in res.stderr  # progress=false
 
 
 def test_bad_override_fails_cleanly(tmp_path: Path) -> None:

@@ -1,0 +1,794 @@
+"""The machinery behind ``CachedEmbeddingBag``: a compressed host table and a raw, trainable row cache.
+
+Two objects, kept apart so each can be tested alone (policy/storage split, see docs/ARCHITECTURE.md):
+
+* :class:`HostRowStore` holds the *whole* table in host memory in the codec's in-place layout (row ``i``
+  at ``i * row_bytes``, compressed or raw, ``lengths[i]`` stored bytes). The in-place layout is what makes
+  training possible: a row written back after an update always fits its own slot, compressed with the
+  table's mask when it still matches and raw otherwise, so nothing has to move.
+* :class:`CachedRowManager` owns the cache: ``C`` rows kept RAW on the compute device as one
+  ``nn.Parameter`` (what the optimizer updates, as in Colossal-AI), an id -> slot map, a slot -> id map
+  and a per-slot eviction score (LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot indices,
+  fetching misses with one decode launch and writing evicted rows back re-compressed.
+
+A batch with more distinct ids than cache rows is served by growing the parameter for that one batch
+(so the rows stay trainable: the optimizer step that follows updates them too) and shrinking it back at
+the start of the next batch; Colossal-AI refuses such batches.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..codec import Codec
+from ..kernels import bitpack_cpu as cpu
+
+__all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather"]
+
+_MIN = torch.iinfo(torch.int64).min
+_MAX = torch.iinfo(torch.int64).max
+_FIT_SAMPLE_BYTES = 1 << 28
+"""Tables larger than this are fitted on a random sample of rows of about this many bytes."""
+_REFIT_CHECK_EVERY = 64
+"""Write-back batches between two checks of the host store's compressed fraction (each check syncs)."""
+
+
+class EvictionStrategy(str, enum.Enum):
+    """Which cached row leaves when a missing one must come in.
+
+    ``LFU``: fewest uses since admission (Colossal-AI's default). ``LRU``: least recently used.
+    ``DATASET``: lowest dataset frequency from ``ids_freq_mapping`` (without one, higher ids are colder,
+    Colossal-AI's convention for frequency-sorted tables). Unlike Colossal-AI 0.5 we never renumber ids,
+    so a pretrained ``_weight`` keeps its meaning.
+    """
+
+    LFU = "lfu"
+    DATASET = "dataset"
+    LRU = "lru"
+
+    @classmethod
+    def coerce(cls, value: Any) -> "EvictionStrategy":
+        """Accept our members, their names/values as strings, or any enum member with a matching name
+        (so Colossal-AI's ``EvictionStrategy.LFU`` works unchanged)."""
+        if isinstance(value, cls):
+            return value
+        name = value.name if isinstance(value, enum.Enum) else value
+        if isinstance(name, str):
+            key = name.strip().upper()
+            if key in cls.__members__:
+                return cls[key]
+        raise ValueError(f"evict_strategy must be one of {[m.name for m in cls]} (or Colossal-AI's enum), "
+                         f"got {value!r}")
+
+
+class FetchPath(str, enum.Enum):
+    """How misses reach a CUDA cache.
+
+    ``zero_copy``: one GPU kernel reads the stored rows straight from pinned host memory and decodes them
+    into their cache slots (the paper's path). ``host_gather``: the CPU decodes/gathers the rows into a
+    pinned staging buffer that is then copied (Colossal-AI's style; kept for comparisons and as a fallback).
+    A CPU cache always works on the host.
+    """
+
+    ZERO_COPY = "zero_copy"
+    HOST_GATHER = "host_gather"
+
+    @classmethod
+    def coerce(cls, value: "str | FetchPath") -> "FetchPath":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"fetch must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+def _null_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> Codec:
+    """A codec whose every row stays raw (mask 0: each chunk would cost a participation bit and save none).
+
+    Lets "compression off" run through exactly the same GPU kernels as "compression on".
+    """
+    n_chunks = -(-row_bytes // 8)
+    zeros = np.zeros(n_chunks, dtype=np.uint64)
+    return Codec(zeros, zeros.copy(), chunk_bytes=8, row_bytes=row_bytes, dtype=dtype, row_shape=row_shape,
+                 threshold=1.0)
+
+
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+    return buf[:nbytes]
+
+
+class HostRowStore:
+    """The full ``[N, D]`` table in host memory, one ``row_bytes`` slot per row (in-place layout).
+
+    ``lengths[i] < row_bytes`` <=> row ``i`` is stored compressed. With a CUDA cache the buffer is pinned
+    and the authoritative lengths live on the GPU (the decode/encode kernels read and write them without a
+    host round trip); the CPU copy is refreshed lazily by :meth:`sync_host`.
+    """
+
+    def __init__(
+        self,
+        table: torch.Tensor,
+        *,
+        compress: bool,
+        threshold: "float | str",
+        chunk_bytes: "int | str",
+        device: torch.device,
+        fetch: FetchPath = FetchPath.ZERO_COPY,
+        fit_sample: "float | int | None" = None,
+    ) -> None:
+        if table.dim() != 2:
+            raise ValueError(f"table: expected a 2-D [num_embeddings, embedding_dim] tensor, got {tuple(table.shape)}")
+        self.n_rows, self.dim = int(table.shape[0]), int(table.shape[1])
+        self.dtype = table.dtype
+        self.row_bytes = self.dim * table.element_size()
+        self.device = device
+        self.compress = bool(compress)
+        self.threshold = threshold
+        self.chunk_bytes_option = chunk_bytes
+        self.fit_sample = fit_sample
+        self.fetch = fetch if device.type == "cuda" else FetchPath.HOST_GATHER
+        self._pin = device.type == "cuda"
+        self.refits = 0
+        self.bytes_read = torch.zeros((), dtype=torch.int64, device=device)
+        self.rows_read = 0
+        self.rows_written = 0
+        self._load(table.detach())
+
+    # -- building ---------------------------------------------------------------------------------
+    def _load(self, table: torch.Tensor) -> None:
+        """(Re)build the stored bytes from a dense table: fit a codec (or the raw one) and encode."""
+        table = table.to("cpu").contiguous()
+        if self.compress:
+            self.codec = self._fit(table)
+            packed = self.codec.compress(table, layout="inplace", pin=self._pin, device=self.device)
+            self.data = packed.data
+            self.lengths = packed.lengths.to(torch.int32).contiguous()
+        else:
+            self.codec = _null_codec(self.row_bytes, self.dtype, (self.dim,))
+            self.data = _host_buffer(self.n_rows * self.row_bytes, self._pin)
+            self.data.copy_(table.view(torch.uint8).reshape(-1))
+            self.lengths = torch.full((self.n_rows,), self.row_bytes, dtype=torch.int32)
+        self._lengths_dev = self.lengths.to(self.device) if self._device_lengths else None
+        self.compressed_fraction_at_fit = self.compressed_fraction()
+
+    def _fit(self, table: torch.Tensor) -> Codec:
+        """Fit on the cache's device. Tables over ``_FIT_SAMPLE_BYTES`` are fitted on a seeded random sample
+        of rows (the paper's Table 5: a 10% sample loses almost nothing) so a multi-GB table is never copied
+        to the GPU whole; ``fit_sample`` overrides this with the codec's own sampling."""
+        rows = table
+        if self.fit_sample is None and table.numel() * table.element_size() > _FIT_SAMPLE_BYTES:
+            k = max(1, _FIT_SAMPLE_BYTES // self.row_bytes)
+            idx = torch.randint(0, table.shape[0], (k,), generator=torch.Generator().manual_seed(0)).sort().values
+            rows = table.index_select(0, idx)
+        if self.device.type == "cuda":
+            rows = rows.to(self.device)
+        return Codec.fit(rows, threshold=self.threshold, chunk_bytes=self.chunk_bytes_option, sample=self.fit_sample)
+
+    @property
+    def _device_lengths(self) -> bool:
+        return self.device.type == "cuda" and self.fetch is FetchPath.ZERO_COPY
+
+    @property
+    def _rows2d(self) -> torch.Tensor:
+        return self.data.view(self.n_rows, self.row_bytes)
+
+    def sync_host(self) -> None:
+        """Make the host bytes and CPU lengths current (waits for in-flight GPU writes)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self._lengths_dev is not None:
+            self.lengths.copy_(self._lengths_dev.cpu())
+
+    # -- reads ------------------------------------------------------------------------------------
+    def read_into(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: torch.Tensor) -> None:
+        """Decode rows ``ids`` into ``out_u8[out_rows]`` (uint8 ``[K, row_bytes]`` on the cache device)."""
+        if ids.numel() == 0:
+            return
+        self.rows_read += int(ids.numel())
+        if self.device.type == "cuda" and self.fetch is FetchPath.ZERO_COPY:
+            from ..kernels.bitpack import decode_descriptors
+
+            lens = self._lengths_dev.index_select(0, ids)
+            src = ids * self.row_bytes + self.data.data_ptr()
+            decode_descriptors(out_u8, src, lens, (lens < self.row_bytes).to(torch.uint8), out_rows, self.codec)
+            self.bytes_read += lens.sum(dtype=torch.int64)
+            return
+        if self.device.type == "cuda":  # host gather: CPU decodes into pinned staging, one H2D copy
+            idx = ids.cpu()
+            staging = torch.empty((idx.numel(), self.row_bytes), dtype=torch.uint8, pin_memory=True)
+            self._decode_cpu(idx, staging, None)
+            out_u8.index_copy_(0, out_rows, staging.to(self.device, non_blocking=True))
+            return
+        self._decode_cpu(ids, out_u8, out_rows)
+
+    def _decode_cpu(self, idx: torch.Tensor, out: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
+        """Rows ``idx`` into ``out[out_rows]`` (``out[0..M)`` when None) on the host, multithreaded."""
+        lens = self.lengths.index_select(0, idx)
+        self.bytes_read += int(lens.sum(dtype=torch.int64))
+        if not self.compress:
+            if out_rows is None:
+                torch.index_select(self._rows2d, 0, idx, out=out)
+            else:
+                out.index_copy_(0, out_rows, self._rows2d.index_select(0, idx))
+            return
+        rows = np.arange(idx.numel(), dtype=np.int64) if out_rows is None else out_rows.numpy()
+        lens_np = lens.numpy()
+        cpu.decode_rows_cpu(self.data.numpy(), idx.numpy() * self.row_bytes, lens_np,
+                            (lens_np < self.row_bytes).astype(np.uint8), self.codec.mask, self.codec.bitval,
+                            self.codec.chunk_bytes, out.numpy(), rows)
+
+    # -- writes -----------------------------------------------------------------------------------
+    def write_rows(self, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
+        """Store ``rows_u8`` (uint8 ``[M, row_bytes]``) as rows ``ids`` (distinct), re-encoded with the
+        table's codec: compressed if a row still matches the mask, raw otherwise."""
+        if ids.numel() == 0:
+            return
+        self.rows_written += int(ids.numel())
+        if self.device.type == "cuda" and self.fetch is FetchPath.ZERO_COPY:
+            from ..kernels.bitpack import encode_into
+
+            lens = torch.empty(ids.numel(), dtype=torch.int32, device=self.device)
+            dst = ids * self.row_bytes + self.data.data_ptr()
+            encode_into(rows_u8.contiguous(), dst, lens, self.codec)
+            self._lengths_dev.index_copy_(0, ids, lens)
+            return
+        if self.device.type == "cuda":
+            rows_u8 = rows_u8.cpu()
+            ids = ids.cpu()
+        self._encode_cpu(ids.numpy(), rows_u8.contiguous().numpy())
+
+    def _encode_cpu(self, idx: np.ndarray, rows: np.ndarray) -> None:
+        if not self.compress:
+            self._rows2d.numpy()[idx] = rows
+            return
+        c = self.codec
+        lens = cpu.size_rows_cpu(rows, c.mask, c.bitval, c.chunk_bytes)
+        self._rows2d.numpy()[idx] = 0  # the format keeps each slot's tail after the stored bytes zero
+        cpu.encode_rows_cpu(rows, c.mask, c.bitval, c.chunk_bytes, self.data.numpy(), idx * self.row_bytes, lens)
+        self.lengths.numpy()[idx] = lens
+
+    # -- whole table ------------------------------------------------------------------------------
+    def dense(self) -> torch.Tensor:
+        """The decoded table as a new CPU tensor ``[N, D]`` (the stored rows; cached rows not overlaid)."""
+        self.sync_host()
+        out = torch.empty((self.n_rows, self.dim), dtype=self.dtype)
+        if self.n_rows == 0:
+            return out
+        if not self.compress:
+            out.view(torch.uint8).view(self.n_rows, self.row_bytes).copy_(self._rows2d)
+            return out
+        idx = np.arange(self.n_rows, dtype=np.int64)
+        lens = self.lengths.numpy()
+        cpu.decode_rows_cpu(self.data.numpy(), idx * self.row_bytes, lens, (lens < self.row_bytes).astype(np.uint8),
+                            self.codec.mask, self.codec.bitval, self.codec.chunk_bytes,
+                            out.view(torch.uint8).view(self.n_rows, self.row_bytes).numpy(), idx)
+        return out
+
+    def refit(self, table: torch.Tensor) -> None:
+        """Fit a new mask/bitval on ``table`` (the current full table) and re-encode every row with it."""
+        self.sync_host()  # no kernel may still read the old buffer
+        self._load(table)
+        self.refits += 1
+
+    # -- statistics -------------------------------------------------------------------------------
+    def _current_lengths(self) -> torch.Tensor:
+        return self._lengths_dev if self._lengths_dev is not None else self.lengths
+
+    def compressed_fraction(self) -> float:
+        if self.n_rows == 0:
+            return 0.0
+        return float((self._current_lengths() < self.row_bytes).sum()) / self.n_rows
+
+    def stored_bytes(self) -> int:
+        return int(self._current_lengths().sum(dtype=torch.int64))
+
+    def stats(self) -> dict[str, Any]:
+        stored = self.stored_bytes()
+        raw = self.n_rows * self.row_bytes
+        return {
+            "host_compress": self.compress,
+            "host_raw_bytes": raw,
+            "host_stored_bytes": stored,
+            "host_ratio": raw / max(stored, 1),
+            "host_metadata_bytes": (self.codec.metadata_nbytes if self.compress else 0) + 4 * self.n_rows,
+            "compressed_rows_fraction": self.compressed_fraction(),
+            "compressed_rows_fraction_at_fit": self.compressed_fraction_at_fit,
+            "chunk_bytes": self.codec.chunk_bytes if self.compress else None,
+            "threshold": self.codec.threshold if self.compress else None,
+            "refits": self.refits,
+            "rows_fetched": self.rows_read,
+            "bytes_fetched": int(self.bytes_read),
+            "raw_bytes_fetched": self.rows_read * self.row_bytes,
+            "rows_written_back": self.rows_written,
+            "fetch_path": self.fetch.value,
+        }
+
+
+@dataclass
+class Prepared:
+    """Where a batch's rows are. ``uniq``: its distinct ids, ascending; ``slot_u``: their cache slots;
+    ``inv``: each id's index into ``uniq`` (shaped like the ids: a monotone relabeling of them);
+    ``pinned_pos``: the index of the padding row in ``uniq``, or None when the batch does not use it."""
+
+    slot_u: torch.Tensor
+    inv: torch.Tensor
+    uniq: torch.Tensor
+    pinned_pos: Optional[int]
+
+    def slots(self) -> torch.Tensor:
+        """The slot of every id, shaped like the ids."""
+        return self.slot_u.index_select(0, self.inv.reshape(-1)).view(self.inv.shape)
+
+
+class CachedRowManager:
+    """The trainable row cache in front of a :class:`HostRowStore` (Colossal-AI's ``CachedParamMgr`` role).
+
+    Slots ``[0, P)`` are pinned (the padding row, never evicted); ``[P, P + C)`` are the cache proper;
+    during an oversized batch the parameter grows past ``P + C`` until the next call. ``slot_of`` (int32,
+    ``[N]``, -1 = not cached) and ``id_of`` (int64, per slot, -1 = free) live on the cache device.
+    """
+
+    def __init__(
+        self,
+        store: HostRowStore,
+        capacity: int,
+        *,
+        strategy: EvictionStrategy,
+        ids_freq_mapping: "torch.Tensor | None",
+        warmup_ratio: float,
+        pinned_ids: Sequence[int] = (),
+        refit_threshold: "float | None" = None,
+    ) -> None:
+        self.store = store
+        self.device = store.device
+        self.num_embeddings = store.n_rows
+        self.embedding_dim = store.dim
+        self.strategy = strategy
+        self.pinned_ids = [int(i) for i in pinned_ids]
+        self.n_pinned = len(self.pinned_ids)
+        self.capacity = int(capacity)
+        self.cuda_row_num = self.capacity  # Colossal-AI's name for the cache size in rows
+        self.base_slots = self.n_pinned + self.capacity
+        self.refit_threshold = refit_threshold
+        dev = self.device
+        self.cached_weight = torch.nn.Parameter(
+            torch.zeros((self.base_slots, self.embedding_dim), dtype=store.dtype, device=dev))
+        self.slot_of = torch.full((self.num_embeddings,), -1, dtype=torch.int32, device=dev)
+        self.id_of = torch.full((self.base_slots,), -1, dtype=torch.int64, device=dev)
+        self.score = torch.zeros(self.base_slots, dtype=torch.int64, device=dev)
+        self.n_free = self.capacity
+        self.freq = None if ids_freq_mapping is None else ids_freq_mapping.to(dev, torch.int64)
+        self.dirty = False
+        self._clean_version = self.cached_weight._version
+        self.step = 0
+        self.num_hits_history: list[int] = []
+        self.num_miss_history: list[int] = []
+        self.num_write_back_history: list[int] = []
+        self.lookups = 0
+        self.overflow_batches = 0
+        self.overflow_rows_max = 0
+        self.evictions = 0
+        self.refit_steps: list[int] = []
+        self._writebacks_since_check = 0
+        self._optimizer: "torch.optim.Optimizer | None" = None
+        self.coalesce_sparse_grads = False
+        self._state_host: dict[str, torch.Tensor] = {}
+        self._state_init: dict[str, float] = {}
+        if self.n_pinned:
+            self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
+                        torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
+        self._warmup(warmup_ratio)
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Load rows ``ids`` into empty ``slots`` and record the mapping."""
+        self.store.read_into(ids, self._weight_u8(), slots)
+        self.slot_of.index_put_((ids,), slots.to(torch.int32))
+        self.id_of.index_copy_(0, slots, ids)
+
+    def _warmup(self, warmup_ratio: float) -> None:
+        """Preload ``ceil(C * warmup_ratio)`` rows: the most frequent ones when frequencies are known,
+        else ids ``0..k-1`` (Colossal-AI's behaviour)."""
+        k = min(int(math.ceil(self.capacity * warmup_ratio)), self.num_embeddings - self.n_pinned, self.capacity)
+        if k <= 0:
+            return
+        exclude = self.slot_of >= 0
+        if self.freq is not None:
+            prio = torch.where(exclude, _MIN, self.freq)
+            ids = torch.topk(prio, k).indices
+        else:
+            ids = torch.nonzero(~exclude).squeeze(1)[:k]
+        slots = torch.arange(self.n_pinned, self.n_pinned + k, dtype=torch.int64, device=self.device)
+        self._place(ids, slots)
+        if self.strategy is EvictionStrategy.LFU and self.freq is not None:
+            self.score[slots] = self.freq[ids]
+        elif self.strategy is EvictionStrategy.DATASET:
+            self.score[slots] = self._priority(ids)
+        self.n_free -= k
+
+    def _priority(self, ids: torch.Tensor) -> torch.Tensor:
+        """DATASET score of ids: dataset frequency, or ``N - id`` (low ids hot) without a mapping."""
+        if self.freq is not None:
+            return self.freq[ids]
+        return self.num_embeddings - ids
+
+    def _weight_u8(self) -> torch.Tensor:
+        w = self.cached_weight.data
+        return w.view(torch.uint8).view(w.shape[0], self.store.row_bytes)
+
+    def is_dirty(self) -> bool:
+        """May cached rows differ from their host copies? Set by training forwards, and by any in-place
+        update of the parameter (optimizer steps bump its version counter), e.g. after a flush."""
+        return self.dirty or self.cached_weight._version != self._clean_version
+
+    def mark_clean(self) -> None:
+        self.dirty = False
+        self._clean_version = self.cached_weight._version
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Colossal-AI's ``CachedParamMgr.weight`` (its CPU table); here the current full table, decoded."""
+        return self.full_weight()
+
+    @property
+    def cuda_cached_weight(self) -> torch.nn.Parameter:
+        """Colossal-AI's name for the cached rows (the trainable parameter)."""
+        return self.cached_weight
+
+    @property
+    def slots(self) -> int:
+        return int(self.cached_weight.shape[0])
+
+    # -- the per-batch path -----------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Make every row in ``ids`` (int64, valid, on the cache device) resident; return slot indices
+        (Colossal-AI's ``prepare_ids``)."""
+        return self.prepare_unique(ids).slots()
+
+    @torch.no_grad()
+    def prepare_unique(self, ids: torch.Tensor, checks: Sequence[torch.Tensor] = (),
+                       verify: Optional[Callable[[list], None]] = None) -> "Prepared":
+        """Make the rows of ``ids`` (int64 on the cache device) resident and say where they are.
+
+        ``checks`` (0-d int64 tensors, e.g. "some id is out of range") ride along with the one device sync
+        this needs anyway; ``verify(values)`` runs on their values before the cache changes and may raise.
+        Ids are only trusted after ``verify`` passed. Cost: one ``unique``, one sync, then (if anything
+        misses) one top-k for the victims, one write-back encode (training only) and one decode launch.
+        """
+        self._shrink()
+        flat = ids.reshape(-1)
+        if flat.numel() == 0:
+            if checks and verify is not None:
+                verify(torch.stack(list(checks)).tolist())
+            self.step += 1
+            self._record(0, 0, 0)
+            return Prepared(flat.clone(), flat.clone().view(ids.shape), flat.clone(), None)
+        uniq, inv, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+        safe = uniq.clamp(0, self.num_embeddings - 1)  # ids are verified below, before anything changes
+        slot_u = self.slot_of.index_select(0, safe).to(torch.int64)
+        hit = slot_u >= 0
+        probes = [(~hit).sum(), (hit & (slot_u < self.n_pinned)).sum()]
+        if self.n_pinned:
+            first = self.pinned_ids[0]
+            probes += [(uniq == first).any().to(torch.int64), (uniq < first).sum()]
+        n_probes = len(probes)
+        vals = torch.stack(probes + [c.to(torch.int64) for c in checks]).tolist()
+        if verify is not None and checks:
+            verify(vals[n_probes:])
+        self.step += 1
+        self.lookups += int(flat.numel())
+        n_miss, n_pinned_hits = vals[0], vals[1]
+        pinned_pos = vals[3] if self.n_pinned and vals[2] else None
+        n_uniq = int(uniq.numel())
+        written = 0
+        if n_miss:
+            miss_pos = torch.nonzero(~hit).squeeze(1)
+            miss_ids = uniq.index_select(0, miss_pos)
+            dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - n_miss - n_pinned_hits)
+            slot_u.index_copy_(0, miss_pos, dest)
+        else:
+            miss_ids = dest = None
+        self._touch(slot_u, counts, dest, miss_ids)
+        self._record(n_uniq - n_miss, n_miss, written)
+        return Prepared(slot_u, inv.view(ids.shape), uniq, pinned_pos)
+
+    def _record(self, hits: int, misses: int, written: int) -> None:
+        self.num_hits_history.append(hits)
+        self.num_miss_history.append(misses)
+        self.num_write_back_history.append(written)
+
+    def _admit(self, miss_ids: torch.Tensor, slot_u: torch.Tensor, n_miss: int,
+               n_hit_unpinned: int) -> tuple[torch.Tensor, int]:
+        """Choose slots for the misses (free ones first, then victims not used by this batch), write the
+        victims back if rows may have changed, and decode the misses into their slots."""
+        avail = (self.slots - self.n_pinned) - n_hit_unpinned  # free + evictable
+        if n_miss > avail:
+            self._grow(n_miss - avail)
+        n_slots = self.slots
+        key = torch.empty(n_slots + 1, dtype=torch.int64, device=self.device)
+        key[:n_slots].copy_(self.score).masked_fill_(self.id_of < 0, _MIN)  # free slots first
+        key.index_fill_(0, torch.where(slot_u >= 0, slot_u, n_slots), _MAX)  # protect this batch's hits
+        n_from_free = min(n_miss, self.n_free)
+        chosen = torch.topk(key[self.n_pinned:n_slots], n_miss, largest=False, sorted=True).indices + self.n_pinned
+        victims = chosen[n_from_free:]
+        written = 0
+        victim_ids = None
+        if victims.numel():
+            victim_ids = self.id_of.index_select(0, victims)
+            if self.is_dirty():
+                self.store.write_rows(victim_ids, self._weight_u8().index_select(0, victims))
+                written = int(victims.numel())
+                self._maybe_refit()
+            self.slot_of.index_fill_(0, victim_ids, -1)
+            self.evictions += int(victims.numel())
+        self._move_optimizer_state(victims, victim_ids, chosen, miss_ids)
+        self._place(miss_ids, chosen)
+        self.n_free -= n_from_free
+        return chosen, written
+
+    def _touch(self, slot_u: torch.Tensor, counts: torch.Tensor, dest: Optional[torch.Tensor],
+               miss_ids: Optional[torch.Tensor]) -> None:
+        """Update the eviction scores of the slots this batch used."""
+        if self.strategy is EvictionStrategy.LFU:
+            if dest is not None:
+                self.score.index_fill_(0, dest, 0)
+            self.score.index_add_(0, slot_u, counts)
+        elif self.strategy is EvictionStrategy.LRU:
+            self.score.index_fill_(0, slot_u, self.step)
+        elif dest is not None:  # DATASET: static priority, set on admission
+            self.score.index_copy_(0, dest, self._priority(miss_ids))
+
+    # -- oversized batches ------------------------------------------------------------------------
+    def _grow(self, extra: int) -> None:
+        """Add ``extra`` free slots for this batch only (the parameter object stays the same)."""
+        old = self.slots
+        states = self._row_states()
+        _set_rows(self.cached_weight, _grow_rows(self.cached_weight.data, extra))
+        grad = self.cached_weight.grad
+        if grad is not None:
+            self.cached_weight.grad = _grow_grad(grad, old + extra)
+        self.id_of = torch.cat([self.id_of, self.id_of.new_full((extra,), -1)])
+        self.score = torch.cat([self.score, self.score.new_zeros(extra)])
+        self.n_free += extra
+        for key, st in states:
+            self._optimizer.state[self.cached_weight][key] = _grow_rows(st, extra, fill=self._state_init.get(key, 0.0))
+        self.overflow_batches += 1
+        self.overflow_rows_max = max(self.overflow_rows_max, old + extra - self.base_slots)
+
+    def _shrink(self) -> None:
+        """Return to ``P + C`` slots after an oversized batch: rows above the base are evicted."""
+        if self.slots == self.base_slots:
+            return
+        high = torch.arange(self.base_slots, self.slots, device=self.device)
+        occupied = high[self.id_of[self.base_slots:] >= 0]
+        if occupied.numel():
+            ids = self.id_of.index_select(0, occupied)
+            if self.is_dirty():
+                self.store.write_rows(ids, self._weight_u8().index_select(0, occupied))
+            self._save_optimizer_state(occupied, ids)
+            self.slot_of.index_fill_(0, ids, -1)
+            self.evictions += int(occupied.numel())
+        self.n_free -= (self.slots - self.base_slots) - int(occupied.numel())
+        keep = self.base_slots
+        states = self._row_states()
+        _set_rows(self.cached_weight, self.cached_weight.data[:keep].clone())
+        grad = self.cached_weight.grad
+        if grad is not None:
+            self.cached_weight.grad = _shrink_grad(grad, keep)
+        self.id_of = self.id_of[:keep].clone()
+        self.score = self.score[:keep].clone()
+        for key, st in states:
+            self._optimizer.state[self.cached_weight][key] = st[:keep].clone()
+
+    # -- write back / whole table -----------------------------------------------------------------
+    def occupied_slots(self) -> torch.Tensor:
+        return torch.nonzero(self.id_of >= 0).squeeze(1)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Write every cached row back to the host store (re-compressed). Rows stay cached, now clean."""
+        self._shrink()
+        if self.is_dirty():
+            slots = self.occupied_slots()
+            self.store.write_rows(self.id_of.index_select(0, slots), self._weight_u8().index_select(0, slots))
+            self.mark_clean()
+        self.store.sync_host()
+        self._maybe_refit(force_check=True)
+
+    @torch.no_grad()
+    def full_weight(self) -> torch.Tensor:
+        """The current table (host rows with the cached, possibly newer, rows overlaid) as a CPU tensor."""
+        table = self.store.dense()
+        slots = self.occupied_slots()
+        if slots.numel():
+            table.index_copy_(0, self.id_of.index_select(0, slots).cpu(),
+                              self.cached_weight.data.index_select(0, slots).cpu())
+        return table
+
+    @torch.no_grad()
+    def load_weight(self, table: torch.Tensor) -> None:
+        """Replace the whole table (e.g. ``load_state_dict``): re-encode it and reload the cached rows."""
+        if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"weight: expected shape {(self.num_embeddings, self.embedding_dim)}, "
+                             f"got {tuple(table.shape)}")
+        self._shrink()
+        self.store.refit(table.to(self.store.dtype))
+        self.store.refits -= 1  # a reload is not a refit
+        slots = self.occupied_slots()
+        if slots.numel():
+            self.store.read_into(self.id_of.index_select(0, slots), self._weight_u8(), slots)
+        self.mark_clean()
+
+    def _maybe_refit(self, force_check: bool = False) -> None:
+        """Refit mask/bitval when the share of compressed rows fell below ``refit_threshold`` times its
+        value at the last fit (rows drift away from the learned invariant bits while training)."""
+        if self.refit_threshold is None or not self.store.compress:
+            return
+        self._writebacks_since_check += 1
+        if not force_check and self._writebacks_since_check < _REFIT_CHECK_EVERY:
+            return
+        self._writebacks_since_check = 0
+        if self.store.compressed_fraction() < self.refit_threshold * self.store.compressed_fraction_at_fit:
+            self.refit()
+
+    @torch.no_grad()
+    def refit(self) -> None:
+        """Fit a new codec on the current table and re-encode the host store (cached rows stay valid)."""
+        self.store.refit(self.full_weight())
+        self.refit_steps.append(self.step)
+
+    # -- optimizer state that follows its rows ----------------------------------------------------
+    def attach_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:
+        """Keep per-row optimizer state (tensors shaped like the cache, e.g. Adagrad's ``sum``, Adam's
+        moments) with its row: saved to host when the row leaves, restored when it returns."""
+        if not any(p is self.cached_weight for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("attach_optimizer: the optimizer does not hold this module's cached parameter")
+        self._optimizer = optimizer
+        # SGD adds a sparse gradient occurrence by occurrence; Adagrad/SparseAdam coalesce it first. To stay
+        # bit-exact the cache hands each the structure the reference would see (see RowGather).
+        self.coalesce_sparse_grads = not isinstance(optimizer, torch.optim.SGD)
+        for key, st in self._row_states():
+            self._state_init[key] = float(st.reshape(-1)[0]) if st.numel() else 0.0
+        init = optimizer.defaults.get("initial_accumulator_value")
+        if init is not None:
+            self._state_init.setdefault("sum", float(init))
+
+    def _row_states(self) -> Iterable[tuple[str, torch.Tensor]]:
+        if self._optimizer is None:
+            return []
+        state = self._optimizer.state.get(self.cached_weight, {})
+        shape = self.cached_weight.shape
+        return [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shape]
+
+    def _host_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        if key not in self._state_host:
+            self._state_host[key] = torch.full((self.num_embeddings, self.embedding_dim),
+                                               self._state_init.get(key, 0.0), dtype=like.dtype)
+        return self._state_host[key]
+
+    def _save_optimizer_state(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        for key, st in self._row_states():
+            self._host_state(key, st)[ids.cpu()] = st.index_select(0, slots).cpu()
+
+    def _move_optimizer_state(self, victims: torch.Tensor, victim_ids: Optional[torch.Tensor],
+                              chosen: torch.Tensor, miss_ids: torch.Tensor) -> None:
+        states = self._row_states()
+        if not states:
+            return
+        if victim_ids is not None:
+            self._save_optimizer_state(victims, victim_ids)
+        for key, st in states:
+            st.index_copy_(0, chosen, self._host_state(key, st)[miss_ids.cpu()].to(st.device))
+
+    # -- statistics -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        hits = int(sum(self.num_hits_history))
+        misses = int(sum(self.num_miss_history))
+        out = {
+            "steps": self.step,
+            "lookups": self.lookups,
+            "unique_ids": hits + misses,
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / max(hits + misses, 1),
+            "evictions": self.evictions,
+            "write_backs": int(sum(self.num_write_back_history)),
+            "cache_rows": self.capacity,
+            "pinned_rows": self.n_pinned,
+            "cached_rows": int((self.id_of >= 0).sum()),
+            "overflow_batches": self.overflow_batches,
+            "overflow_rows_max": self.overflow_rows_max,
+            "refit_steps": list(self.refit_steps),
+            "eviction_strategy": self.strategy.name,
+            "device": str(self.device),
+        }
+        out.update(self.store.stats())
+        return out
+
+    def print_comm_stats(self) -> None:
+        """Colossal-AI-compatible summary on stdout."""
+        for k, v in self.stats().items():
+            print(f"{k}: {v}")
+
+
+def _set_rows(param: torch.nn.Parameter, data: torch.Tensor) -> None:
+    """Give ``param`` new storage with another row count, keeping the Parameter object the optimizer holds.
+
+    Autograd caches a leaf's shape in its gradient accumulator, which any earlier graph still alive (the last
+    step's ``loss``) keeps alive; torch drops that cache only when the dtype or device changes, so the data
+    passes through another dtype once. Without this the next backward fails with "invalid gradient".
+    """
+    other = torch.float64 if data.dtype != torch.float64 else torch.float32
+    param.data = torch.empty(0, dtype=other, device=data.device)
+    param.data = data
+
+
+def _grow_rows(t: torch.Tensor, extra: int, fill: float = 0.0) -> torch.Tensor:
+    out = torch.empty((t.shape[0] + extra, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    out[t.shape[0]:] = fill
+    return out
+
+
+def _grow_grad(grad: torch.Tensor, rows: int) -> torch.Tensor:
+    """A gradient left over from a smaller parameter, padded to ``rows`` (sparse stays sparse)."""
+    if grad.is_sparse:
+        return torch.sparse_coo_tensor(grad._indices(), grad._values(), (rows, *grad.shape[1:]))
+    return _grow_rows(grad, rows - grad.shape[0])
+
+
+def _shrink_grad(grad: torch.Tensor, rows: int) -> torch.Tensor:
+    if grad.is_sparse:
+        g = grad.coalesce()
+        keep = g.indices()[0] < rows
+        return torch.sparse_coo_tensor(g.indices()[:, keep], g.values()[keep], (rows, *grad.shape[1:]))
+    return grad[:rows].clone()
+
+
+class RowGather(torch.autograd.Function):
+    """``weight[slot_u]`` whose backward hands the cache parameter the gradient the reference would get.
+
+    Why: torch's CPU ``embedding_bag`` backward sorts indices with an unstable sort, so the order in which a
+    row's duplicate contributions are summed depends on the index *values*. Reducing over each id's rank
+    among the batch's distinct ids (a monotone relabeling of the ids) reproduces the reference's order
+    exactly; slot numbers cannot. Dense gradients are copied into their slots (each slot once, no
+    arithmetic). A sparse gradient is coalesced in rank space (the order ``Tensor.coalesce`` on the ids
+    would use), one ``segments`` range at a time (one per table, as each table's optimizer would), then
+    relabeled to slots and marked coalesced: what Adagrad/SparseAdam compute with.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, slot_u: torch.Tensor,
+                segments: Optional[Sequence[int]] = None) -> torch.Tensor:
+        ctx.save_for_backward(slot_u)
+        ctx.weight_shape = tuple(weight.shape)
+        ctx.segments = segments
+        return weight.index_select(0, slot_u)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (slot_u,) = ctx.saved_tensors
+        shape = ctx.weight_shape
+        if not grad.is_sparse:
+            out = grad.new_zeros(shape)
+            out.index_copy_(0, slot_u, grad)
+            return out, None, None
+        bounds = ctx.segments or (0, grad.shape[0])
+        idx, vals = grad._indices()[0], grad._values()
+        parts_i, parts_v = [], []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            keep = (idx >= lo) & (idx < hi)  # keeps each table's occurrences in their order
+            part = torch.sparse_coo_tensor(idx[keep].unsqueeze(0), vals[keep], grad.shape).coalesce()
+            parts_i.append(part.indices()[0])
+            parts_v.append(part.values())
+        rows = slot_u.index_select(0, torch.cat(parts_i))
+        order = torch.argsort(rows)
+        out = torch.sparse_coo_tensor(rows[order].unsqueeze(0), torch.cat(parts_v)[order], shape, is_coalesced=True)
+        return out, None, None

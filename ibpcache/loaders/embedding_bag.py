@@ -1,0 +1,586 @@
+"""Drop-in replacement for Colossal-AI's ``CachedEmbeddingBag``, backed by an IBP-compressed host table.
+
+Change one import::
+
+    # from colossalai.legacy.nn.parallel.layers import CachedEmbeddingBag, EvictionStrategy
+    from ibpcache.loaders.embedding_bag import CachedEmbeddingBag, EvictionStrategy
+
+The constructor and ``forward`` take Colossal-AI 0.5's arguments with the same names, order and defaults,
+followed by keyword-only compression options. What differs, and why:
+
+* The full table lives in host memory *compressed* with the table's IBP mask (in place, pinned when the
+  cache is on a GPU). Misses are fetched by one GPU kernel that reads the stored rows zero-copy and decodes
+  them straight into their cache slots, instead of a CPU gather plus a copy.
+* ``device`` is the device of the cache (default: CUDA when available, else the CPU, where everything
+  also works); Colossal-AI used it for the initial CPU weight and always cached on CUDA.
+* ``DATASET`` eviction uses ``ids_freq_mapping`` as a priority without renumbering ids, so a pretrained
+  ``_weight`` keeps its meaning (Colossal-AI 0.5 renumbers ids but not the weight). ``LRU`` is added.
+* Batches with more distinct ids than cache rows are served (the cache grows for that batch and shrinks
+  back on the next one); Colossal-AI refuses them.
+* ``weight`` is the current full table (cached rows included), ``flush()`` keeps rows cached, and
+  ``state_dict()`` holds the full table under ``weight`` like ``torch.nn.EmbeddingBag``.
+* ``buffer_size`` and ``pin_weight`` are accepted and ignored: the host store is pinned exactly when the
+  cache is on a GPU (zero-copy needs it) and no staging buffer is used.
+* The cached rows are registered as the parameter ``cached_weight`` (Colossal-AI reports it as ``weight``
+  from an overridden ``named_parameters``); ``parameters()`` yields that one tensor in both.
+* Inference (``torch.no_grad`` / ``inference_mode``) never writes evicted rows back: they cannot have
+  changed. Training forwards, ``max_norm`` and any in-place update of ``cached_weight`` (its version counter)
+  mark rows dirty.
+
+Training: the cached rows are the module's only parameter (``cached_weight``), so any torch optimizer
+works with dense or ``sparse=True`` gradients. Rows evicted or flushed are written back re-compressed
+(raw when a row no longer matches the mask); ``refit_threshold`` refits the mask when too many rows stop
+compressing (``stats()['refit_steps']`` says when). Exactness against ``torch.nn.EmbeddingBag`` trained
+the same way, bit for bit:
+
+* exact: SGD without momentum or weight decay (stateless), dense or sparse gradients;
+* exact after ``attach_optimizer(opt)``: optimizers whose per-row state only changes for rows in the batch
+  (Adagrad dense or sparse, SparseAdam), because the state then follows its row in and out of the cache;
+* not exact: optimizers that move rows absent from the batch (Adam/AdamW with dense gradients, momentum,
+  weight decay): an evicted row stops moving while the reference keeps moving it. Colossal-AI has the same
+  limitation.
+
+One forward per backward, as in Colossal-AI: a second forward before ``backward`` may evict rows the
+first one still needs gradients for. An oversized batch resizes ``cached_weight`` for one step; SGD does not
+mind, stateful optimizers need ``attach_optimizer`` (which resizes their state too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._validation import resolve_device
+from ..errors import FormatError, InvalidIdsError
+from ._embedding_cache import CachedRowManager, EvictionStrategy, FetchPath, HostRowStore, Prepared, RowGather
+
+__all__ = [
+    "CachedEmbeddingBag",
+    "TableBatchedCachedEmbeddingBag",
+    "EvictionStrategy",
+    "EmbeddingBagIndexError",
+    "EmbeddingBagInputError",
+]
+
+_MODES = ("sum", "mean", "max")
+
+
+class EmbeddingBagIndexError(InvalidIdsError, RuntimeError):
+    """An id outside ``[0, num_embeddings)``; a RuntimeError like torch's, and an ``InvalidIdsError``."""
+
+
+class EmbeddingBagInputError(FormatError, RuntimeError):
+    """Malformed ``input``/``offsets`` where torch raises RuntimeError (dtypes, offsets order)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# input checks (torch's rules, clearer messages, one device sync for all value checks)
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_int_tensor(t: Any, name: str, arg: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int64, torch.int32):
+        raise EmbeddingBagInputError(f"Expected tensor for argument {arg} '{name}' to have one of the following "
+                                     f"scalar types: Long, Int; but got {t.dtype} instead")
+    return t
+
+
+def _check_bag_shapes(input: Any, offsets: Any) -> None:
+    """torch.nn.functional.embedding_bag's shape rules (ValueError there, FormatError here)."""
+    _check_int_tensor(input, "indices", "#1")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise FormatError("if input is 2D, then offsets has to be None, as input is treated is a mini-batch "
+                              f"of fixed length sequences. However, found offsets of type {type(offsets)}")
+    elif input.dim() == 1:
+        if offsets is None:
+            raise FormatError("offsets has to be a 1D Tensor but got None")
+        _check_int_tensor(offsets, "offsets", "#2")
+        if offsets.dim() != 1:
+            raise FormatError(f"offsets has to be a 1D Tensor, got shape {tuple(offsets.shape)}")
+    else:
+        raise FormatError(f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}")
+
+
+def _check_tensors(ids: torch.Tensor, bad_ids: Optional[torch.Tensor], offsets: Optional[torch.Tensor]) -> list:
+    """0-d tensors for every check that needs values: read together with the cache's one device sync."""
+    parts = []
+    if bad_ids is not None and ids.numel():
+        parts.append(bad_ids.any())
+    if offsets is not None and offsets.numel():
+        parts += [offsets[0], (offsets[1:] < offsets[:-1]).any(), offsets[-1]]
+    return parts
+
+
+def _verifier(ids: torch.Tensor, bad_ids: Optional[torch.Tensor], offsets: Optional[torch.Tensor], limits: str
+              ) -> Callable[[list], None]:
+    """Turns the values of :func:`_check_tensors` into torch-like exceptions with clear messages."""
+
+    def verify(vals: list) -> None:
+        vals = list(vals)
+        if bad_ids is not None and ids.numel() and vals.pop(0):
+            pos = int(torch.nonzero(bad_ids.reshape(-1))[0])
+            value = int(ids.reshape(-1)[pos])
+            raise EmbeddingBagIndexError(f"Index {pos} of input takes value {value} which is not in the valid "
+                                         f"range {limits}")
+        if offsets is not None and offsets.numel():
+            first, decreasing, last = vals[:3]
+            if first != 0:
+                raise EmbeddingBagInputError(f"offsets[0] has to be 0, i.e., the first sequence in the mini-batch "
+                                             f"has to start from position 0. However, got {first}")
+            if decreasing:
+                raise EmbeddingBagInputError("offsets must be non-decreasing (each bag starts where the previous "
+                                             "one ends)")
+            if last > ids.numel():
+                raise EmbeddingBagInputError(f"offsets[-1] can not be greater than input's length {ids.numel()} "
+                                             f"but got offsets[-1] of {last}")
+
+    return verify
+
+
+def _as_freq(mapping: Any, n: int) -> Optional[torch.Tensor]:
+    if mapping is None:
+        return None
+    t = torch.as_tensor(mapping)
+    if t.dim() != 1 or t.numel() != n or t.is_floating_point() and not torch.isfinite(t).all():
+        raise ValueError(f"ids_freq_mapping: expected {n} finite frequencies (one per row), got shape {tuple(t.shape)}")
+    return t.to(torch.int64) if not t.is_floating_point() else t.round().to(torch.int64)
+
+
+def _default_device(device: Any) -> torch.device:
+    """CUDA when available, else the CPU; "cuda" is pinned to an index so device comparisons hold."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+# ------------------------------------------------------------------------------------------------
+# shared module body
+# ------------------------------------------------------------------------------------------------
+
+
+class _CachedBagBase(nn.Module):
+    """Construction, cache plumbing, statistics and state_dict shared by the single and batched forms."""
+
+    def _setup(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int],
+        max_norm: Optional[float],
+        norm_type: float,
+        scale_grad_by_freq: bool,
+        sparse: bool,
+        weight: Optional[torch.Tensor],
+        mode: str,
+        include_last_offset: bool,
+        dtype: Optional[torch.dtype],
+        device: Any,
+        cache_ratio: float,
+        ids_freq_mapping: Any,
+        warmup_ratio: float,
+        evict_strategy: Any,
+        compress: bool,
+        threshold: "float | str",
+        chunk_bytes: "int | str",
+        refit_threshold: Optional[float],
+        fetch: "str | FetchPath",
+    ) -> None:
+        if not isinstance(num_embeddings, int) or num_embeddings < 1:
+            raise ValueError(f"num_embeddings: expected a positive int, got {num_embeddings!r}")
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim: expected a positive int, got {embedding_dim!r}")
+        if mode not in _MODES:
+            raise ValueError(f"mode has to be one of sum, mean or max, got {mode!r}")
+        if not 0.0 < float(cache_ratio) <= 1.0:
+            raise ValueError(f"cache_ratio must be in (0, 1], got {cache_ratio}")
+        if not 0.0 <= float(warmup_ratio) <= 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1], got {warmup_ratio}")
+        if refit_threshold is not None and not 0.0 < float(refit_threshold) <= 1.0:
+            raise ValueError(f"refit_threshold must be None or in (0, 1], got {refit_threshold}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
+            padding_idx = padding_idx % num_embeddings
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.scale_grad_by_freq = scale_grad_by_freq
+        self.sparse = sparse
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+        self.cache_ratio = float(cache_ratio)
+        self.evict_strategy = EvictionStrategy.coerce(evict_strategy)
+        self.device = _default_device(device)
+        self.cache_op = True
+
+        weight = self._initial_weight(weight, dtype)
+        store = HostRowStore(weight, compress=compress, threshold=threshold, chunk_bytes=chunk_bytes,
+                             device=self.device, fetch=FetchPath.coerce(fetch))
+        del weight
+        capacity = max(1, int(num_embeddings * self.cache_ratio))
+        self.cache_weight_mgr = CachedRowManager(
+            store, capacity, strategy=self.evict_strategy,
+            ids_freq_mapping=_as_freq(ids_freq_mapping, num_embeddings), warmup_ratio=float(warmup_ratio),
+            pinned_ids=() if padding_idx is None else (padding_idx,), refit_threshold=refit_threshold)
+        self.cached_weight = self.cache_weight_mgr.cached_weight
+        self._padding_slot = None if padding_idx is None else 0
+
+    def _initial_weight(self, weight: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """``_weight`` as given, or Colossal-AI's init: uniform(-1/N, 1/N) with a zero padding row."""
+        shape = (self.num_embeddings, self.embedding_dim)
+        if weight is None:
+            w = torch.empty(shape, dtype=dtype or torch.float32)
+            w.uniform_(-1.0 / self.num_embeddings, 1.0 / self.num_embeddings)
+            if self.padding_idx is not None:
+                w[self.padding_idx].fill_(0)
+            return w
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"_weight: expected a torch.Tensor, got {type(weight).__name__}")
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"Shape of weight does not match num_embeddings and embedding_dim: expected {shape}, "
+                             f"got {tuple(weight.shape)}")
+        if not weight.is_floating_point():
+            raise TypeError(f"_weight: expected a floating-point tensor, got {weight.dtype}")
+        return weight.detach()
+
+    # -- the cached lookup ------------------------------------------------------------------------
+    def _check_ready(self) -> None:
+        w = self.cached_weight
+        if w.device != self.device or w.dtype != self.cache_weight_mgr.store.dtype:
+            raise RuntimeError(f"the cached rows were moved/cast to {w.device}/{w.dtype}; a cached embedding stays on "
+                               f"the device and dtype it was built with ({self.device}, "
+                               f"{self.cache_weight_mgr.store.dtype}): construct it with device=... instead")
+
+    def _direct(self, slots: torch.Tensor, offsets: Optional[torch.Tensor], psw: Optional[torch.Tensor],
+                max_norm: Optional[float]) -> torch.Tensor:
+        """Reduce straight over slot indices (inference, SGD-style sparse gradients, ``cache_op=False``)."""
+        return F.embedding_bag(slots, self.cached_weight, offsets, max_norm, self.norm_type, self.scale_grad_by_freq,
+                               self.mode, self.sparse, psw, self.include_last_offset, self._padding_slot)
+
+    def _prepare(self, ids: torch.Tensor, checks: list, verify: Callable[[list], None]) -> tuple[Prepared, bool]:
+        """Make ``ids`` (global, valid) resident; say whether the reduction must use the ranked path.
+
+        Inference reduces straight over slots. Training reduces over each id's rank among the batch's
+        distinct ids, on rows gathered by :class:`RowGather`, so gradients are bit-identical to
+        ``torch.nn.EmbeddingBag``'s (RowGather says why slots alone would not be). Sparse gradients for SGD
+        keep torch's per-occurrence form, which the slot path already reproduces.
+        """
+        mgr = self.cache_weight_mgr
+        w = self.cached_weight
+        training = torch.is_grad_enabled() and w.requires_grad
+        prep = mgr.prepare_unique(ids, checks, verify)
+        if training or self.max_norm is not None:
+            mgr.dirty = True
+        if self.max_norm is not None:  # renormalise the cached rows themselves, once per distinct id, like torch
+            with torch.no_grad():
+                torch.embedding_renorm_(w, prep.slot_u, self.max_norm, self.norm_type)
+        ranked = training and not (self.sparse and not mgr.coalesce_sparse_grads)
+        return prep, ranked
+
+    def _to_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return t.to(self.device, non_blocking=True)
+
+    # -- Colossal-AI API --------------------------------------------------------------------------
+    def set_cache_op(self, cache_op: bool = True) -> None:
+        """With ``cache_op=False``, ``forward`` takes slot indices produced by ``cache_weight_mgr.prepare_ids``."""
+        self.cache_op = bool(cache_op)
+
+    def set_cache_mgr_async_copy(self, flag: bool) -> None:
+        """Accepted for compatibility; zero-copy fetches need no separate copy stream."""
+
+    def flush(self) -> None:
+        """Write every cached row back to the compressed host table (rows stay cached)."""
+        self.cache_weight_mgr.flush()
+
+    def refit(self) -> None:
+        """Refit the codec on the current table and re-encode the host store now."""
+        self.cache_weight_mgr.refit()
+
+    def attach_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:
+        """Make per-row optimizer state follow its row through evictions (see the module docstring)."""
+        self.cache_weight_mgr.attach_optimizer(optimizer)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The full current table as a new CPU tensor (host rows decoded, cached rows overlaid)."""
+        return self.cache_weight_mgr.full_weight()
+
+    @property
+    def num_hits_history(self) -> List[int]:
+        return self.cache_weight_mgr.num_hits_history
+
+    @property
+    def num_miss_history(self) -> List[int]:
+        return self.cache_weight_mgr.num_miss_history
+
+    @property
+    def num_write_back_history(self) -> List[int]:
+        return self.cache_weight_mgr.num_write_back_history
+
+    def stats(self) -> dict:
+        """Cache and host-store counters: hits/misses, evictions, write-backs, bytes fetched, compression."""
+        out = {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim, "mode": self.mode}
+        out.update(self.cache_weight_mgr.stats())
+        return out
+
+    def extra_repr(self) -> str:
+        s = self.cache_weight_mgr.store
+        return (f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, cache_rows="
+                f"{self.cache_weight_mgr.capacity}, evict_strategy={self.evict_strategy.name}, "
+                f"compress={s.compress}, device={self.device}")
+
+    # -- state_dict holds the full table, like torch.nn.EmbeddingBag -------------------------------
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+        else:
+            try:
+                self.cache_weight_mgr.load_weight(state_dict[key])
+            except ValueError as exc:
+                error_msgs.append(f"While copying the parameter named {key!r}: {exc}")
+        if strict:
+            for k in state_dict:
+                if k.startswith(prefix) and k != key and "." not in k[len(prefix):]:
+                    unexpected_keys.append(k)
+
+
+class CachedEmbeddingBag(_CachedBagBase):
+    """``torch.nn.EmbeddingBag`` over a table bigger than device memory: cached rows on the device, the
+    rest IBP-compressed in host memory. Arguments as Colossal-AI 0.5's ``CachedEmbeddingBag``; the
+    keyword-only ones: ``compress`` (IBP host table, default on), ``threshold`` / ``chunk_bytes`` (codec fit,
+    "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
+    its value at the last fit; None never refits), ``fetch`` ("zero_copy" or "host_gather", CUDA only).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Optional[torch.Tensor] = None,
+        mode: str = "mean",
+        include_last_offset: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        cache_ratio: float = 0.01,
+        ids_freq_mapping: Optional[Union[List, torch.Tensor]] = None,
+        warmup_ratio: float = 0.7,
+        buffer_size: int = 0,
+        pin_weight: bool = False,
+        evict_strategy: Any = EvictionStrategy.LFU,
+        *,
+        compress: bool = True,
+        threshold: "float | str" = "auto",
+        chunk_bytes: "int | str" = "auto",
+        refit_threshold: Optional[float] = 0.5,
+        fetch: str = "zero_copy",
+    ) -> None:
+        super().__init__()
+        self.buffer_size = buffer_size
+        self.pin_weight = pin_weight
+        self._setup(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
+                    _weight, mode, include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio,
+                    evict_strategy, compress, threshold, chunk_bytes, refit_threshold, fetch)
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None,
+                shape_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Same inputs and outputs as ``torch.nn.EmbeddingBag.forward`` (tensors may live on any device)."""
+        self._check_ready()
+        _check_bag_shapes(input, offsets)
+        ids = input.to(self.device, torch.int64, non_blocking=True)
+        offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
+        psw = self._to_device(per_sample_weights)
+        if not self.cache_op:  # Colossal-AI's split use: ids are slots from cache_weight_mgr.prepare_ids
+            verify = _verifier(ids, None, offs, "")
+            verify(torch.stack(_check_tensors(ids, None, offs)).tolist() if offs is not None and offs.numel() else [])
+            out = self._direct(ids, offs, psw, self.max_norm)
+        else:
+            bad = (ids < 0) | (ids >= self.num_embeddings)
+            prep, ranked = self._prepare(ids, _check_tensors(ids, bad, offs),
+                                         _verifier(ids, bad, offs, f"[0, {self.num_embeddings})"))
+            if ranked:
+                rows = RowGather.apply(self.cached_weight, prep.slot_u, None)
+                out = F.embedding_bag(prep.inv, rows, offs, None, self.norm_type, self.scale_grad_by_freq,
+                                      self.mode, self.sparse, psw, self.include_last_offset, prep.pinned_pos)
+            else:
+                out = self._direct(prep.slots(), offs, psw, None)
+        if shape_hook is not None:
+            out = shape_hook(out)
+        return out
+
+
+class TableBatchedCachedEmbeddingBag(_CachedBagBase):
+    """Many embedding tables of one width behind ONE cache and ONE host store, so a DLRM lookup of all
+    tables is one fetch (one decode launch), not one per table.
+
+    Table ``t`` owns global rows ``[table_offsets[t], table_offsets[t + 1])``; callers pass table-local ids.
+    ``forward`` takes either
+
+    * ``input`` 2-D ``[B, T]`` (one id per sample and table) and no offsets, or
+    * ``input`` 1-D with ``offsets`` of ``T * B`` bags (``+ 1`` with ``include_last_offset``) in table-major
+      order: bags ``0..B-1`` belong to table 0, and so on (the torchrec / Colossal-AI tablewise layout);
+
+    and returns ``[B, T * embedding_dim]``, bit-identical to ``T`` separate ``torch.nn.EmbeddingBag``
+    lookups concatenated along dim 1. ``_weight`` may be one ``[sum(N_t), D]`` tensor or a list of per-table
+    tensors; ``ids_freq_mapping`` likewise. ``padding_idx`` is not supported here.
+    """
+
+    def __init__(
+        self,
+        num_embeddings_per_table: Sequence[int],
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Optional[Union[torch.Tensor, Sequence[torch.Tensor]]] = None,
+        mode: str = "mean",
+        include_last_offset: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        cache_ratio: float = 0.01,
+        ids_freq_mapping: Optional[Union[Sequence, torch.Tensor]] = None,
+        warmup_ratio: float = 0.7,
+        buffer_size: int = 0,
+        pin_weight: bool = False,
+        evict_strategy: Any = EvictionStrategy.LFU,
+        *,
+        compress: bool = True,
+        threshold: "float | str" = "auto",
+        chunk_bytes: "int | str" = "auto",
+        refit_threshold: Optional[float] = 0.5,
+        fetch: str = "zero_copy",
+    ) -> None:
+        super().__init__()
+        sizes = [int(n) for n in num_embeddings_per_table]
+        if not sizes or any(n < 1 for n in sizes):
+            raise ValueError(f"num_embeddings_per_table: expected positive sizes, got {list(num_embeddings_per_table)}")
+        if padding_idx is not None:
+            raise NotImplementedError("padding_idx is not supported by TableBatchedCachedEmbeddingBag "
+                                      "(use one CachedEmbeddingBag per table that needs it)")
+        self.num_embeddings_per_table = sizes
+        self.num_tables = len(sizes)
+        self.buffer_size = buffer_size
+        self.pin_weight = pin_weight
+        if isinstance(_weight, (list, tuple)):
+            if len(_weight) != len(sizes):
+                raise ValueError(f"_weight: expected {len(sizes)} tables, got {len(_weight)}")
+            _weight = torch.cat([w.detach().cpu() for w in _weight], 0)
+        per_table = isinstance(ids_freq_mapping, (list, tuple)) and len(ids_freq_mapping) > 0
+        if per_table and not isinstance(ids_freq_mapping[0], (int, float)):
+            ids_freq_mapping = torch.cat([torch.as_tensor(f).reshape(-1) for f in ids_freq_mapping])
+        self._setup(sum(sizes), embedding_dim, None, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, mode,
+                    include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio, evict_strategy,
+                    compress, threshold, chunk_bytes, refit_threshold, fetch)
+        starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
+        self.register_buffer("table_offsets", starts.to(self.device), persistent=False)
+        self.register_buffer("table_sizes", torch.tensor(sizes, dtype=torch.int64, device=self.device),
+                             persistent=False)
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None,
+                shape_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """Look up every table at once; see the class docstring for the layouts."""
+        self._check_ready()
+        if not self.cache_op:
+            raise NotImplementedError("TableBatchedCachedEmbeddingBag has no cache_op=False mode: pass table-local ids")
+        _check_bag_shapes(input, offsets)
+        n_tab = self.num_tables
+        ids = input.to(self.device, torch.int64, non_blocking=True)
+        psw = self._to_device(per_sample_weights)
+        if ids.dim() == 2:
+            if ids.shape[1] != n_tab:
+                raise FormatError(f"input: a 2-D input must be [batch, {n_tab} tables], got {tuple(ids.shape)}")
+            batch = ids.shape[0]
+            table = torch.arange(n_tab, device=self.device).expand_as(ids)
+            offs = None
+        else:
+            offs = offsets.to(self.device, torch.int64, non_blocking=True)
+            n_bags = offs.numel() - (1 if self.include_last_offset else 0)
+            if n_bags < 0 or n_bags % n_tab:
+                raise FormatError(f"offsets: expected {n_tab} tables x batch bags"
+                                  f"{' + 1' if self.include_last_offset else ''}, got {offs.numel()} offsets")
+            batch = n_bags // n_tab
+            table = self._table_of_positions(ids.numel(), offs, batch)
+        bad = (ids < 0) | (ids >= self.table_sizes[table])
+        checks = _check_tensors(ids, bad, offs)
+        verify = _verifier(ids, bad, offs, "[0, num_embeddings of its table)")
+        global_ids = ids + self.table_offsets[table]
+        if offs is None:  # [B, T] -> B*T bags of one id, in sample-major order
+            global_ids, psw = global_ids.reshape(-1, 1), None if psw is None else psw.reshape(-1, 1)
+        prep, ranked = self._prepare(global_ids, checks, verify)
+        if ranked:
+            out = self._ranked_per_table(prep, offs, psw, batch)  # [B, T, D]
+        else:
+            out = self._direct(prep.slots(), offs, psw, None)  # [B*T, D] sample-major or [T*B, D] table-major
+            if offs is not None:
+                out = out.view(n_tab, batch, self.embedding_dim).transpose(0, 1)
+        out = out.reshape(batch, n_tab * self.embedding_dim)
+        if shape_hook is not None:
+            out = shape_hook(out)
+        return out
+
+    def _ranked_per_table(self, prep: Prepared, offs: Optional[torch.Tensor], psw: Optional[torch.Tensor],
+                          batch: int) -> torch.Tensor:
+        """Training: one reduction per table over that table's id ranks, as T separate EmbeddingBags would
+        do (their backward sorts each table's ids on its own). Still one fetch; only the reductions split."""
+        n_tab = self.num_tables
+        segments = torch.searchsorted(prep.uniq, self.table_offsets).tolist()  # each table's range in uniq
+        rows = RowGather.apply(self.cached_weight, prep.slot_u, tuple(segments))
+        outs = []
+        if offs is None:  # [B*T, 1] sample-major: table t is every T-th bag
+            inv = prep.inv.view(batch, n_tab)
+            w = None if psw is None else psw.view(batch, n_tab)
+            for t in range(n_tab):
+                outs.append(F.embedding_bag(inv[:, t:t + 1], rows, None, None, self.norm_type,
+                                            self.scale_grad_by_freq, self.mode, self.sparse,
+                                            None if w is None else w[:, t:t + 1], False, None))
+            return torch.stack(outs, 1)
+        n_ids = prep.inv.numel()
+        starts = offs[: n_tab * batch: batch].tolist() if batch else [0] * n_tab
+        ends = starts[1:] + [int(offs[-1]) if self.include_last_offset else n_ids]
+        for t in range(n_tab):
+            lo, hi = starts[t], ends[t]
+            outs.append(F.embedding_bag(prep.inv[lo:hi], rows, offs[t * batch:(t + 1) * batch] - lo, None,
+                                        self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
+                                        None if psw is None else psw[lo:hi], False, None))
+        return torch.stack(outs, 1)
+
+    def _table_of_positions(self, n_ids: int, offs: torch.Tensor, batch: int) -> torch.Tensor:
+        """Table index of every id position: table t starts at ``offs[t * batch]`` (no host sync)."""
+        if n_ids == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        if batch == 0 or self.num_tables == 1:
+            return torch.zeros(n_ids, dtype=torch.int64, device=self.device)
+        starts = offs[batch: self.num_tables * batch: batch].contiguous()  # where tables 1..T-1 begin
+        pos = torch.arange(n_ids, device=self.device)
+        return torch.searchsorted(starts, pos, right=True)
+
+    def table_weight(self, table: int) -> torch.Tensor:
+        """The current rows of one table as a CPU tensor."""
+        lo, hi = self.table_offsets[table].item(), self.table_offsets[table + 1].item()
+        return self.weight[lo:hi]
