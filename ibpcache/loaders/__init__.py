@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .dgl import FetchMode, attach, attach_edges, degree_hotness, import_dgl, make_storage
 from .embedding_bag import CachedEmbeddingBag, EvictionStrategy, TableBatchedCachedEmbeddingBag
+from .kv import KVOffloadManager
 
 __all__ = [
     "FetchMode",
@@ -15,4 +16,16 @@ __all__ = [
     "CachedEmbeddingBag",
     "EvictionStrategy",
     "TableBatchedCachedEmbeddingBag",
+    "KVOffloadManager",
+    "IBPOffloadedCache",
+    "IBPOffloadedLayer",
 ]
+
+
+def __getattr__(name: str):
+    """The transformers Cache classes import transformers, so they load on first use."""
+    if name in ("IBPOffloadedCache", "IBPOffloadedLayer"):
+        from . import kv
+
+        return getattr(kv, name)
+    raise AttributeError(f"module 'ibpcache.loaders' has no attribute {name!r}")

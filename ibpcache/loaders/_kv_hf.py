@@ -1,0 +1,286 @@
+"""transformers 5.x ``Cache`` on top of :class:`~ibpcache.loaders.kv.KVOffloadManager` (imports transformers).
+
+``model.generate(ids, past_key_values=IBPOffloadedCache(model.config, mode=...))``:
+
+* ``mode="dense"``: every layer attends to all its tokens, fetched from host memory; lossless, so greedy
+  tokens equal those with ``DynamicCache``. Layer i+1's fetch runs on a side stream while layer i computes.
+* ``mode="sparse"`` (needs ``model=``): InfiniGen-style speculation (``_kv_select``). Forward pre-hooks on
+  the decoder layers project layer i's input with layer i+1's query weights, pick the critical tokens from
+  the partial key cache and start their fetch while layer i runs; the attention mask of each layer is cut
+  down to the selected tokens so padded batches stay correct.
+
+The cache is only a translator: storage, transfer and compression are the manager's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ._kv_select import PartialKeySelector, SelectionConfig, gather_mask, project_query, valid_from_mask
+from .kv import KVOffloadManager
+
+__all__ = ["IBPOffloadedCache", "IBPOffloadedLayer"]
+
+MODES = ("dense", "sparse")
+
+
+class IBPOffloadedLayer(CacheLayerMixin):
+    """One decoder layer's view of the shared manager (transformers calls ``update`` once per forward)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: "IBPOffloadedCache", layer_idx: int) -> None:
+        super().__init__()
+        self._owner = weakref.proxy(owner)
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._owner._update(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: "int | torch.Tensor") -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older signature: cache_position
+            query_length = int(query_length.shape[0])
+        return self.get_seq_length() + int(query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self._owner._seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:  # the manager keeps everything in host memory already
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.is_initialized = False
+
+    def _unsupported(self, what: str) -> None:
+        if self.get_seq_length() > 0:
+            raise NotImplementedError(f"IBPOffloadedCache does not support {what} (greedy/sampling decoding only)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            self._unsupported("crop (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("batch_repeat_interleave on a filled cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported("batch_select_indices on a filled cache")
+
+
+def _decoder_layers(model: torch.nn.Module) -> "torch.nn.ModuleList":
+    """The decoder layer list of a Llama-family causal LM (``model.model.layers``)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not hasattr(attn, "q_proj") or not hasattr(layer, "input_layernorm"):
+            raise ValueError(f"decoder layer {i} of {type(model).__name__} is not Llama-like "
+                             "(needs self_attn.q_proj and input_layernorm) : sparse mode cannot speculate its query")
+    return layers
+
+
+class IBPOffloadedCache(Cache):
+    """A transformers ``Cache`` whose K/V live in host memory as IBP-compressed rows.
+
+    Args:
+        config: the model config (full-attention Llama-family decoders).
+        mode: "dense" (lossless, all tokens) or "sparse" (InfiniGen-style selection; needs ``model``).
+        model: the causal LM, for sparse mode's query speculation (hooks are removed by :meth:`close` or
+            when the cache is garbage-collected).
+        compress, transfer, sample_rows, threshold, chunk_bytes, reserve_tokens, timing, count_bytes: see
+            :class:`KVOffloadManager`.
+        alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
+        prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
+    """
+
+    def __init__(self, config: Any, mode: str = "dense", *, model: "torch.nn.Module | None" = None,
+                 compress: bool = True, transfer: str = "auto", alpha: float = 4.0, partial_ratio: float = 0.2,
+                 max_num_kv: int = 400, sample_rows: int = 4096, threshold: "float | str" = "auto",
+                 chunk_bytes: "int | str" = "auto", reserve_tokens: int = 0, prefetch: bool = True,
+                 timing: bool = False, count_bytes: bool = True) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if transfer == "cpu_gather" and compress:
+            raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self._check_config(cfg)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        super().__init__(layers=[IBPOffloadedLayer(self, i) for i in range(self.num_layers)])
+        self.mode = mode
+        self.use_prefetch = bool(prefetch)
+        self._manager_kwargs = dict(compress=compress, transfer=transfer, sample_rows=sample_rows,
+                                    threshold=threshold, chunk_bytes=chunk_bytes, reserve_tokens=reserve_tokens,
+                                    timing=timing, count_bytes=count_bytes)
+        self.manager: "KVOffloadManager | None" = None
+        self.selector: "PartialKeySelector | None" = None
+        self._selection: dict[int, torch.Tensor] = {}
+        self._prefill_q: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+        if mode == "sparse":
+            if model is None:
+                raise ValueError("mode='sparse' needs model=<the causal LM> to speculate the next layer's query")
+            self.selector = PartialKeySelector(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               SelectionConfig(alpha, partial_ratio, max_num_kv))
+            self._decoder = _decoder_layers(model)
+            if len(self._decoder) != self.num_layers:
+                raise ValueError(f"model has {len(self._decoder)} decoder layers, config says {self.num_layers}")
+            self._install_hooks()
+
+    @staticmethod
+    def _check_config(cfg: Any) -> None:
+        types = getattr(cfg, "layer_types", None)
+        if types is not None and any(t != "full_attention" for t in types):
+            raise ValueError(f"IBPOffloadedCache supports full-attention decoders only, got layer types {set(types)}")
+        if types is None and getattr(cfg, "sliding_window", None) is not None \
+                and getattr(cfg, "use_sliding_window", True):
+            raise ValueError("IBPOffloadedCache supports full-attention decoders only (config has a sliding_window)")
+
+    # -- hooks (sparse mode) ----------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        ref = weakref.ref(self)
+        for i, layer in enumerate(self._decoder):
+            def hook(module: torch.nn.Module, args: tuple, kwargs: dict, i: int = i) -> Any:
+                cache = ref()
+                if cache is None or kwargs.get("past_key_values") is not cache:
+                    return None
+                with torch.no_grad():
+                    return cache._on_layer_start(i, args, kwargs)
+            self._hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
+
+    def close(self) -> None:
+        """Remove the sparse-mode hooks from the model and stop the manager's worker thread."""
+        _remove_hooks(self._hooks)
+        self._hooks = []
+        if self.manager is not None:
+            self.manager.close()
+
+    def __enter__(self) -> "IBPOffloadedCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _on_layer_start(self, i: int, args: tuple, kwargs: dict) -> Any:
+        """Before decoder layer i: speculate and prefetch layer i+1 (and layer 0), cut layer i's mask."""
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        pos = kwargs.get("position_embeddings")
+        if pos is None:
+            raise RuntimeError("sparse mode needs the decoder layers to receive position_embeddings (Llama-family)")
+        n_past = self._seq_length(i)
+        if n_past == 0:
+            self._prefill_q[i] = project_query(self._decoder[i], hidden, pos)
+            return None
+        if hidden.shape[1] != 1:
+            return None  # a multi-token continuation attends densely
+        mask = kwargs.get("attention_mask")
+        valid = valid_from_mask(mask, n_past)
+        if i == 0:
+            self._speculate(0, hidden, pos, valid)
+        if i + 1 < self.num_layers and self._seq_length(i + 1) == n_past:
+            self._speculate(i + 1, hidden, pos, valid)
+        idx = self._selection.get(i)
+        if idx is None or mask is None:
+            return None
+        kwargs["attention_mask"] = gather_mask(mask, idx, n_past, self.num_heads)
+        return args, kwargs
+
+    def _speculate(self, j: int, hidden: torch.Tensor, pos: tuple, valid: "torch.Tensor | None") -> None:
+        q = project_query(self._decoder[j], hidden, pos)
+        idx = self.selector.select(j, q, valid)
+        self._selection[j] = idx
+        if self.use_prefetch:
+            self.manager.prefetch(j, idx, extra_tokens=1)
+
+    # -- the Cache interface ----------------------------------------------------------------------
+    def _seq_length(self, layer: int) -> int:
+        return 0 if self.manager is None else self.manager.seq_length(layer)
+
+    def _make_manager(self, k: torch.Tensor) -> KVOffloadManager:
+        return KVOffloadManager(self.num_layers, self.num_kv_heads, self.head_dim, k.dtype,
+                                batch_size=k.shape[0], device=k.device, **self._manager_kwargs)
+
+    def _update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.manager is None:
+            self.manager = self._make_manager(k)
+        m = self.manager
+        q_len = k.shape[2]
+        if m.seq_length(i) == 0:  # prompt: attention uses it as computed; store (and fit) it
+            m.append(i, k, v)
+            if self.selector is not None:
+                q = self._prefill_q.pop(i, None)
+                if q is None:
+                    raise RuntimeError("sparse mode: the decoder-layer hooks did not run; pass the same model to "
+                                       "IBPOffloadedCache(model=...) that generates")
+                self.selector.prefill(i, q, k, self._manager_kwargs["reserve_tokens"])
+            self._prefetch_next(i)
+            return k, v
+        idx = self._selection.pop(i, None) if q_len == 1 else None
+        keys, values = m.take(i, idx, extra_tokens=q_len)
+        keys[:, :, -q_len:].copy_(k)
+        values[:, :, -q_len:].copy_(v)
+        m.append(i, k, v)
+        if self.selector is not None:
+            self.selector.append_keys(i, k)
+        self._prefetch_next(i)
+        return keys, values
+
+    def _prefetch_next(self, i: int) -> None:
+        """Dense mode: start layer i+1's fetch (layer 0's for the next step after the last layer)."""
+        if self.mode != "dense" or not self.use_prefetch or self.manager.device.type != "cuda":
+            return
+        j = (i + 1) % self.num_layers
+        if self.manager.seq_length(j) > 0:
+            self.manager.prefetch(j, None, extra_tokens=1)
+
+    def reset(self) -> None:
+        if self.manager is not None:
+            self.manager.reset()
+        if self.selector is not None:
+            self.selector.reset()
+        self._selection.clear()
+        self._prefill_q.clear()
+        for layer in self.layers:
+            layer.reset()
+
+    def stats(self) -> dict:
+        """The manager's :meth:`~KVOffloadManager.stats` plus the mode and the selection's GPU share."""
+        out = {"mode": self.mode}
+        if self.manager is not None:
+            out.update(self.manager.stats())
+        if self.selector is not None:
+            out["partial_key_bytes"] = self.selector.gpu_bytes
+            out["gpu_bytes"] = out.get("gpu_bytes", 0) + self.selector.gpu_bytes
+            out["selected_k_last"] = list(self.selector.last_k)
+        return out
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()

@@ -1,0 +1,247 @@
+"""InfiniGen-style speculative KV selection (our implementation of the published idea, OSDI'24).
+
+Decoding with the KV cache in host memory is bound by PCIe, so only the tokens that matter to the next
+query should cross it. InfiniGen guesses them *before* the layer runs, from a cheap approximation:
+
+* At prefill, per layer and KV head, keep the ``partial_ratio`` share of head dimensions whose query and
+  key magnitudes contribute most to ``q . k`` (mean ``|q_d|`` times mean ``|k_d|`` over the prompt), and
+  keep those key columns on the GPU (the *partial key cache*, 20% of K by default).
+* While layer i runs, the attention input of layer i is projected with layer i+1's query weights (the
+  residual stream changes little between consecutive layers) and scored against the partial keys.
+* Per (batch, KV head) the tokens with ``score >= max_score - alpha`` are the critical ones. Like
+  InfiniGen, one count ``k`` serves every head of a step (the mean critical count, capped at
+  ``max_num_kv``), and each head fetches its top-``k`` tokens, in ascending token order.
+
+``k`` must be known on the host to size the fetch. Reading it back right away would stall the CPU once per
+layer, so the critical *share* measured at step s (mean count / tokens) sizes the fetch of step s + 1 (read
+from pinned memory through an event that has long completed); the prefill measures it for the first decode
+step. The choice of *which* tokens is always made from the current query.
+
+GQA: a KV head serves several query heads; its score for a token is the max over those heads, so a token
+that matters to any of them is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SelectionConfig", "PartialKeySelector", "project_query", "valid_from_mask", "gather_mask"]
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """InfiniGen's defaults: alpha 4, partial ratio 0.2, at most 400 tokens per head."""
+
+    alpha: float = 4.0
+    partial_ratio: float = 0.2
+    max_num_kv: int = 400
+
+    def __post_init__(self) -> None:
+        if not self.alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if not 0.0 < self.partial_ratio <= 1.0:
+            raise ValueError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
+        if self.max_num_kv < 1:
+            raise ValueError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def project_query(decoder_layer: torch.nn.Module, hidden: torch.Tensor,
+                  position_embeddings: "tuple[torch.Tensor, torch.Tensor]") -> torch.Tensor:
+    """Query states [B, Hq, T, D] that ``decoder_layer`` would compute from residual input ``hidden``.
+
+    Uses the layer's own norm, projection, optional per-head ``q_norm`` (Qwen3) and the model module's
+    ``apply_rotary_pos_emb`` when it has one, so RoPE variants of Llama-family models match.
+    """
+    attn = decoder_layer.self_attn
+    head_dim = attn.head_dim
+    x = decoder_layer.input_layernorm(hidden)
+    q = attn.q_proj(x).view(*hidden.shape[:-1], -1, head_dim)
+    if getattr(attn, "q_norm", None) is not None:
+        q = attn.q_norm(q)
+    q = q.transpose(1, 2)
+    cos, sin = position_embeddings
+    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if rope is not None:
+        q, _ = rope(q, q, cos, sin)
+        return q
+    return q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+
+
+def valid_from_mask(mask: "torch.Tensor | None", n_past: int) -> "torch.Tensor | None":
+    """bool [B, n_past]: which cached tokens the single decode query may attend (None: all of them).
+
+    Accepts transformers' 4-D masks for one query row: boolean (True = attend) or additive float (0 = attend).
+    """
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] < n_past + 1:
+        raise ValueError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one decode "
+                         f"query, got shape {tuple(mask.shape)}")
+    row = mask[:, 0, 0, :n_past]
+    return row if row.dtype == torch.bool else row == 0
+
+
+def gather_mask(mask: "torch.Tensor | None", idx: torch.Tensor, n_past: int, num_heads: int) -> "torch.Tensor | None":
+    """The attention mask restricted to the selected tokens plus the current one: [B, Hq, 1, k + 1].
+
+    ``idx`` is [B, Hkv, k]. The current token sits at column ``n_past`` of the full mask and last in the
+    returned K/V. Masks stay in their dtype (bool or additive float) so every attention backend reads them.
+    """
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] < n_past + 1:
+        raise ValueError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one decode "
+                         f"query, got shape {tuple(mask.shape)}")
+    b, hkv, k = idx.shape
+    groups = num_heads // hkv
+    cur = torch.full((b, hkv, 1), n_past, dtype=idx.dtype, device=idx.device)
+    cols = torch.cat((idx, cur), dim=-1).repeat_interleave(groups, dim=1)  # [B, Hq, k + 1]
+    rows = mask[:, :, 0, :].expand(b, num_heads, mask.shape[-1]) if mask.shape[1] == 1 else mask[:, :, 0, :]
+    return rows.gather(-1, cols.to(mask.device)).unsqueeze(2)
+
+
+class PartialKeySelector:
+    """Per-layer partial key caches and the selection of critical tokens (see the module docstring)."""
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 config: SelectionConfig = SelectionConfig()) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.cfg = config
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.groups = num_heads // num_kv_heads
+        self.rank = max(1, int(round(config.partial_ratio * head_dim)))
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self._dims: list["torch.Tensor | None"] = [None] * num_layers  # [Hkv, r] int64
+        self._q_dims: list["torch.Tensor | None"] = [None] * num_layers  # [Hq, r]: dims of each query head
+        self._keys: list["torch.Tensor | None"] = [None] * num_layers  # [B, Hkv, cap, r]
+        self._len = [0] * num_layers
+        self._count_host: list["torch.Tensor | None"] = [None] * num_layers  # pinned int64 [1]: critical count
+        self._count_total = [1] * num_layers  # (batch, head, token) scores the count was taken over
+        self._count_event: list["torch.cuda.Event | None"] = [None] * num_layers
+        self.last_k = [0] * num_layers
+
+    def reset(self) -> None:
+        n = self.num_layers
+        self._dims, self._q_dims, self._keys, self._len = [None] * n, [None] * n, [None] * n, [0] * n
+        self._count_host, self._count_event, self.last_k = [None] * n, [None] * n, [0] * n
+        self._count_total = [1] * n
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Bytes of the partial key caches and dimension tables (what this scheme adds on the GPU)."""
+        total = 0
+        for keys, dims in zip(self._keys, self._dims):
+            if keys is not None:
+                total += keys.numel() * keys.element_size()
+            if dims is not None:
+                total += dims.numel() * dims.element_size()
+        return total
+
+    def seq_length(self, layer: int) -> int:
+        return self._len[layer]
+
+    def prefill(self, layer: int, query: torch.Tensor, keys: torch.Tensor, reserve_tokens: int = 0) -> None:
+        """Choose the layer's partial dimensions from the prompt and build its partial key cache.
+
+        ``query`` [B, Hq, T, D] and ``keys`` [B, Hkv, T, D] are the layer's real prompt states. The last
+        prompt query also measures the critical-token count that sizes the first decode step.
+        """
+        b, hkv, t, d = keys.shape
+        q_mag = query.detach().abs().float().mean(dim=(0, 2)).view(hkv, self.groups, d).amax(dim=1)  # [Hkv, D]
+        k_mag = keys.detach().abs().float().mean(dim=(0, 2))  # [Hkv, D]
+        dims = torch.topk(q_mag * k_mag, self.rank, dim=-1).indices.sort(dim=-1).values  # [Hkv, r]
+        self._dims[layer] = dims
+        self._q_dims[layer] = dims.repeat_interleave(self.groups, dim=0)
+        cap = max(reserve_tokens, t, 16)
+        store = torch.empty((b, hkv, cap, self.rank), dtype=keys.dtype, device=keys.device)
+        store[:, :, :t].copy_(self._columns(keys, dims))
+        self._keys[layer] = store
+        self._len[layer] = t
+        scores = self._scores(layer, query[:, :, -1:, :], None)
+        self._record_count(layer, scores)
+
+    def _columns(self, x: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
+        """x[..., dims[h]] per KV head: [B, Hkv, n, D] -> [B, Hkv, n, r]."""
+        b, h, n, _ = x.shape
+        return x.gather(-1, dims.view(1, h, 1, self.rank).expand(b, h, n, self.rank))
+
+    def append_keys(self, layer: int, keys: torch.Tensor) -> None:
+        """Add the partial columns of newly generated keys [B, Hkv, n, D]."""
+        store = self._keys[layer]
+        if store is None:
+            raise RuntimeError(f"layer {layer}: append_keys before prefill")
+        n = keys.shape[2]
+        t = self._len[layer]
+        if t + n > store.shape[2]:
+            grown = torch.empty((*store.shape[:2], max(t + n, 2 * store.shape[2]), self.rank),
+                                dtype=store.dtype, device=store.device)
+            grown[:, :, :t].copy_(store[:, :, :t])
+            store = self._keys[layer] = grown
+        store[:, :, t : t + n].copy_(self._columns(keys, self._dims[layer]))
+        self._len[layer] = t + n
+
+    def _scores(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None") -> torch.Tensor:
+        """Approximate attention logits [B, Hkv, T] of one query row per head, from the partial keys."""
+        t = self._len[layer]
+        b = query.shape[0]
+        q_dims = self._q_dims[layer].unsqueeze(0).expand(b, -1, -1)
+        qp = query[:, :, 0, :].gather(-1, q_dims).view(b, self.num_kv_heads, self.groups, self.rank)
+        kp = self._keys[layer][:, :, :t]  # [B, Hkv, T, r]
+        # approximate logits in the model dtype (r of D dims: a ranking, not an exact value), max over the group
+        s = torch.matmul(qp * self.scale, kp.transpose(-1, -2)).amax(dim=2).float()  # [B, Hkv, T]
+        if valid is not None:
+            s = s.masked_fill(~valid[:, None, :].to(s.device), float("-inf"))
+        return s
+
+    def _record_count(self, layer: int, scores: torch.Tensor) -> None:
+        """Mean critical-token share over (batch, head), copied to the host without waiting for it."""
+        top = scores.amax(dim=-1, keepdim=True)
+        count = torch.count_nonzero(scores >= top - self.cfg.alpha).reshape(1)  # over (batch, head, token)
+        self._count_total[layer] = scores.numel()
+        if count.is_cuda:
+            host = self._count_host[layer]
+            if host is None:
+                host = self._count_host[layer] = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            host.copy_(count, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._count_event[layer] = ev
+        else:
+            self._count_host[layer] = count
+
+    def _planned_k(self, layer: int) -> int:
+        host, ev = self._count_host[layer], self._count_event[layer]
+        if host is None:
+            return self.cfg.max_num_kv
+        if ev is not None:
+            ev.synchronize()  # recorded a whole step ago: already complete in steady state
+        share = int(host[0]) / self._count_total[layer]
+        return max(1, min(self.cfg.max_num_kv, int(math.ceil(share * self._len[layer] - 1e-6))))
+
+    def select(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None" = None) -> torch.Tensor:
+        """Token indices [B, Hkv, k] (int64, ascending per head) to fetch for ``layer``'s next attention.
+
+        ``query`` is the (speculated) query [B, Hq, 1, D] after RoPE; ``valid`` [B, T] excludes padding.
+        """
+        if self._dims[layer] is None:
+            raise RuntimeError(f"layer {layer}: select before prefill")
+        t = self._len[layer]
+        k = min(self._planned_k(layer), t)
+        scores = self._scores(layer, query, valid)
+        self._record_count(layer, scores)
+        self.last_k[layer] = k
+        idx = torch.topk(scores, k, dim=-1, sorted=False).indices
+        return idx.sort(dim=-1).values

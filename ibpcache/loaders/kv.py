@@ -1,0 +1,583 @@
+"""KV-cache offload for LLM decoding: K/V rows kept (IBP-compressed) in host memory, fetched by the GPU.
+
+Long-context decoding that keeps the KV cache in CPU memory is bound by PCIe (paper section 6.4). The
+manager stores every layer's K and V as rows of ``head_dim`` values, one per (token, batch, head) — the
+unit InfiniGen fetches — in fixed-size slots of pinned host memory (in-place layout: a row's address is
+its slot times ``row_bytes``, so appends need no offsets). Per request it fits one mask/bitval pair per
+layer and tensor on a sample of the prompt (no offline preprocessing), compresses on the GPU and writes
+straight into pinned memory; a fetch turns token indices into source pointers on the GPU and decodes all
+rows in one launch per tensor, with no host sync.
+
+``IBPOffloadedCache`` (a transformers 5.x ``Cache``) puts the manager under ``model.generate``; it lives in
+``_kv_hf`` and is imported on first use, so importing this module needs no transformers.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..codec import Codec
+from ..errors import InvalidIdsError
+from ._kv_store import CpuGatherStore, NumbaHostStore, RowStore, ZeroCopyStore, identity_codec
+
+if TYPE_CHECKING:
+    from ._kv_hf import IBPOffloadedCache, IBPOffloadedLayer
+
+__all__ = ["KVOffloadManager", "IBPOffloadedCache", "IBPOffloadedLayer", "TRANSFERS"]
+
+TRANSFERS = ("zero_copy", "cpu_gather", "host")
+"""``zero_copy``: GPU reads pinned host rows through UVA and decodes them (ours). ``cpu_gather``: InfiniGen's
+path, the CPU gathers the rows into a staging buffer and copies it in bulk (baseline, raw rows only).
+``host``: no CUDA; plain memory and the Numba twins (CI)."""
+
+_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def __getattr__(name: str) -> Any:
+    """The transformers classes are built on first use so that this module imports without transformers."""
+    if name in ("IBPOffloadedCache", "IBPOffloadedLayer"):
+        from . import _kv_hf
+
+        return getattr(_kv_hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass
+class _Pending:
+    """A fetch started on the side stream (or the gather thread) and not consumed yet."""
+
+    idx: "torch.Tensor | None"
+    n_tokens: int
+    extra: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    event: "torch.cuda.Event | None" = None
+    future: "Future | None" = None
+    refs: tuple = ()  # tensors the side stream still reads: must outlive it
+
+    def matches(self, idx: "torch.Tensor | None", n_tokens: int, extra: int) -> bool:
+        return self.idx is idx and self.n_tokens == n_tokens and self.extra == extra
+
+    def done_event(self) -> "torch.cuda.Event | None":
+        if self.future is not None:
+            self.event = self.future.result()
+            self.future = None
+        return self.event
+
+
+@dataclass
+class _LayerState:
+    k_store: "RowStore | None" = None
+    v_store: "RowStore | None" = None
+    n_tokens: int = 0
+    fit_s: float = 0.0
+    pending: "_Pending | None" = None
+    written: list = field(default_factory=list)
+
+
+class KVOffloadManager:
+    """Per-layer K/V of a decoder, offloaded to host memory as IBP-compressed rows.
+
+    Args:
+        num_layers, num_kv_heads, head_dim, dtype: the decoder's KV geometry (fp16, bf16 or fp32).
+        batch_size: sequences decoded together; rows are kept per (token, batch, head).
+        device: where attention runs ("cuda" for the GPU paths, "cpu" for the Numba path); default cuda if present.
+        compress: IBP-compress the rows (fit per layer at the first append). False stores raw rows.
+        transfer: one of :data:`TRANSFERS`, or "auto" (``zero_copy`` on CUDA, ``host`` on CPU).
+        sample_rows: rows of the prompt the per-layer fit looks at (the paper samples; 10% loses ~nothing).
+        threshold, chunk_bytes: passed to :meth:`Codec.fit` ("auto" searches both).
+        reserve_tokens: host capacity to allocate up front per layer (prompt + new tokens avoids growth).
+        timing: record CUDA events around every transfer, summarised by :meth:`stats` (benchmarks).
+        count_bytes: keep exact PCIe byte counters for compressed rows (two small kernels per fetch; turn
+            off when timing end-to-end latency).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        batch_size: int = 1,
+        device: "str | torch.device | None" = None,
+        compress: bool = True,
+        transfer: str = "auto",
+        sample_rows: int = 4096,
+        threshold: "float | str" = "auto",
+        chunk_bytes: "int | str" = "auto",
+        reserve_tokens: int = 0,
+        host_chunk_bytes: int = 4 << 20,
+        timing: bool = False,
+        count_bytes: bool = True,
+    ) -> None:
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                          ("batch_size", batch_size), ("sample_rows", sample_rows)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected a positive int, got {val!r}")
+        if dtype not in _KV_DTYPES:
+            raise TypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device='cuda' was requested but no CUDA GPU is available (use device='cpu')")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if transfer == "auto":
+            transfer = "zero_copy" if dev.type == "cuda" else "host"
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS} or 'auto', got {transfer!r}")
+        if (transfer == "host") != (dev.type == "cpu"):
+            raise ValueError(f"transfer={transfer!r} does not run on device {dev} ('host' is the CPU path; "
+                             f"'zero_copy' and 'cpu_gather' need CUDA)")
+        if transfer == "cpu_gather" and compress:
+            raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.batch_size, self.dtype, self.device = batch_size, dtype, dev
+        self.compress, self.transfer = bool(compress), transfer
+        self.sample_rows, self.threshold, self.chunk_bytes = sample_rows, threshold, chunk_bytes
+        self.reserve_tokens, self.host_chunk_bytes = int(reserve_tokens), int(host_chunk_bytes)
+        self.timing = bool(timing)
+        self.count_bytes = bool(count_bytes)
+        self.row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+        self.rows_per_token = batch_size * num_kv_heads
+        self._layers = [_LayerState() for _ in range(num_layers)]
+        self._bh_cache: dict[torch.device, torch.Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cpu-gather") if transfer == "cpu_gather" else None
+        self._reset_counters()
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        self.decode_steps = 0
+        self._read_host = 0  # bytes moved by paths that know them on the host
+        self._read_worker = 0  # same, counted by the gather thread
+        self._written_host = 0
+        self._dev_acc: dict[str, torch.Tensor] = {}  # per-stream GPU byte counters (no cross-stream races)
+        self._timings: list[tuple[Any, Any]] = []  # (start, end) CUDA events of every timed transfer
+
+    def _count(self, moved: "torch.Tensor | int", counter: str) -> None:
+        """Add bytes moved; GPU paths hand over their stored lengths and are summed without a sync."""
+        if isinstance(moved, torch.Tensor):
+            if not self.count_bytes:
+                return
+            moved = moved.sum(dtype=torch.int64)
+            key = f"{counter}@{torch.cuda.current_stream(self.device).cuda_stream if self.device.type == 'cuda' else 0}"
+            acc = self._dev_acc.get(key)
+            if acc is None:
+                self._dev_acc[key] = moved.clone()
+            else:
+                acc += moved
+        elif counter == "read_worker":
+            self._read_worker += moved
+        elif counter == "read":
+            self._read_host += moved
+        else:
+            self._written_host += moved
+
+    def _timed_start(self) -> "torch.cuda.Event | None":
+        if not (self.timing and self.device.type == "cuda"):
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _timed_end(self, start: "torch.cuda.Event | None") -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timings.append((start, end))
+
+    def _state(self, layer: int) -> _LayerState:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+        return self._layers[layer]
+
+    def seq_length(self, layer: int) -> int:
+        """Tokens stored for ``layer``."""
+        return self._state(layer).n_tokens
+
+    def codecs(self, layer: int) -> "tuple[Codec, Codec] | None":
+        """The (K, V) codecs fitted for ``layer`` (None before its first append)."""
+        st = self._state(layer)
+        return None if st.k_store is None else (st.k_store.codec, st.v_store.codec)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def _check_kv(self, x: object, name: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"{name}: expected dtype {self.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"{name}: expected a tensor on {self.device}, got {x.device}")
+        want = (self.batch_size, self.num_kv_heads)
+        if x.dim() != 4 or tuple(x.shape[:2]) != want or x.shape[3] != self.head_dim:
+            raise ValueError(f"{name}: expected shape [{want[0]}, {want[1]}, n_tokens, {self.head_dim}], "
+                             f"got {tuple(x.shape)}")
+        return x
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, n, D] -> token-major typed rows [n * B * H, D] (slot order)."""
+        return x.permute(2, 0, 1, 3).reshape(-1, self.head_dim).contiguous()
+
+    def _fit_sample(self, rows: torch.Tensor) -> torch.Tensor:
+        """``sample_rows`` rows drawn (with replacement) where the rows live: no host round trip, no sync."""
+        n = rows.shape[0]
+        if n <= self.sample_rows:
+            return rows
+        gen = self._generators.get(rows.device)
+        if gen is None:
+            gen = self._generators[rows.device] = torch.Generator(device=rows.device).manual_seed(0)
+        return rows[torch.randint(0, n, (self.sample_rows,), device=rows.device, generator=gen)]
+
+    def _make_store(self, rows: torch.Tensor) -> RowStore:
+        shape = (self.head_dim,)
+        if self.compress:
+            codec = Codec.fit(self._fit_sample(rows), threshold=self.threshold, chunk_bytes=self.chunk_bytes)
+        else:
+            codec = identity_codec(self.row_bytes, self.dtype, shape)
+        if self.transfer == "zero_copy":
+            return ZeroCopyStore(codec, self.compress, self.device, self.host_chunk_bytes)
+        if self.transfer == "cpu_gather":
+            return CpuGatherStore(codec, self.device)
+        return NumbaHostStore(codec, self.compress)
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new tokens' K/V ([B, H, n, D] each) after the layer's existing tokens.
+
+        The first append of a layer (the prompt) also fits that layer's K and V codecs on a sample of
+        its rows; the time this takes is kept per layer (``stats()['fit_s']``). Later appends (decode
+        steps) are compressed on the GPU and written to pinned memory without a host sync.
+        """
+        st = self._state(layer)
+        keys, values = self._check_kv(keys, "keys"), self._check_kv(values, "values")
+        if keys.shape != values.shape:
+            raise ValueError(f"keys and values differ in shape: {tuple(keys.shape)} vs {tuple(values.shape)}")
+        n = keys.shape[2]
+        if n == 0:
+            return
+        rows_k, rows_v = self._rows(keys), self._rows(values)
+        if st.k_store is None:
+            self._fit_layer(st, rows_k, rows_v)
+        elif layer == 0:
+            self.decode_steps += 1
+        slot0 = st.n_tokens * self.rows_per_token
+        need = slot0 + rows_k.shape[0]
+        for store in (st.k_store, st.v_store):
+            if need > store.capacity:
+                store.reserve(max(need, self.reserve_tokens * self.rows_per_token))
+        self._count(st.k_store.write(rows_k.view(torch.uint8), slot0), "write")
+        self._count(st.v_store.write(rows_v.view(torch.uint8), slot0), "write")
+        st.n_tokens += n
+
+    def _fit_layer(self, st: _LayerState, rows_k: torch.Tensor, rows_v: torch.Tensor) -> None:
+        cuda = self.device.type == "cuda"
+        if cuda and self.compress:
+            torch.cuda.current_stream(self.device).synchronize()  # time the fit alone, not queued work
+        t0 = time.perf_counter()
+        st.k_store, st.v_store = self._make_store(rows_k), self._make_store(rows_v)
+        if cuda and self.compress:
+            torch.cuda.current_stream(self.device).synchronize()
+        st.fit_s = time.perf_counter() - t0 if self.compress else 0.0
+
+    # -- reading ----------------------------------------------------------------------------------
+    def _check_idx(self, token_idx: object, n_tokens: int) -> torch.Tensor:
+        """Token indices [B, H, k] (int64/int32) in [0, n_tokens): one reduction, one sync."""
+        if not isinstance(token_idx, torch.Tensor):
+            raise TypeError(f"token_idx: expected an int64 torch.Tensor, got {type(token_idx).__name__}")
+        if token_idx.dtype not in (torch.int64, torch.int32):
+            raise InvalidIdsError(f"token_idx: expected dtype int64 (or int32), got {token_idx.dtype}")
+        want = (self.batch_size, self.num_kv_heads)
+        if token_idx.dim() != 3 or tuple(token_idx.shape[:2]) != want:
+            raise InvalidIdsError(f"token_idx: expected shape [{want[0]}, {want[1]}, k], got {tuple(token_idx.shape)}")
+        idx = token_idx.to(device=self.device, dtype=torch.int64)
+        if idx.numel():
+            lo, hi = (int(v) for v in torch.aminmax(idx))
+            if lo < 0:
+                raise InvalidIdsError(f"token_idx: negative token index {lo} (indices must be in [0, {n_tokens}))")
+            if hi >= n_tokens:
+                raise InvalidIdsError(f"token_idx: token index {hi} is out of range for {n_tokens} stored tokens")
+        return idx
+
+    def _bh(self, device: torch.device) -> torch.Tensor:
+        """[B, H, 1] int64: b * H + h, the slot of (b, h) within one token (cached per device)."""
+        bh = self._bh_cache.get(device)
+        if bh is None:
+            bh = torch.arange(self.rows_per_token, device=device).view(self.batch_size, self.num_kv_heads, 1)
+            self._bh_cache[device] = bh
+        return bh
+
+    def _slots(self, idx: torch.Tensor) -> torch.Tensor:
+        """[B, H, k] token indices -> flat slot ids ``(t * B + b) * H + h`` in [B, H, k] order (one kernel)."""
+        return torch.add(self._bh(idx.device), idx, alpha=self.rows_per_token).reshape(-1)
+
+    def _alloc(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.batch_size, self.num_kv_heads, n, self.head_dim)
+        return (torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device))
+
+    def _out_rows(self, k: int, width: int) -> "torch.Tensor | None":
+        """Destination rows of a [B, H, k] read inside [B, H, width] buffers (None when width == k)."""
+        if width == k:
+            return None
+        bh = torch.arange(self.rows_per_token, device=self.device).view(-1, 1) * width
+        return (bh + torch.arange(k, device=self.device).view(1, -1)).reshape(-1)
+
+    def _read(self, st: _LayerState, idx: "torch.Tensor | None", out: tuple[torch.Tensor, torch.Tensor],
+              counter: str = "read") -> None:
+        """Fill ``out`` ([B, H, k + extra, D]) with the rows of ``idx`` (None: every stored token).
+
+        Runs on the current stream (the side stream when prefetching)."""
+        width = out[0].shape[2]
+        t = st.n_tokens
+        if idx is None:
+            if isinstance(st.k_store, CpuGatherStore):
+                for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
+                    tmp = torch.empty((t * self.rows_per_token, self.row_bytes), dtype=torch.uint8, device=self.device)
+                    self._count(store.read_range(t * self.rows_per_token, tmp), counter)
+                    dst[:, :, :t].copy_(tmp.view(self.dtype).view(t, self.batch_size, self.num_kv_heads,
+                                                                  self.head_dim).permute(1, 2, 0, 3))
+                return
+            slots = torch.arange(t * self.rows_per_token, device=self.device)
+            # slot s = token * BH + bh goes to row bh * width + token of the [B, H, width] output
+            out_rows = (self._bh(self.device).view(1, -1) * width
+                        + torch.arange(t, device=self.device).view(-1, 1)).reshape(-1)
+        else:
+            slots = self._slots(idx)
+            out_rows = self._out_rows(idx.shape[-1], width)
+        extra: dict = {}
+        if isinstance(st.k_store, ZeroCopyStore):
+            extra["loc"] = st.k_store.locate(slots)  # K and V share the slot geometry: locate once
+        for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
+            out_u8 = dst.view(-1, self.head_dim).view(torch.uint8)
+            self._count(store.read(slots, out_u8, out_rows, **extra), counter)
+
+    def fetch(self, layer: int, token_idx: torch.Tensor,
+              out: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V [B, H, k, D] of the tokens ``token_idx`` [B, H, k] selects per (batch, head).
+
+        Duplicates and k == 0 are allowed; indices outside ``[0, seq_length(layer))`` raise
+        :class:`InvalidIdsError`. One decode launch per tensor on the current stream.
+        """
+        st = self._state(layer)
+        idx = self._check_idx(token_idx, st.n_tokens)
+        k = idx.shape[-1]
+        if out is None:
+            out = self._alloc(k)
+        else:
+            self._check_out(out, k)
+        if k and st.k_store is not None:
+            start = self._timed_start()
+            self._read(st, idx, out)
+            self._timed_end(start)
+        return out
+
+    def _check_out(self, out: object, k: int) -> None:
+        want = (self.batch_size, self.num_kv_heads, k, self.head_dim)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("out: expected a (keys, values) pair of tensors")
+        for name, t in zip(("out[0]", "out[1]"), out):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != self.dtype \
+                    or t.device != self.device or not t.is_contiguous():
+                got = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: expected a contiguous {self.dtype} tensor of shape {want} on "
+                                 f"{self.device}, got {got}")
+
+    def fetch_all(self, layer: int, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token's K and V, as [B, H, T + extra_tokens, D] (the last ``extra_tokens`` left unset).
+
+        ``extra_tokens`` leaves room for the current step's tokens so attention gets one buffer, no concat.
+        """
+        st = self._state(layer)
+        if extra_tokens < 0:
+            raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
+        out = self._alloc(st.n_tokens + extra_tokens)
+        if st.n_tokens:
+            start = self._timed_start()
+            self._read(st, None, out)
+            self._timed_end(start)
+        return out
+
+    # -- overlap ----------------------------------------------------------------------------------
+    def prefetch(self, layer: int, token_idx: "torch.Tensor | None" = None, extra_tokens: int = 0) -> None:
+        """Start fetching ``layer`` (the tokens ``token_idx`` selects, or all) off the critical path.
+
+        GPU paths run on a side stream that first waits for the current stream (so it sees every append),
+        and record an event; :meth:`take` makes the current stream wait for that event. No device-wide
+        sync. Indices are trusted here (they come from the selector); validate with :meth:`fetch`.
+        On the CPU path nothing runs ahead: :meth:`take` reads synchronously.
+        """
+        st = self._state(layer)
+        self._retire(st)
+        if self.device.type != "cuda" or st.n_tokens == 0:
+            return
+        n = st.n_tokens if token_idx is None else token_idx.shape[-1]
+        out = self._alloc(n + extra_tokens)  # allocated on the current stream, which waits before using it
+        main = torch.cuda.current_stream(self.device)
+        if self.transfer == "cpu_gather":
+            st.pending = self._prefetch_cpu_gather(st, token_idx, extra_tokens, out, main)
+            return
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            start = self._timed_start()
+            self._read(st, token_idx, out)
+            self._timed_end(start)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        # The side stream reads tensors that a later append on the current stream may replace (growth):
+        # keep them alive until take() has made the current stream wait for the event.
+        live = st.k_store.live_tensors() + st.v_store.live_tensors()
+        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev, refs=(token_idx, *live))
+
+    def _prefetch_cpu_gather(self, st: _LayerState, idx: "torch.Tensor | None", extra: int,
+                             out: tuple[torch.Tensor, torch.Tensor], main: torch.cuda.Stream) -> _Pending:
+        """InfiniGen's path: the CPU waits for the indices, gathers, and issues one bulk copy per tensor."""
+        slots_host = None
+        refs: tuple = (idx,)
+        if idx is not None:
+            slots = self._slots(idx)
+            slots_host = torch.empty(slots.shape, dtype=torch.int64, pin_memory=True)
+            slots_host.copy_(slots, non_blocking=True)
+            refs = (idx, slots, slots_host)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        n_tokens = st.n_tokens
+        future = self._pool.submit(self._cpu_gather_job, st, ready, slots_host, out, n_tokens, extra)
+        return _Pending(idx, n_tokens, extra, out[0], out[1], future=future, refs=refs)
+
+    def _cpu_gather_job(self, st: _LayerState, ready: torch.cuda.Event, slots_host: "torch.Tensor | None",
+                        out: tuple[torch.Tensor, torch.Tensor], n_tokens: int, extra: int) -> torch.cuda.Event:
+        ready.synchronize()  # indices computed and every append of this layer landed in host memory
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            start = self._timed_start()
+            if slots_host is None:
+                self._read(st, None, out, counter="read_worker")
+            else:
+                k = out[0].shape[2] - extra
+                for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
+                    if extra == 0:
+                        moved = store.read_cpu(slots_host, dst.view(-1, self.head_dim).view(torch.uint8))
+                    else:
+                        tmp = torch.empty((slots_host.numel(), self.row_bytes), dtype=torch.uint8, device=self.device)
+                        moved = store.read_cpu(slots_host, tmp)
+                        dst[:, :, :k].copy_(tmp.view(self.dtype).view(self.batch_size, self.num_kv_heads, k,
+                                                                      self.head_dim))
+                    self._count(moved, "read_worker")  # K and V stores have their own staging buffers
+            self._timed_end(start)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        return ev
+
+    def take(self, layer: int, token_idx: "torch.Tensor | None" = None,
+             extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of :meth:`prefetch` (same ``token_idx`` object, same length), or a synchronous fetch.
+
+        Returns [B, H, k + extra_tokens, D] buffers whose last ``extra_tokens`` positions are left unset.
+        """
+        st = self._state(layer)
+        p, st.pending = st.pending, None
+        if p is not None and p.matches(token_idx, st.n_tokens, extra_tokens):
+            ev = p.done_event()
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            return p.keys, p.values
+        if p is not None:
+            self._retire_pending(p)
+        if token_idx is None:
+            return self.fetch_all(layer, extra_tokens)
+        out = self._alloc(token_idx.shape[-1] + extra_tokens)
+        if token_idx.shape[-1] and st.n_tokens:
+            start = self._timed_start()
+            self._read(st, token_idx, out)
+            self._timed_end(start)
+        return out
+
+    def _retire_pending(self, p: _Pending) -> None:
+        """Drop a prefetch nobody will use, after the current stream has waited for it (its buffers get reused)."""
+        ev = p.done_event()
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _retire(self, st: _LayerState) -> None:
+        if st.pending is not None:
+            p, st.pending = st.pending, None
+            self._retire_pending(p)
+
+    # -- reporting --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Memory and traffic so far. Synchronises the device (reads GPU counters and timing events).
+
+        ``host_bytes``: host memory held; ``stored_bytes``/``raw_bytes``: KV bytes as stored / uncompressed;
+        ``gpu_bytes``: per-row metadata and tables on the GPU; ``pcie_read_bytes(_per_step)``: bytes the
+        fetches moved host->GPU (stored bytes for compressed rows); ``fit_s``: total prefill fit time;
+        ``transfer_s_per_step``: GPU time of all timed transfers divided by the decode steps (``timing=True``;
+        a transfer overlapped with compute still counts in full).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for st in self._layers:
+            self._retire(st)
+        read = self._read_host + self._read_worker
+        written = self._written_host
+        for key, acc in self._dev_acc.items():
+            if key.startswith("read"):
+                read += int(acc)
+            else:
+                written += int(acc)
+        stored = raw = host = gpu = 0
+        for st in self._layers:
+            if st.k_store is None:
+                continue
+            n_slots = st.n_tokens * self.rows_per_token
+            for store in (st.k_store, st.v_store):
+                stored += store.stored_bytes(n_slots)
+                raw += n_slots * self.row_bytes
+                host += store.host_nbytes
+                gpu += store.device_nbytes
+        transfer_s = sum(start.elapsed_time(end) for start, end in self._timings) / 1e3
+        steps = max(self.decode_steps, 1)
+        return {
+            "transfer": self.transfer,
+            "compress": self.compress,
+            "tokens": self._layers[0].n_tokens,
+            "decode_steps": self.decode_steps,
+            "host_bytes": host,
+            "gpu_bytes": gpu,
+            "raw_bytes": raw,
+            "stored_bytes": stored,
+            "ratio": raw / stored if stored else 1.0,
+            "pcie_read_bytes": read,
+            "pcie_write_bytes": written,
+            "pcie_read_bytes_per_step": read / steps,
+            "fit_s": sum(st.fit_s for st in self._layers),
+            "fit_s_per_layer": [st.fit_s for st in self._layers],
+            "transfer_s_total": transfer_s if self._timings else None,
+            "transfer_s_per_step": transfer_s / steps if self._timings else None,
+        }
+
+    def reset(self) -> None:
+        """Forget every stored token (codecs are refitted at the next prompt)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for st in self._layers:
+            if st.pending is not None and st.pending.future is not None:
+                st.pending.future.result()
+        self._layers = [_LayerState() for _ in range(self.num_layers)]
+        self._reset_counters()
+
+    def close(self) -> None:
+        """Stop the gather thread (cpu_gather only). The manager is unusable afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

