@@ -20,7 +20,7 @@ typedef unsigned int u32;
 
 #define IBP_GROUP 32
 #define IBP_WARPS_PER_BLOCK 8
-#define IBP_RING_BYTES 4096
+#define IBP_RING_BYTES 2048
 #define IBP_RING_WORDS (IBP_RING_BYTES / 4)
 #define IBP_RING_VEC (IBP_RING_BYTES / 16)
 #define IBP_FULL 0xffffffffu
@@ -316,17 +316,7 @@ IBP_FOR_EACH_C(IBP_ENCODE)
 // (aligned, bounded 16-byte loads, up to 4 per lane in flight), then each lane rebuilds one chunk per
 // group: participation bit from the group header, bit offset by warp prefix scan, kept bits re-spread
 // over the non-invariant positions (pdep) and OR-ed with bitval.
-//
-// Small rows (row_bytes <= IBP_SMALL_ROW) go IBP_SMALL_BATCH rows per warp at a time: the warp issues the
-// loads of all of them before decoding any, so several host reads are in flight per warp. Random reads of
-// small rows from host memory are latency bound (address translation on the host side), not bandwidth
-// bound, so requests in flight are what count.
 // ------------------------------------------------------------------------------------------------
-#define IBP_SMALL_BATCH 4
-#define IBP_SLICE_BYTES (IBP_RING_BYTES / IBP_SMALL_BATCH)
-#define IBP_SLICE_VEC (IBP_SLICE_BYTES / 16)
-#define IBP_SMALL_ROW (IBP_SLICE_BYTES - 32)  // room for the 16-byte alignment skew and the 12-byte read slack
-
 struct IbpRing {
     const unsigned char* abase;  // src rounded down to 16 bytes
     int skew;                    // src - abase
@@ -366,61 +356,20 @@ __device__ __forceinline__ void ibp_ring_ensure(IbpRing& r, uint4* ring, int kee
     }
 }
 
-// w (0..64) bits starting at stream bit `bit` (counted from abase, i.e. skew*8 included); the buffer has
-// word_mask + 1 words (a power of two) and wraps.
-__device__ __forceinline__ u64 ibp_ring_bits(const u32* ring32, int word_mask, long long bit, int w) {
+// w (0..64) bits starting at stream bit `bit` (counted from abase, i.e. skew*8 included).
+__device__ __forceinline__ u64 ibp_ring_bits(const u32* ring32, long long bit, int w) {
     if (w == 0) return 0;
     long long wi = bit >> 5;
     int s = (int)(bit & 31);
-    u64 w0 = ring32[wi & word_mask];
-    u64 w1 = ring32[(wi + 1) & word_mask];
+    u64 w0 = ring32[wi & (IBP_RING_WORDS - 1)];
+    u64 w1 = ring32[(wi + 1) & (IBP_RING_WORDS - 1)];
     u64 lo = w0 | (w1 << 32);
     u64 v = lo >> s;
     if (s + w > 64) {
-        u64 w2 = ring32[(wi + 2) & word_mask];
+        u64 w2 = ring32[(wi + 2) & (IBP_RING_WORDS - 1)];
         v |= w2 << (64 - s);
     }
     return v & ibp_lowmask(w);
-}
-
-// The group loop. STREAMING: bytes arrive through the ring as decoding proceeds; otherwise the whole row
-// is already in `ring` (a slice of word_mask + 1 words).
-template <int C, bool STREAMING>
-__device__ __forceinline__ void ibp_decode_groups(IbpRing& r, uint4* ring, int word_mask, bool compressed,
-                                                  unsigned char* dst, int row_bytes, int n_chunks,
-                                                  const u64* __restrict__ mask, const u64* __restrict__ bitval,
-                                                  int lane) {
-    const u32* ring32 = reinterpret_cast<const u32*>(ring);
-    const u64 width = ibp_lowmask(8 * C);
-    bool aligned = (reinterpret_cast<unsigned long long>(dst) % C) == 0;
-    long long bit = (long long)r.skew * 8;  // stream position, counted from abase
-    const int group_max_bytes = 4 + 32 * C + 16;
-    for (int g0 = 0; g0 < n_chunks; g0 += IBP_GROUP) {
-        if (STREAMING) {
-            int keep = (int)(bit >> 3);
-            ibp_ring_ensure(r, ring, keep, keep + group_max_bytes + 8, lane);
-        }
-        int j = g0 + lane;
-        int nh = min(IBP_GROUP, n_chunks - g0);
-        bool valid = j < n_chunks;
-        u64 m = (valid && compressed) ? mask[j] : 0;  // raw rows may pass mask == nullptr
-        bool p = false;
-        if (compressed) {
-            u32 header = (u32)ibp_ring_bits(ring32, word_mask, bit, nh);
-            p = valid && ((header >> lane) & 1u);
-            bit += nh;
-        }
-        int w = valid ? (p ? 8 * C - __popcll(m) : 8 * C) : 0;
-        int incl = ibp_warp_incl_scan(w, lane);
-        int total = __shfl_sync(IBP_FULL, incl, 31);
-        if (valid) {
-            u64 v = ibp_ring_bits(ring32, word_mask, bit + (incl - w), w);
-            if (p) v = ibp_pdep(v, (~m) & width) | bitval[j];
-            ibp_store_chunk<C>(dst, j, row_bytes, v, aligned);
-        }
-        bit += total;
-        if (STREAMING) __syncwarp();
-    }
 }
 
 template <int C>
@@ -428,64 +377,44 @@ __device__ void ibp_decode_row(const unsigned char* src, int L, bool compressed,
                                int n_chunks, const u64* __restrict__ mask, const u64* __restrict__ bitval,
                                uint4* ring, int lane) {
     IbpRing r;
-    r.abase = reinterpret_cast<const unsigned char*>(reinterpret_cast<unsigned long long>(src) & ~15ull);
+    r.abase = reinterpret_cast<const unsigned char*>(reinterpret_cast<unsigned long long>(src) & ~(unsigned long long)15);
     r.skew = (int)(src - r.abase);
     r.aend = (r.skew + L + 15) & ~15;
     r.loaded = 0;
-    ibp_decode_groups<C, true>(r, ring, IBP_RING_WORDS - 1, compressed, dst, row_bytes, n_chunks, mask, bitval, lane);
-}
-
-// One small row of a batch: where it comes from and where it goes.
-struct IbpSmallRow {
-    const unsigned char* src;
-    unsigned char* dst;
-    int L;
-    bool comp;
-    bool valid;
-};
-
-// Load up to IBP_SMALL_BATCH small rows into their slices (all loads issued before any is stored), then
-// decode them one by one. Each row spans at most IBP_SLICE_VEC 16-byte blocks, i.e. <= 2 per lane.
-template <int C>
-__device__ void ibp_decode_small_batch(const IbpSmallRow* rows, int row_bytes, int n_chunks,
-                                       const u64* __restrict__ mask, const u64* __restrict__ bitval,
-                                       uint4* ring, int lane) {
-    IbpRing r[IBP_SMALL_BATCH];
-    uint4 tmp[IBP_SMALL_BATCH][IBP_SLICE_VEC / 32];
-#pragma unroll
-    for (int b = 0; b < IBP_SMALL_BATCH; ++b) {
-        r[b].abase = reinterpret_cast<const unsigned char*>(reinterpret_cast<unsigned long long>(rows[b].src) & ~15ull);
-        r[b].skew = (int)(rows[b].src - r[b].abase);
-        r[b].aend = rows[b].valid ? ((r[b].skew + rows[b].L + 15) & ~15) : 0;
-        r[b].loaded = r[b].aend;
-        const uint4* s = reinterpret_cast<const uint4*>(r[b].abase);
-#pragma unroll
-        for (int t = 0; t < IBP_SLICE_VEC / 32; ++t) {
-            int k = lane + 32 * t;
-            if (k * 16 < r[b].aend) tmp[b][t] = s[k];
+    const u32* ring32 = reinterpret_cast<const u32*>(ring);
+    const u64 width = ibp_lowmask(8 * C);
+    bool aligned = (reinterpret_cast<unsigned long long>(dst) % C) == 0;
+    long long bit = (long long)r.skew * 8;  // stream position, counted from abase
+    const int group_max_bytes = 4 + 32 * C + 16;
+    for (int g0 = 0; g0 < n_chunks; g0 += IBP_GROUP) {
+        int keep = (int)(bit >> 3);
+        ibp_ring_ensure(r, ring, keep, keep + group_max_bytes + 8, lane);
+        int j = g0 + lane;
+        int nh = min(IBP_GROUP, n_chunks - g0);
+        bool valid = j < n_chunks;
+        u64 m = (valid && compressed) ? mask[j] : 0;  // raw rows may pass mask == nullptr
+        bool p = false;
+        if (compressed) {
+            u32 header = (u32)ibp_ring_bits(ring32, bit, nh);
+            p = valid && ((header >> lane) & 1u);
+            bit += nh;
         }
-    }
-#pragma unroll
-    for (int b = 0; b < IBP_SMALL_BATCH; ++b) {
-#pragma unroll
-        for (int t = 0; t < IBP_SLICE_VEC / 32; ++t) {
-            int k = lane + 32 * t;
-            if (k * 16 < r[b].aend) ring[b * IBP_SLICE_VEC + k] = tmp[b][t];
+        int w = valid ? (p ? 8 * C - __popcll(m) : 8 * C) : 0;
+        int incl = ibp_warp_incl_scan(w, lane);
+        int total = __shfl_sync(IBP_FULL, incl, 31);
+        if (valid) {
+            u64 v = ibp_ring_bits(ring32, bit + (incl - w), w);
+            if (p) v = ibp_pdep(v, (~m) & width) | bitval[j];
+            ibp_store_chunk<C>(dst, j, row_bytes, v, aligned);
         }
+        bit += total;
+        __syncwarp();
     }
-    __syncwarp();
-#pragma unroll
-    for (int b = 0; b < IBP_SMALL_BATCH; ++b) {
-        if (rows[b].valid)
-            ibp_decode_groups<C, false>(r[b], ring + b * IBP_SLICE_VEC, IBP_SLICE_BYTES / 4 - 1, rows[b].comp,
-                                        rows[b].dst, row_bytes, n_chunks, mask, bitval, lane);
-    }
-    __syncwarp();
 }
 
 // Decode M rows given descriptors: absolute source address, stored length, compressed flag, and the
 // output row (out_rows may be null: row m goes to out[m]). Slab hits and host misses share one launch.
-template <int C, bool SMALL>
+template <int C>
 __device__ void ibp_decode_desc_impl(const long long* __restrict__ src_ptrs, const int* __restrict__ lengths,
                                      const unsigned char* __restrict__ compressed,
                                      const long long* __restrict__ out_rows, unsigned char* __restrict__ out,
@@ -496,52 +425,31 @@ __device__ void ibp_decode_desc_impl(const long long* __restrict__ src_ptrs, con
     uint4* ring = sring[threadIdx.x >> 5];
     long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    if constexpr (SMALL) {  // launcher picks SMALL only when row_bytes <= IBP_SMALL_ROW
-        for (long long i0 = warp * IBP_SMALL_BATCH; i0 < n; i0 += nwarps * IBP_SMALL_BATCH) {
-            IbpSmallRow rows[IBP_SMALL_BATCH];
-#pragma unroll
-            for (int b = 0; b < IBP_SMALL_BATCH; ++b) {
-                long long i = i0 + b;
-                rows[b].valid = i < n;
-                long long orow = rows[b].valid ? (out_rows ? out_rows[i] : i) : 0;
-                rows[b].src = rows[b].valid ? reinterpret_cast<const unsigned char*>(src_ptrs[i]) : nullptr;
-                rows[b].comp = rows[b].valid && compressed[i] != 0;
-                rows[b].L = rows[b].comp ? lengths[i] : row_bytes;
-                rows[b].dst = out + orow * (long long)row_bytes;
-            }
-            ibp_decode_small_batch<C>(rows, row_bytes, n_chunks, mask, bitval, ring, lane);
-        }
-    } else {
-        for (long long i = warp; i < n; i += nwarps) {
-            long long orow = out_rows ? out_rows[i] : i;
-            const unsigned char* src = reinterpret_cast<const unsigned char*>(src_ptrs[i]);
-            int L = lengths[i];
-            bool comp = compressed[i] != 0;
-            if (!comp) L = row_bytes;
-            ibp_decode_row<C>(src, L, comp, out + orow * (long long)row_bytes, row_bytes, n_chunks, mask, bitval,
-                              ring, lane);
-        }
+    for (long long i = warp; i < n; i += nwarps) {
+        long long orow = out_rows ? out_rows[i] : i;
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(src_ptrs[i]);
+        int L = lengths[i];
+        bool comp = compressed[i] != 0;
+        if (!comp) L = row_bytes;
+        ibp_decode_row<C>(src, L, comp, out + orow * (long long)row_bytes, row_bytes, n_chunks, mask, bitval, ring,
+                          lane);
     }
 }
 
-#define IBP_DECODE_DESC_K(NAME, C, SMALL)                                                                   \
+#define IBP_DECODE_DESC(C)                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                  \
-        NAME(const long long* src_ptrs, const int* lengths, const unsigned char* compressed,                 \
-             const long long* out_rows, unsigned char* out, long long n, int row_bytes, int n_chunks,        \
-             const u64* mask, const u64* bitval) {                                                          \
-        ibp_decode_desc_impl<C, SMALL>(src_ptrs, lengths, compressed, out_rows, out, n, row_bytes, n_chunks, \
-                                       mask, bitval);                                                       \
+        ibp_decode_desc_c##C(const long long* src_ptrs, const int* lengths, const unsigned char* compressed, \
+                             const long long* out_rows, unsigned char* out, long long n, int row_bytes,     \
+                             int n_chunks, const u64* mask, const u64* bitval) {                            \
+        ibp_decode_desc_impl<C>(src_ptrs, lengths, compressed, out_rows, out, n, row_bytes, n_chunks, mask,  \
+                                bitval);                                                                    \
     }
-#define IBP_DECODE_DESC(C)                                  \
-    IBP_DECODE_DESC_K(ibp_decode_desc_c##C, C, false)       \
-    IBP_DECODE_DESC_K(ibp_decode_desc_small_c##C, C, true)
 IBP_FOR_EACH_C(IBP_DECODE_DESC)
 
 // Fused gather + decode: out[i] = row ids[i] of a CompressedRows store (in place: offset id*row_bytes;
 // packed: offsets[id]); flags is the 1-bit-per-row "is compressed" bitmask. Ids out of [0, n_rows)
 // set *err = 1 and write nothing for that row (the launcher has already range-checked them).
-// COMPRESSED = false: a raw store (no flags/lengths/mask), rows copied straight.
-template <int C, bool COMPRESSED, bool SMALL>
+template <int C>
 __device__ void ibp_gather_impl(const long long* __restrict__ ids, long long n, const unsigned char* base,
                                 const long long* __restrict__ offsets, const int* __restrict__ lengths,
                                 const unsigned char* __restrict__ flags, long long n_rows,
@@ -552,62 +460,48 @@ __device__ void ibp_gather_impl(const long long* __restrict__ ids, long long n, 
     uint4* ring = sring[threadIdx.x >> 5];
     long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    if constexpr (SMALL) {  // launcher picks SMALL only when row_bytes <= IBP_SMALL_ROW
-        for (long long i0 = warp * IBP_SMALL_BATCH; i0 < n; i0 += nwarps * IBP_SMALL_BATCH) {
-            IbpSmallRow rows[IBP_SMALL_BATCH];
-#pragma unroll
-            for (int b = 0; b < IBP_SMALL_BATCH; ++b) {
-                long long i = i0 + b;
-                long long id = i < n ? ids[i] : -1;
-                bool ok = id >= 0 && id < n_rows;
-                if (i < n && !ok && lane == 0) atomicExch(err, 1);
-                rows[b].valid = ok;
-                if (!ok) id = 0;
-                long long off = offsets ? offsets[id] : id * (long long)row_bytes;
-                rows[b].comp = ok && COMPRESSED && ((flags[id >> 3] >> (id & 7)) & 1);
-                rows[b].L = rows[b].comp ? lengths[id] : row_bytes;
-                rows[b].src = base + off;
-                rows[b].dst = out + (ok ? i : 0) * (long long)row_bytes;
-            }
-            ibp_decode_small_batch<C>(rows, row_bytes, n_chunks, mask, bitval, ring, lane);
+    for (long long i = warp; i < n; i += nwarps) {
+        long long id = ids[i];
+        if (id < 0 || id >= n_rows) {
+            if (lane == 0) atomicExch(err, 1);
+            continue;
         }
-    } else {
-        for (long long i = warp; i < n; i += nwarps) {
-            long long id = ids[i];
-            if (id < 0 || id >= n_rows) {
-                if (lane == 0) atomicExch(err, 1);
-                continue;
-            }
-            long long off = offsets ? offsets[id] : id * (long long)row_bytes;
-            bool comp = COMPRESSED && ((flags[id >> 3] >> (id & 7)) & 1);
-            int L = comp ? lengths[id] : row_bytes;
-            ibp_decode_row<C>(base + off, L, comp, out + i * (long long)row_bytes, row_bytes, n_chunks, mask,
-                              bitval, ring, lane);
-        }
+        long long off = offsets ? offsets[id] : id * (long long)row_bytes;
+        bool comp = (flags[id >> 3] >> (id & 7)) & 1;
+        int L = comp ? lengths[id] : row_bytes;
+        ibp_decode_row<C>(base + off, L, comp, out + i * (long long)row_bytes, row_bytes, n_chunks, mask, bitval,
+                          ring, lane);
     }
 }
 
-#define IBP_GATHER_K(NAME, C, SMALL)                                                                        \
+#define IBP_GATHER(C)                                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                  \
-        NAME(const long long* ids, long long n, const unsigned char* base, const long long* offsets,         \
-             const int* lengths, const unsigned char* flags, long long n_rows, unsigned char* out,          \
-             int row_bytes, int n_chunks, const u64* mask, const u64* bitval, int* err) {                   \
-        ibp_gather_impl<C, true, SMALL>(ids, n, base, offsets, lengths, flags, n_rows, out, row_bytes, n_chunks, \
-                                        mask, bitval, err);                                                 \
+        ibp_gather_c##C(const long long* ids, long long n, const unsigned char* base, const long long* offsets, \
+                        const int* lengths, const unsigned char* flags, long long n_rows, unsigned char* out, \
+                        int row_bytes, int n_chunks, const u64* mask, const u64* bitval, int* err) {       \
+        ibp_gather_impl<C>(ids, n, base, offsets, lengths, flags, n_rows, out, row_bytes, n_chunks, mask,    \
+                           bitval, err);                                                                    \
     }
-#define IBP_GATHER(C)                               \
-    IBP_GATHER_K(ibp_gather_c##C, C, false)         \
-    IBP_GATHER_K(ibp_gather_small_c##C, C, true)
 IBP_FOR_EACH_C(IBP_GATHER)
 
-// Plain zero-copy gather of raw rows (no compression): the "(a)" baseline and raw host stores. Same warp
-// and load schedule as the compressed gather (rows decode as 4-byte chunks that never participate).
-#define IBP_GATHER_RAW(NAME, SMALL)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                   \
-        NAME(const long long* ids, long long n, const unsigned char* base, long long n_rows, unsigned char* out, \
-             int row_bytes, int* err) {                                                                      \
-        ibp_gather_impl<4, false, SMALL>(ids, n, base, nullptr, nullptr, nullptr, n_rows, out, row_bytes,     \
-                                         (row_bytes + 3) / 4, nullptr, nullptr, err);                        \
+// Plain zero-copy gather of raw rows (no compression): the "(a)" baseline and raw host stores.
+// Warp per row, 16-byte aligned bounded loads through the same ring.
+extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)
+    ibp_gather_raw(const long long* ids, long long n, const unsigned char* base, long long n_rows,
+                   unsigned char* out, int row_bytes, int* err) {
+    __shared__ uint4 sring[IBP_WARPS_PER_BLOCK][IBP_RING_VEC];
+    int lane = threadIdx.x & 31;
+    uint4* ring = sring[threadIdx.x >> 5];
+    long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long i = warp; i < n; i += nwarps) {
+        long long id = ids[i];
+        if (id < 0 || id >= n_rows) {
+            if (lane == 0) atomicExch(err, 1);
+            continue;
+        }
+        // raw rows decode as C=4 chunks that never participate
+        ibp_decode_row<4>(base + id * (long long)row_bytes, row_bytes, false, out + i * (long long)row_bytes,
+                          row_bytes, (row_bytes + 3) / 4, nullptr, nullptr, ring, lane);
     }
-IBP_GATHER_RAW(ibp_gather_raw, false)
-IBP_GATHER_RAW(ibp_gather_raw_small, true)
+}

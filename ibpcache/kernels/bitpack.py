@@ -32,9 +32,6 @@ __all__ = [
 _SRC = "bitpack.cu"
 _WARPS_PER_BLOCK = 8  # keep in sync with IBP_WARPS_PER_BLOCK in bitpack.cu
 _THREADS = 32 * _WARPS_PER_BLOCK
-_RING_BYTES = 4096  # IBP_RING_BYTES
-_SMALL_BATCH = 4  # IBP_SMALL_BATCH: small rows a warp loads at once
-SMALL_ROW_BYTES = _RING_BYTES // _SMALL_BATCH - 32  # IBP_SMALL_ROW: rows up to this size use the batched kernels
 _err_words: dict[int, torch.Tensor] = {}
 
 
@@ -46,18 +43,10 @@ def _dev_id(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-def _warp_grid(n_rows: int, device_id: int, rows_per_warp: int = 1) -> int:
+def _warp_grid(n_rows: int, device_id: int) -> int:
     """Blocks for a warp-per-row grid-stride kernel: enough to fill the GPU, never more than needed."""
     sms = torch.cuda.get_device_properties(device_id).multi_processor_count
-    warps = -(-n_rows // rows_per_warp)
-    return max(1, min(-(-warps // _WARPS_PER_BLOCK), sms * 16))
-
-
-def _fetch_kernel(prefix: str, row_bytes: int, suffix: str, device_id: int, n: int) -> tuple[str, int]:
-    """Symbol and grid of a fetch kernel: small rows use the variant that keeps several rows in flight."""
-    if row_bytes <= SMALL_ROW_BYTES:
-        return f"{prefix}_small{suffix}", _warp_grid(n, device_id, _SMALL_BATCH)
-    return f"{prefix}{suffix}", _warp_grid(n, device_id)
+    return max(1, min(-(-n_rows // _WARPS_PER_BLOCK), sms * 16))
 
 
 def _launch(symbol: str, device_id: int, grid: "int | tuple", block: int, args: tuple) -> None:
@@ -171,8 +160,7 @@ def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: to
         raise ValueError(f"out_rows: expected a CUDA int64 tensor of {m} elements")
     dev = _dev_id(out_u8)
     mask, bitval = codec.device_tables(out_u8.device)
-    sym, grid = _fetch_kernel("ibp_decode_desc", codec.row_bytes, f"_c{codec.chunk_bytes}", dev, m)
-    _launch(sym, dev, grid, _THREADS,
+    _launch(f"ibp_decode_desc_c{codec.chunk_bytes}", dev, _warp_grid(m, dev), _THREADS,
             (_ptr(src_ptrs), _ptr(lengths), _ptr(compressed), _ptr(out_rows), _ptr(out_u8), np.int64(m),
              np.int32(codec.row_bytes), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval)))
 
@@ -186,8 +174,7 @@ def gather_rows(packed: "CompressedRows", ids: torch.Tensor, out_u8: torch.Tenso
     mask, bitval = codec.device_tables(out_u8.device)
     err = _err_word(dev)
     n = ids.numel()
-    sym, grid = _fetch_kernel("ibp_gather", codec.row_bytes, f"_c{codec.chunk_bytes}", dev, n)
-    _launch(sym, dev, grid, _THREADS,
+    _launch(f"ibp_gather_c{codec.chunk_bytes}", dev, _warp_grid(n, dev), _THREADS,
             (_ptr(ids), np.int64(n), _ptr(base), _ptr(meta.get("offsets")), _ptr(meta["lengths"]),
              _ptr(meta["flags"]), np.int64(packed.n_rows), _ptr(out_u8), np.int32(codec.row_bytes),
              np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval), _ptr(err)))
@@ -200,8 +187,7 @@ def gather_raw(base: torch.Tensor, ids: torch.Tensor, out_u8: torch.Tensor, n_ro
     n = ids.numel()
     if n == 0:
         return
-    sym, grid = _fetch_kernel("ibp_gather_raw", out_u8.shape[1], "", dev, n)
-    _launch(sym, dev, grid, _THREADS,
+    _launch("ibp_gather_raw", dev, _warp_grid(n, dev), _THREADS,
             (_ptr(ids), np.int64(n), _ptr(base), np.int64(n_rows), _ptr(out_u8), np.int32(out_u8.shape[1]),
              _ptr(_err_word(dev))))
 
