@@ -3,12 +3,14 @@
 The paper's InfiniGen experiment (section 6.4) scaled to our model: batch 20, prompts of 1920 real tokens
 (CPython's own ``Lib/*.py`` sources; ``--long`` adds 8000), 128 generated tokens, greedy, KV offloaded. Side by side:
 
+  r  plain ``DynamicCache()`` kept on the GPU, same attention implementation: the dense token reference
   a  transformers ``DynamicCache(offloading=True)``: whole layers copied back and forth (dense only)
   b  InfiniGen's transfer path: rows gathered by the CPU (``index_select`` into pinned memory) + one bulk copy
   c  our manager, GPU zero-copy gather of raw rows (no compression)
   d  our manager, GPU zero-copy gather + IBP decode of compressed rows (codecs fitted per prompt, per layer)
 
-in dense mode (every token; lossless, so b/c/d must reproduce a's tokens exactly) and sparse mode (InfiniGen-style
+in dense mode (every token; lossless, so a/b/c/d must reproduce r's tokens exactly; ``first_diff_token`` is the first
+generated position where any sequence differs, None when equal) and sparse mode (InfiniGen-style
 selection; b/c/d must agree with each other exactly, and we report agreement with dense attention), in bf16 and
 fp16. Reported per configuration: per-token decode latency (median over steps, CUDA-synchronised per token), prefill
 time and the share of it spent fitting codecs, and from a second, instrumented run (CUDA events around every
@@ -36,6 +38,7 @@ from tqdm import tqdm
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
 PATHS = {
+    "r": "DynamicCache() on the GPU (no offload): the dense reference",
     "a": "DynamicCache(offloading=True)",
     "b": "InfiniGen CPU gather + bulk copy",
     "c": "IBP manager, zero-copy raw",
@@ -116,12 +119,14 @@ def make_cache(path: str, mode: str, model: Any, args: argparse.Namespace, reser
 
     from ibpcache.loaders.kv import IBPOffloadedCache
 
+    if path == "r":
+        return DynamicCache(config=model.config)
     if path == "a":
         return DynamicCache(config=model.config, offloading=True)
     transfer, compress = {"b": ("cpu_gather", False), "c": ("zero_copy", False), "d": ("zero_copy", True)}[path]
     if args.device == "cpu":  # smoke runs only: the Numba host path stands in for c and d
         transfer = "host"
-    chunk = args.fit_chunk_bytes if args.fit_chunk_bytes == "auto" else int(args.fit_chunk_bytes)
+    chunk = args.fit_chunk_bytes if args.fit_chunk_bytes.startswith("auto") else int(args.fit_chunk_bytes)
     kw: dict = dict(transfer=transfer, compress=compress, reserve_tokens=reserve, timing=instrument,
                     count_bytes=instrument, sample_rows=args.sample_rows, chunk_bytes=chunk)
     if mode == "sparse":
@@ -180,7 +185,7 @@ def run_config(model: Any, ids: torch.Tensor, dtype: str, mode: str, path: str, 
         rec["fit_share_of_prefill"] = rec["fit_s"] * 1e3 / rec["prefill_ms"]
         rec["ratio"] = st.get("ratio")
         rec["host_mb"] = st.get("host_bytes", 0) / 1e6
-    if path != "a" and args.instrument_tokens > 0:
+    if path not in "ra" and args.instrument_tokens > 0:
         inst = generate(model, ids, make_cache(path, mode, model, args, reserve, True), args.instrument_tokens).stats
         rec["transfer_ms_per_step"] = (inst["transfer_s_per_step"] or 0.0) * 1e3
         rec["pcie_mb_per_step"] = inst["pcie_read_bytes_per_step"] / 1e6
@@ -191,14 +196,26 @@ def run_config(model: Any, ids: torch.Tensor, dtype: str, mode: str, path: str, 
     return rec
 
 
+def first_diff_token(a: torch.Tensor, b: torch.Tensor) -> "int | None":
+    """The first generated position at which any sequence of the batch differs (None: identical)."""
+    diff = (a != b).any(dim=0)
+    return int(diff.int().argmax()) if bool(diff.any()) else None
+
+
 def check_outputs(recs: list[dict]) -> None:
-    """Dense: every path equals the first dense path's tokens. Sparse: b/c/d identical; agreement with dense."""
+    """Dense: every path equals the reference's tokens (r, plain DynamicCache, else the first dense path), and
+    a's (offloading=True) too. Sparse: b/c/d identical; agreement with dense."""
     by = {(r["dtype"], r["mode"], r["path"]): r for r in recs}
     for r in recs:
-        dense_ref = next((by[(r["dtype"], "dense", p)] for p in "abcd" if (r["dtype"], "dense", p) in by), None)
+        dense_ref = next((by[(r["dtype"], "dense", p)] for p in "rabcd" if (r["dtype"], "dense", p) in by), None)
         if r["mode"] == "dense" and dense_ref is not None:
             r["tokens_equal_dense_ref"] = bool(torch.equal(r["_tokens"], dense_ref["_tokens"]))
+            r["first_diff_token"] = first_diff_token(r["_tokens"], dense_ref["_tokens"])
             r["dense_ref_path"] = dense_ref["path"]
+            off = by.get((r["dtype"], "dense", "a"))
+            if off is not None:
+                r["tokens_equal_offloading_ref"] = bool(torch.equal(r["_tokens"], off["_tokens"]))
+                r["first_diff_token_vs_offloading"] = first_diff_token(r["_tokens"], off["_tokens"])
         if r["mode"] == "sparse":
             first = next(by[(r["dtype"], "sparse", p)] for p in "bcd" if (r["dtype"], "sparse", p) in by)
             r["tokens_equal_other_sparse_paths"] = bool(torch.equal(r["_tokens"], first["_tokens"]))
@@ -226,16 +243,16 @@ def plot(recs: list[dict]) -> Any:
 
     groups = sorted({(r["dtype"], r["mode"]) for r in recs})
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
-    width = 0.2
+    width = 0.8 / len(PATHS)
     by = {(r["dtype"], r["mode"], r["path"]): r for r in recs}
 
     def column(path: str, key: str, scale: float = 1.0) -> list[float]:
         return [(by[(*g, path)].get(key) or 0.0) * scale if (*g, path) in by else 0.0 for g in groups]
 
-    for j, path in enumerate("abcd"):
+    for j, path in enumerate(PATHS):
         lat, xfer = column(path, "decode_ms_per_token"), column(path, "transfer_ms_per_step")
         pre, fit = column(path, "prefill_ms"), column(path, "fit_s", 1e3)
-        xs = [i + (j - 1.5) * width for i in range(len(groups))]
+        xs = [i + (j - (len(PATHS) - 1) / 2) * width for i in range(len(groups))]
         color = f"C{j}"
         axes[0].bar(xs, lat, width, label=f"{path}: {PATHS[path]}", color=color)
         axes[1].bar(xs, xfer, width, color=color)
@@ -265,15 +282,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--modes", default="dense,sparse")
-    p.add_argument("--paths", default="abcd")
+    p.add_argument("--paths", default="rabcd", help="r: plain DynamicCache (dense reference), a-d: see above")
     p.add_argument("--repeats", type=int, default=1, help="timed generations per configuration")
     p.add_argument("--instrument-tokens", type=int, default=24, help="tokens of the instrumented run (0: skip)")
     p.add_argument("--alpha", type=float, default=4.0)
     p.add_argument("--partial-ratio", type=float, default=0.2)
     p.add_argument("--max-num-kv", type=int, default=400)
     p.add_argument("--sample-rows", type=int, default=4096, help="rows per layer the prefill fit samples")
-    p.add_argument("--fit-chunk-bytes", default="auto", choices=("auto", "1", "2", "4", "8"),
-                   help="chunk size of the prefill fit (auto searches all four: four passes)")
+    p.add_argument("--fit-chunk-bytes", default="auto", choices=("auto", "auto_once", "1", "2", "4", "8"),
+                   help="chunk size of the prefill fit (auto searches all four per codec: four passes; "
+                        "auto_once searches on the first layer only and reuses its choice)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (baseline b's gather)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -286,18 +304,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def main() -> None:
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_llm needs a CUDA GPU (--device cpu runs a smoke test of paths c and d)")
     if args.device == "cpu":
-        args.paths = "".join(p for p in args.paths if p in "cd")
+        args.paths = "".join(p for p in args.paths if p in "rcd")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     model, tok, source = load_model(args)
     lengths = [args.prompt_len] + ([8000] if args.long else [])
     configs = [(n, dt, mode, path) for n in lengths for dt in args.dtypes.split(",") for mode in args.modes.split(",")
-               for path in args.paths if not (mode == "sparse" and path == "a")]
+               for path in args.paths if not (mode == "sparse" and path in "ra")]
     recs: list[dict] = []
     prompts = {n: stdlib_prompts(tok, args.batch, n, model.config.vocab_size).to(args.device) for n in lengths}
     for n, dt, mode, path in tqdm(configs, desc="configs"):
@@ -311,12 +335,16 @@ def main() -> None:
     targets = [dict(t, prompt_len=n) for n in lengths
                for t in summarize_targets([r for r in recs if r["prompt_len"] == n])]
     cols = ["prompt_len", "dtype", "mode", "path", "decode_ms_per_token", "prefill_ms", "fit_share_of_prefill",
-            "transfer_ms_per_step", "pcie_mb_per_step", "ratio", "tokens_equal_dense_ref",
+            "transfer_ms_per_step", "pcie_mb_per_step", "ratio", "tokens_equal_dense_ref", "first_diff_token",
+            "tokens_equal_offloading_ref",
             "tokens_equal_other_sparse_paths", "vs_dense_token_agreement"]
     print(format_table(recs, cols))
     print(format_table(targets))
     meta = {"args": {k: (str(v) if v is not None else None) for k, v in vars(args).items()}, "model": source,
-            "targets": targets, "torch_threads": torch.get_num_threads(), "paths": PATHS}
+            "targets": targets, "torch_threads": torch.get_num_threads(), "paths": PATHS,
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "torch": torch.__version__, "transformers": _transformers_version(),
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     for n in lengths:
         sub = [r for r in recs if r["prompt_len"] == n]
         name = "bench_llm" if n == args.prompt_len else f"bench_llm_{n}"

@@ -231,7 +231,11 @@ class IBPOffloadedCache(Cache):
             self.manager = self._make_manager(k)
         m = self.manager
         q_len = k.shape[2]
-        if m.seq_length(i) == 0:  # prompt: attention uses it as computed; store (and fit) it
+        if m.seq_length(i) == 0:  # prompt: store (and fit) it; attention gets what DynamicLayer would return
+            # DynamicLayer returns torch.cat([empty, k], -2): a CONTIGUOUS copy. The projections hand us
+            # transposed views ([B, T, H, D] memory), and on CUDA SDPA's backend choice and kernels depend on
+            # the strides, so returning k/v as they are changes the prefill's rounding (and greedy tokens).
+            k, v = _like_dynamic_layer(k), _like_dynamic_layer(v)
             m.append(i, k, v)
             if self.selector is not None:
                 q = self._prefill_q.pop(i, None)
@@ -279,6 +283,12 @@ class IBPOffloadedCache(Cache):
             out["gpu_bytes"] = out.get("gpu_bytes", 0) + self.selector.gpu_bytes
             out["selected_k_last"] = list(self.selector.last_k)
         return out
+
+
+def _like_dynamic_layer(x: torch.Tensor) -> torch.Tensor:
+    """What ``DynamicLayer.update`` returns for the first states of a layer: ``torch.cat([empty, x], dim=-2)``
+    (same values, dtype, shape and strides, a fresh contiguous tensor)."""
+    return torch.cat([torch.tensor([], dtype=x.dtype, device=x.device), x], dim=-2)
 
 
 def _remove_hooks(handles: list) -> None:

@@ -101,6 +101,7 @@ class ZeroCopyStore(RowStore):
         self._chunks: list[torch.Tensor] = []
         self._table = torch.empty(0, dtype=torch.int64, device=device)
         self._lengths = torch.empty(0, dtype=torch.int32, device=device)
+        self._flags = torch.empty(0, dtype=torch.uint8, device=device)  # lengths < row_bytes, kept at write
         self._raw_lengths = torch.empty(0, dtype=torch.int32, device=device)
         self._raw_flags = torch.empty(0, dtype=torch.uint8, device=device)
 
@@ -118,13 +119,16 @@ class ZeroCopyStore(RowStore):
             grown = torch.full((self.capacity,), self.row_bytes, dtype=torch.int32, device=self.device)
             grown[: self._lengths.numel()].copy_(self._lengths)
             self._lengths = grown
+            flags = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+            flags[: self._flags.numel()].copy_(self._flags)
+            self._flags = flags
         else:
             self._raw_lengths = torch.full((self.capacity,), self.row_bytes, dtype=torch.int32, device=self.device)
             self._raw_flags = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
 
     def live_tensors(self) -> tuple[torch.Tensor, ...]:
         """GPU tensors a read uses that :meth:`reserve` may replace: a side-stream reader keeps them alive."""
-        return (self._table, self._lengths, self._raw_lengths, self._raw_flags)
+        return (self._table, self._lengths, self._flags, self._raw_lengths, self._raw_flags)
 
     def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(chunk index, byte offset in chunk) of each slot. K and V stores share it: same geometry."""
@@ -155,6 +159,8 @@ class ZeroCopyStore(RowStore):
             slots = torch.arange(slot0, slot0 + m, dtype=torch.int64, device=self.device)
             lengths = self._lengths[slot0 : slot0 + m]
             encode_into(rows_u8, self._pointers(self.locate(slots)), lengths, self.codec)
+            # the flags a read needs, computed once here (m rows) instead of at every read (all rows)
+            torch.lt(lengths, self.row_bytes, out=self._flags[slot0 : slot0 + m].view(torch.bool))
             return lengths
         # Raw rows: contiguous slots, so one async DMA copy per chunk touched (usually one).
         done = 0
@@ -168,16 +174,21 @@ class ZeroCopyStore(RowStore):
         return m * self.row_bytes
 
     def read(self, slots: torch.Tensor, out_u8: torch.Tensor, out_rows: "torch.Tensor | None",
-             loc: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> "torch.Tensor | int":
-        """One ``decode_descriptors`` launch; returns the stored lengths read (a GPU tensor) or the raw byte count."""
+             loc: "tuple[torch.Tensor, torch.Tensor] | None" = None, prefix: bool = False) -> "torch.Tensor | int":
+        """One ``decode_descriptors`` launch; returns the stored lengths read (a GPU tensor) or the raw byte count.
+
+        ``prefix=True`` promises ``slots == arange(len(slots))`` (a dense read): the per-row metadata is then
+        a view, no gather."""
         from ..kernels.bitpack import decode_descriptors
 
         m = slots.numel()
         if m == 0:
             return 0
         if self.compress:
-            lengths = self._lengths[slots]
-            flags = lengths.lt(self.row_bytes).view(torch.uint8)
+            if prefix:
+                lengths, flags = self._lengths[:m], self._flags[:m]
+            else:
+                lengths, flags = self._lengths[slots], self._flags[slots]
             moved: "torch.Tensor | int" = lengths
         else:
             lengths, flags = self._raw_meta(m)
@@ -198,7 +209,7 @@ class ZeroCopyStore(RowStore):
     @property
     def device_nbytes(self) -> int:
         tables = self.codec.metadata_nbytes if self.compress else 0
-        return (self._lengths.numel() * 4 + self._raw_lengths.numel() * 5 + self._table.numel() * 8 + tables)
+        return (self._lengths.numel() * 5 + self._raw_lengths.numel() * 5 + self._table.numel() * 8 + tables)
 
 
 class CpuGatherStore(RowStore):

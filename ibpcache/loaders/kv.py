@@ -90,7 +90,9 @@ class KVOffloadManager:
         compress: IBP-compress the rows (fit per layer at the first append). False stores raw rows.
         transfer: one of :data:`TRANSFERS`, or "auto" (``zero_copy`` on CUDA, ``host`` on CPU).
         sample_rows: rows of the prompt the per-layer fit looks at (the paper samples; 10% loses ~nothing).
-        threshold, chunk_bytes: passed to :meth:`Codec.fit` ("auto" searches both).
+        threshold, chunk_bytes: passed to :meth:`Codec.fit` ("auto" searches both). ``chunk_bytes="auto_once"``
+            searches the chunk size on the first layer fitted (K and V separately) and reuses it for the others:
+            one fit-size pass per codec instead of four (prefill fit time), same stored format.
         reserve_tokens: host capacity to allocate up front per layer (prompt + new tokens avoids growth).
         timing: record CUDA events around every transfer, summarised by :meth:`stats` (benchmarks).
         count_bytes: keep exact PCIe byte counters for compressed rows (two small kernels per fetch; turn
@@ -153,6 +155,7 @@ class KVOffloadManager:
         self._layers = [_LayerState() for _ in range(num_layers)]
         self._bh_cache: dict[torch.device, torch.Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._chunk_once: dict[str, int] = {}  # chunk_bytes="auto_once": the size found for "k" / "v"
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cpu-gather") if transfer == "cpu_gather" else None
         self._reset_counters()
@@ -241,10 +244,15 @@ class KVOffloadManager:
             gen = self._generators[rows.device] = torch.Generator(device=rows.device).manual_seed(0)
         return rows[torch.randint(0, n, (self.sample_rows,), device=rows.device, generator=gen)]
 
-    def _make_store(self, rows: torch.Tensor) -> RowStore:
+    def _make_store(self, rows: torch.Tensor, kind: str = "k") -> RowStore:
         shape = (self.head_dim,)
         if self.compress:
-            codec = Codec.fit(self._fit_sample(rows), threshold=self.threshold, chunk_bytes=self.chunk_bytes)
+            chunk = self.chunk_bytes
+            if chunk == "auto_once":
+                chunk = self._chunk_once.get(kind, "auto")
+            codec = Codec.fit(self._fit_sample(rows), threshold=self.threshold, chunk_bytes=chunk)
+            if self.chunk_bytes == "auto_once":
+                self._chunk_once.setdefault(kind, codec.chunk_bytes)
         else:
             codec = identity_codec(self.row_bytes, self.dtype, shape)
         if self.transfer == "zero_copy":
@@ -286,7 +294,7 @@ class KVOffloadManager:
         if cuda and self.compress:
             torch.cuda.current_stream(self.device).synchronize()  # time the fit alone, not queued work
         t0 = time.perf_counter()
-        st.k_store, st.v_store = self._make_store(rows_k), self._make_store(rows_v)
+        st.k_store, st.v_store = self._make_store(rows_k, "k"), self._make_store(rows_v, "v")
         if cuda and self.compress:
             torch.cuda.current_stream(self.device).synchronize()
         st.fit_s = time.perf_counter() - t0 if self.compress else 0.0
@@ -359,6 +367,7 @@ class KVOffloadManager:
         extra: dict = {}
         if isinstance(st.k_store, ZeroCopyStore):
             extra["loc"] = st.k_store.locate(slots)  # K and V share the slot geometry: locate once
+            extra["prefix"] = idx is None  # dense: slots == arange, metadata by slicing
         for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
             out_u8 = dst.view(-1, self.head_dim).view(torch.uint8)
             self._count(store.read(slots, out_u8, out_rows, **extra), counter)
@@ -574,6 +583,7 @@ class KVOffloadManager:
             if st.pending is not None and st.pending.future is not None:
                 st.pending.future.result()
         self._layers = [_LayerState() for _ in range(self.num_layers)]
+        self._chunk_once.clear()
         self._reset_counters()
 
     def close(self) -> None:

@@ -251,6 +251,51 @@ def test_selection_config_checks() -> None:
 # transformers: SmolLM2 generation
 
 
+def _layer_equivalence(device: str, compress: bool, transfer: str = "auto") -> None:
+    """IBPOffloadedCache in dense mode returns what DynamicCache returns for the same updates: same bits, dtype,
+    shape, strides and contiguity (SDPA's kernel choice on CUDA depends on the strides), and reports the same
+    get_seq_length / get_mask_sizes / is_compileable / is_sliding (what the mask code looks at)."""
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache, LlamaConfig
+
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                      intermediate_size=64, vocab_size=32)
+    b, h, d = 2, 3, 64
+    gen = torch.Generator().manual_seed(0)
+
+    def states(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # as Llama's attention makes them: proj(x).view(B, T, H, D).transpose(1, 2) -> non-contiguous views
+        k, v = (torch.randn(b, n, h, d, generator=gen).to(torch.bfloat16).to(device).transpose(1, 2)
+                for _ in range(2))
+        return k, v
+
+    ref = DynamicCache(config=cfg)
+    ours = IBPOffloadedCache(cfg, mode="dense", compress=compress, transfer=transfer)
+    assert ours.is_compileable == ref.is_compileable and ours.is_sliding == ref.is_sliding
+    for n in (37, 1, 1, 3, 1):
+        for layer in range(2):
+            assert ours.get_mask_sizes(n, layer) == ref.get_mask_sizes(n, layer)
+            k, v = states(n)
+            assert n == 1 or not k.is_contiguous()
+            want = ref.update(k, v, layer)
+            got = ours.update(k.clone(), v.clone(), layer)  # DynamicCache may alias its input: separate copies
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.dtype == w.dtype and g.device == w.device
+                assert g.stride() == w.stride() and g.is_contiguous() == w.is_contiguous()
+                assert g.storage_offset() == w.storage_offset() == 0
+                assert_same_bits(g, w)
+            assert ours.get_seq_length(layer) == ref.get_seq_length(layer)
+            assert ours.get_mask_sizes(1, layer) == ref.get_mask_sizes(1, layer)
+    ours.close()
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_dense_layer_returns_what_dynamic_layer_returns(compress: bool) -> None:
+    _layer_equivalence("cpu", compress)
+
+
 def test_find_smollm2_errors(tmp_path: Any) -> None:
     from ibpcache.models import ModelNotFoundError, find_smollm2
 
@@ -396,6 +441,12 @@ def test_gpu_fetch_prefetch_roundtrip(code_kv: Any, transfer: str, compress: boo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("transfer,compress", GPU_PATHS)
+def test_gpu_dense_layer_returns_what_dynamic_layer_returns(transfer: str, compress: bool) -> None:
+    _layer_equivalence("cuda", compress, transfer)
+
+
+@pytest.mark.gpu
 def test_gpu_and_cpu_store_identical_bytes(code_kv: Any) -> None:
     k, v = code_kv("bf16")
     host = _manager(torch.bfloat16, "cpu")
@@ -464,7 +515,8 @@ def test_bench_llm_quick_smoke(tmp_path: Any) -> None:
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     recs = json.loads((tmp_path / "bench_llm.json").read_text())["records"]
-    assert {r["path"] for r in recs} == set("abcd")
+    assert {r["path"] for r in recs} == set("rabcd")
+    assert all(r["first_diff_token"] is None for r in recs if r["mode"] == "dense")
     assert all(r["tokens_equal_dense_ref"] for r in recs if r["mode"] == "dense")
     assert all(r["tokens_equal_other_sparse_paths"] for r in recs if r["mode"] == "sparse")
     assert (tmp_path / "bench_llm.png").is_file()
