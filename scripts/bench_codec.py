@@ -72,6 +72,10 @@ def bench_dataset(name: str, args, bw: float) -> list[dict]:
     raw_bytes = n * rb
     x_gpu = su.cuda()
     fit_compress(x_gpu[: min(n, 4096)], None)  # build kernels outside the timed region
+    # first full run: includes pinning a fresh host buffer for the compressed rows (torch caches pinned blocks,
+    # so later runs reuse it); the second is the steady state a long-running job sees
+    _, cold, t_fit_cold, t_comp_cold = fit_compress(x_gpu, None)
+    del cold
     codec, packed, t_fit, t_comp = fit_compress(x_gpu, None)
     _, _, t_fit_s, t_comp_s = fit_compress(x_gpu, 0.1)
     del x_gpu
@@ -84,6 +88,7 @@ def bench_dataset(name: str, args, bw: float) -> list[dict]:
             "ratio": packed.ratio, "chunk_bytes": codec.chunk_bytes, "threshold": codec.threshold,
             "metadata_bytes": packed.metadata_nbytes, "compressed_fraction": packed.compressed_fraction,
             "fit_s": t_fit, "compress_s": t_comp, "fit_compress_gbps": raw_bytes / (t_fit + t_comp) / 1e9,
+            "fit_compress_gbps_first_run": raw_bytes / (t_fit_cold + t_comp_cold) / 1e9,
             "fit_compress_gbps_sample10": raw_bytes / (t_fit_s + t_comp_s) / 1e9, "pinned_h2d_gbps": bw}
     recs = []
 
@@ -253,7 +258,9 @@ def main() -> None:
         print(format_table([{k: r.get(k) for k in ("dataset", "method", "ratio", "median_ms", "gbps", "fraction_of_ideal",
                                                    "verified")} for r in recs]), flush=True)
         print(f"  {name}: fit+compress {recs[0]['fit_compress_gbps']:.1f} GB/s "
-              f"(sample 10%: {recs[0]['fit_compress_gbps_sample10']:.1f})", flush=True)
+              f"(first run, pinning its host buffer: {recs[0]['fit_compress_gbps_first_run']:.1f}; "
+              f"sample 10%: {recs[0]['fit_compress_gbps_sample10']:.1f}; fit {recs[0]['fit_s']:.3f} s, "
+              f"compress {recs[0]['compress_s']:.3f} s)", flush=True)
     write_results(args.out, "bench_codec", records, plot_main, meta=vars(args))
     f7 = fig7(args, bw)
     print(format_table(f7), flush=True)
