@@ -162,6 +162,31 @@ class Codec:
             return size_rows(rows, self)
         return torch.from_numpy(cpu.size_rows_cpu(rows.numpy(), self.mask, self.bitval, self.chunk_bytes))
 
+    def encode_rows_at(self, rows_u8: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
+                       lengths: "np.ndarray | None" = None) -> np.ndarray:
+        """CPU: store row m of ``rows_u8`` (uint8 [M, row_bytes]) at ``buf[offsets[m]:]``; return int32 lengths.
+
+        Each row is written compressed when that shrinks it, raw otherwise; exactly ``lengths[m]`` bytes are
+        written (pass ``lengths`` if they are already known). The one CPU write path of every store.
+        """
+        if lengths is None:
+            lengths = cpu.size_rows_cpu(rows_u8, self.mask, self.bitval, self.chunk_bytes)
+        if rows_u8.shape[0]:
+            cpu.encode_rows_cpu(rows_u8, self.mask, self.bitval, self.chunk_bytes, buf, offsets, lengths)
+        return lengths
+
+    def decode_rows_at(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out_u8: np.ndarray,
+                       out_rows: np.ndarray, compressed: "np.ndarray | None" = None) -> None:
+        """CPU: decode the row stored at ``buf[offsets[m]:]`` (``lengths[m]`` bytes) into ``out_u8[out_rows[m]]``.
+
+        ``compressed`` (uint8 per row) defaults to ``lengths < row_bytes``, which is what the format implies.
+        The one CPU read path of every store.
+        """
+        if compressed is None:
+            compressed = (lengths < self.row_bytes).astype(np.uint8)
+        cpu.decode_rows_cpu(buf, offsets, lengths, compressed, self.mask, self.bitval, self.chunk_bytes, out_u8,
+                            out_rows)
+
     def compress(
         self,
         x: torch.Tensor,
@@ -248,6 +273,5 @@ def _compress_rows_cpu(rows: torch.Tensor, codec: Codec, layout: Layout, pin: bo
         np.cumsum(lengths[:-1], out=offsets[1:])
         total = int(lengths.sum(dtype=np.int64))
     data = _alloc_host(total, pin)
-    if n:
-        cpu.encode_rows_cpu(src, codec.mask, codec.bitval, codec.chunk_bytes, data.numpy(), offsets, lengths)
+    codec.encode_rows_at(src, data.numpy(), offsets, lengths)
     return data, torch.from_numpy(lengths)

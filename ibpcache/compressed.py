@@ -11,7 +11,6 @@ from ._validation import check_ids, resolve_device
 from .codec import Codec
 from .errors import FormatError
 from .format import FileKind, Layout, read_container, write_container
-from .kernels import bitpack_cpu as cpu
 
 __all__ = ["CompressedRows"]
 
@@ -171,9 +170,8 @@ class CompressedRows:
             gather_rows(self, ids, out_u8)
         else:
             idx = ids.numpy()
-            cpu.decode_rows_cpu(self.data.numpy(), self.offsets.numpy()[idx], self.lengths.numpy()[idx],
-                                self.is_compressed().numpy()[idx], self.codec.mask, self.codec.bitval,
-                                self.codec.chunk_bytes, out_u8.numpy(), np.arange(m, dtype=np.int64))
+            self.codec.decode_rows_at(self.data.numpy(), self.offsets.numpy()[idx], self.lengths.numpy()[idx],
+                                      out_u8.numpy(), np.arange(m, dtype=np.int64))
         return out
 
     # -- persistence ------------------------------------------------------------------------------

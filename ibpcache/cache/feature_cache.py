@@ -33,7 +33,6 @@ from .._validation import as_row_bytes, check_ids, resolve_device
 from ..codec import Codec
 from ..compressed import CompressedRows
 from ..errors import CapacityError
-from ..kernels import bitpack_cpu as cpu_codec
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
 from .host_store import HostStore
@@ -344,14 +343,12 @@ class FeatureCache:
         if hit_pos.numel():
             e = entries[hit_pos]
             lens = entry_lengths(e)
-            cpu_codec.decode_rows_cpu(self.slab.data.numpy(), entry_offsets(e).numpy(), lens.numpy(),
-                                      entry_compressed(e).numpy(), codec.mask, codec.bitval, codec.chunk_bytes,
-                                      out_np, hit_pos.numpy())
+            codec.decode_rows_at(self.slab.data.numpy(), entry_offsets(e).numpy(), lens.numpy(), out_np,
+                                 hit_pos.numpy(), compressed=entry_compressed(e).numpy())
             slab_bytes = int(lens.sum(dtype=torch.int64))
         if miss_pos.numel():
             offsets, lens_np, comp = self.host.cpu_descriptors(ids[miss_pos].numpy())
-            cpu_codec.decode_rows_cpu(self.host.data.numpy(), offsets, lens_np, comp, codec.mask, codec.bitval,
-                                      codec.chunk_bytes, out_np, miss_pos.numpy())
+            codec.decode_rows_at(self.host.data.numpy(), offsets, lens_np, out_np, miss_pos.numpy(), compressed=comp)
             host_bytes = int(lens_np.sum(dtype=np.int64))
         self.stats_.add_cpu(ids.numel(), int(hit_pos.numel()), host_bytes, slab_bytes)
         return entries
@@ -409,8 +406,8 @@ class FeatureCache:
             self.slot_view[slots] = stage[:, : self.slot_bytes]
         else:
             offsets = (slots * self.slot_bytes).numpy()
-            cpu_codec.encode_rows_cpu(rows_u8.contiguous().numpy(), codec.mask, codec.bitval, codec.chunk_bytes,
-                                      self.slab.data.numpy(), offsets, self.cache_lengths[ids].numpy())
+            codec.encode_rows_at(rows_u8.contiguous().numpy(), self.slab.data.numpy(), offsets,
+                                 self.cache_lengths[ids].numpy())
 
     def _rebuild_index(self) -> None:
         """Rebuild a hash index from the resident slots (drops tombstones; frees duplicate slots)."""

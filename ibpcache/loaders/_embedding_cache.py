@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from ..codec import Codec
-from ..kernels import bitpack_cpu as cpu
 
 __all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather"]
 
@@ -218,10 +217,7 @@ class HostRowStore:
                 out.index_copy_(0, out_rows, self._rows2d.index_select(0, idx))
             return
         rows = np.arange(idx.numel(), dtype=np.int64) if out_rows is None else out_rows.numpy()
-        lens_np = lens.numpy()
-        cpu.decode_rows_cpu(self.data.numpy(), idx.numpy() * self.row_bytes, lens_np,
-                            (lens_np < self.row_bytes).astype(np.uint8), self.codec.mask, self.codec.bitval,
-                            self.codec.chunk_bytes, out.numpy(), rows)
+        self.codec.decode_rows_at(self.data.numpy(), idx.numpy() * self.row_bytes, lens.numpy(), out.numpy(), rows)
 
     # -- writes -----------------------------------------------------------------------------------
     def write_rows(self, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
@@ -247,11 +243,8 @@ class HostRowStore:
         if not self.compress:
             self._rows2d.numpy()[idx] = rows
             return
-        c = self.codec
-        lens = cpu.size_rows_cpu(rows, c.mask, c.bitval, c.chunk_bytes)
         self._rows2d.numpy()[idx] = 0  # the format keeps each slot's tail after the stored bytes zero
-        cpu.encode_rows_cpu(rows, c.mask, c.bitval, c.chunk_bytes, self.data.numpy(), idx * self.row_bytes, lens)
-        self.lengths.numpy()[idx] = lens
+        self.lengths.numpy()[idx] = self.codec.encode_rows_at(rows, self.data.numpy(), idx * self.row_bytes)
 
     # -- whole table ------------------------------------------------------------------------------
     def dense(self) -> torch.Tensor:
@@ -264,10 +257,8 @@ class HostRowStore:
             out.view(torch.uint8).view(self.n_rows, self.row_bytes).copy_(self._rows2d)
             return out
         idx = np.arange(self.n_rows, dtype=np.int64)
-        lens = self.lengths.numpy()
-        cpu.decode_rows_cpu(self.data.numpy(), idx * self.row_bytes, lens, (lens < self.row_bytes).astype(np.uint8),
-                            self.codec.mask, self.codec.bitval, self.codec.chunk_bytes,
-                            out.view(torch.uint8).view(self.n_rows, self.row_bytes).numpy(), idx)
+        self.codec.decode_rows_at(self.data.numpy(), idx * self.row_bytes, self.lengths.numpy(),
+                                  out.view(torch.uint8).view(self.n_rows, self.row_bytes).numpy(), idx)
         return out
 
     def refit(self, table: torch.Tensor) -> None:

@@ -308,8 +308,6 @@ class NumbaHostStore(RowStore):
         self._buf, self._lengths, self.capacity = buf, lengths, cap
 
     def write(self, rows_u8: torch.Tensor, slot0: int) -> int:
-        from ..kernels.bitpack_cpu import encode_rows_cpu, size_rows_cpu
-
         m = rows_u8.shape[0]
         if slot0 + m > self.capacity:
             raise CapacityError(f"write of slots [{slot0}, {slot0 + m}) past capacity {self.capacity}; reserve first")
@@ -319,26 +317,19 @@ class NumbaHostStore(RowStore):
         if not self.compress:
             self._buf[slot0 * self.row_bytes : (slot0 + m) * self.row_bytes] = rows.reshape(-1)
             return m * self.row_bytes
-        c = self.codec
-        lengths = size_rows_cpu(rows, c.mask, c.bitval, c.chunk_bytes)
         offsets = np.arange(slot0, slot0 + m, dtype=np.int64) * self.row_bytes
-        encode_rows_cpu(rows, c.mask, c.bitval, c.chunk_bytes, self._buf, offsets, lengths)
+        lengths = self.codec.encode_rows_at(rows, self._buf, offsets)
         self._lengths[slot0 : slot0 + m] = lengths
         return int(lengths.sum(dtype=np.int64))
 
     def read(self, slots: torch.Tensor, out_u8: torch.Tensor, out_rows: "torch.Tensor | None") -> int:
-        from ..kernels.bitpack_cpu import decode_rows_cpu
-
         m = slots.numel()
         if m == 0:
             return 0
         s = slots.numpy()
         lengths = self._lengths[s]
-        flags = (lengths < self.row_bytes).astype(np.uint8)
         rows = out_rows.numpy() if out_rows is not None else np.arange(m, dtype=np.int64)
-        c = self.codec
-        decode_rows_cpu(self._buf, s * self.row_bytes, lengths, flags, c.mask, c.bitval, c.chunk_bytes,
-                        out_u8.numpy(), rows)
+        self.codec.decode_rows_at(self._buf, s * self.row_bytes, lengths, out_u8.numpy(), rows)
         return int(lengths.sum(dtype=np.int64))
 
     def stored_bytes(self, n_slots: int) -> int:
