@@ -10,7 +10,7 @@ import torch
 
 from ._validation import as_row_bytes, check_rows, resolve_device
 from .errors import FormatError
-from .fit import DEFAULT_THRESHOLDS, fit_rows, sample_rows
+from .fit import DEFAULT_THRESHOLDS, fit_rows_many, sample_rows
 from .format import CHUNK_SIZES, FileKind, Layout, RowGeometry, dtype_to_name, name_to_dtype, read_container, write_container
 from .kernels.backends import backend_for
 from .kernels import bitpack_cpu as cpu
@@ -117,32 +117,66 @@ class Codec:
         wins. ``threshold``/``chunk_bytes`` pin one value instead of "auto". ``sample`` fits on a
         fraction (float) or a count (int) of randomly chosen rows (paper Table 5: 10% loses ~nothing).
         """
-        x = check_rows(x)
-        dtype_to_name(x.dtype)
-        if x.shape[0] == 0:
-            raise ValueError("cannot fit a codec on zero rows")
-        rows = as_row_bytes(x)
-        idx = sample_rows(rows.shape[0], sample, seed)
-        if idx is not None:
-            rows = rows[torch.from_numpy(idx).to(rows.device)]
+        return cls.fit_many([x], threshold, chunk_bytes, sample, thresholds=thresholds, seed=seed)[0]
+
+    @classmethod
+    def fit_many(
+        cls,
+        xs: "list[torch.Tensor]",
+        threshold: "float | str" = "auto",
+        chunk_bytes: "int | str | list[int | str]" = "auto",
+        sample: "float | int | None" = None,
+        *,
+        thresholds: "tuple[float, ...]" = DEFAULT_THRESHOLDS,
+        seed: int = 0,
+    ) -> "list[Codec]":
+        """One codec per tensor of ``xs`` (all on the same device), fitted together: same result as
+        :meth:`fit` on each, but on the GPU with two host syncs in all instead of two per codec.
+
+        ``chunk_bytes`` may be one value for all or a list with one value per tensor.
+        """
+        if not xs:
+            return []
+        chunk_list = list(chunk_bytes) if isinstance(chunk_bytes, (list, tuple)) else [chunk_bytes] * len(xs)
+        if len(chunk_list) != len(xs):
+            raise ValueError(f"chunk_bytes: expected {len(xs)} values, got {len(chunk_list)}")
+        rows_list, sizes_list = [], []
+        for x, chunk in zip(xs, chunk_list):
+            x = check_rows(x)
+            dtype_to_name(x.dtype)
+            if x.shape[0] == 0:
+                raise ValueError("cannot fit a codec on zero rows")
+            rows = as_row_bytes(x)
+            idx = sample_rows(rows.shape[0], sample, seed)
+            if idx is not None:
+                rows = rows[torch.from_numpy(idx).to(rows.device)]
+            rows_list.append(rows)
+            sizes_list.append(cls._fit_sizes_arg(chunk))
+        if len({r.device for r in rows_list}) != 1:
+            raise ValueError("fit_many: every tensor must be on the same device")
+        grid = cls._fit_grid_arg(threshold, thresholds)
+        results = fit_rows_many(rows_list, thresholds=grid, chunk_sizes=sizes_list, backend=backend_for(rows_list[0]))
+        return [cls(r.mask, r.bitval, chunk_bytes=r.chunk_bytes, row_bytes=rows.shape[1], dtype=x.dtype,
+                    row_shape=tuple(x.shape[1:]), threshold=r.threshold, fitted_rows=r.fitted_rows, scores=r.scores)
+                for r, rows, x in zip(results, rows_list, xs)]
+
+    @staticmethod
+    def _fit_grid_arg(threshold: "float | str", thresholds: "tuple[float, ...]") -> "tuple[float, ...]":
         if threshold == "auto":
-            grid = tuple(thresholds)
-        elif isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            return tuple(thresholds)
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
             if not 0.5 < float(threshold) <= 1.0:
                 raise ValueError(f"threshold must be in (0.5, 1.0] or 'auto', got {threshold}")
-            grid = (float(threshold),)
-        else:
-            raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
+            return (float(threshold),)
+        raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
+
+    @staticmethod
+    def _fit_sizes_arg(chunk_bytes: "int | str") -> "tuple[int, ...]":
         if chunk_bytes == "auto":
-            sizes = CHUNK_SIZES
-        elif chunk_bytes in CHUNK_SIZES:
-            sizes = (int(chunk_bytes),)
-        else:
-            raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES} or 'auto', got {chunk_bytes!r}")
-        result = fit_rows(rows, thresholds=grid, chunk_sizes=sizes, backend=backend_for(rows))
-        return cls(result.mask, result.bitval, chunk_bytes=result.chunk_bytes, row_bytes=rows.shape[1],
-                   dtype=x.dtype, row_shape=tuple(x.shape[1:]), threshold=result.threshold,
-                   fitted_rows=result.fitted_rows, scores=result.scores)
+            return CHUNK_SIZES
+        if chunk_bytes in CHUNK_SIZES:
+            return (int(chunk_bytes),)
+        raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES} or 'auto', got {chunk_bytes!r}")
 
     # -- compress ---------------------------------------------------------------------------------
     def _check_compatible(self, x: torch.Tensor) -> torch.Tensor:

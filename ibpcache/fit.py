@@ -16,7 +16,7 @@ import torch
 
 from .format import CHUNK_SIZES, RowGeometry
 
-__all__ = ["DEFAULT_THRESHOLDS", "FitResult", "bit_levels", "chunk_tables", "fit_rows", "sample_rows"]
+__all__ = ["DEFAULT_THRESHOLDS", "FitResult", "bit_levels", "chunk_tables", "fit_rows", "fit_rows_many", "sample_rows"]
 
 DEFAULT_THRESHOLDS: tuple[float, ...] = tuple(round(0.70 + 0.01 * k, 2) for k in range(26))
 """T/N candidates 0.70, 0.71, ..., 0.95 (the paper sweeps 0.7..1.0 and finds ~0.8 best)."""
@@ -113,31 +113,52 @@ def fit_rows(
 ) -> FitResult:
     """Fit on ``rows_u8`` ([N, row_bytes] uint8, CPU or CUDA) using ``backend`` (cpu or gpu kernels).
 
-    ``backend`` provides ``bitcount(rows) -> np.int64[row_bytes*8]`` and
-    ``fit_sizes(rows, level, inv, pc, c) -> np.int64[K]``.
+    ``backend`` provides ``bitcount_lazy(rows)``, ``fit_sizes_lazy(rows, level, inv, pc, c)`` and
+    ``collect(handles) -> list[np.ndarray]`` (see :class:`~ibpcache.kernels.bitpack.GpuBackend`).
     """
-    n, row_bytes = rows_u8.shape
-    for c in chunk_sizes:
-        if c not in CHUNK_SIZES:
-            raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES}, got {c}")
+    return fit_rows_many([rows_u8], thresholds=thresholds, chunk_sizes=[chunk_sizes], backend=backend)[0]
+
+
+def fit_rows_many(
+    rows_list: "list[torch.Tensor]",
+    *,
+    thresholds: "tuple[float, ...]",
+    chunk_sizes: "list[tuple[int, ...]]",
+    backend: "object",
+) -> list[FitResult]:
+    """Fit one codec per entry of ``rows_list`` (``chunk_sizes[i]``: the sizes tried for entry i).
+
+    All bit counts are launched before any is read, then all size passes: on the GPU that is two host syncs
+    for any number of codecs (the KV manager fits two per decoder layer at the end of a prefill).
+    """
+    for sizes in chunk_sizes:
+        for c in sizes:
+            if c not in CHUNK_SIZES:
+                raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES}, got {c}")
     grid = _percent_grid(thresholds)
     k_count = len(grid)
-    counts = backend.bitcount(rows_u8)
-    level, majority = bit_levels(counts, n, grid)
-    scores: dict = {}
-    best = None
-    for c in chunk_sizes:
-        geom = RowGeometry(row_bytes, c)
-        lv, inv, pc = chunk_tables(level, majority, geom, k_count)
-        totals = backend.fit_sizes(rows_u8, lv, inv, pc, c)
+    counts = backend.collect([backend.bitcount_lazy(rows) for rows in rows_list])
+    jobs = []  # (entry, chunk size, level table, totals handle)
+    majorities = []
+    for i, (rows, cnt) in enumerate(zip(rows_list, counts)):
+        level, majority = bit_levels(cnt, rows.shape[0], grid)
+        majorities.append(majority)
+        for c in chunk_sizes[i]:
+            lv, inv, pc = chunk_tables(level, majority, RowGeometry(rows.shape[1], c), k_count)
+            jobs.append((i, c, lv, backend.fit_sizes_lazy(rows, lv, inv, pc, c)))
+    totals_all = backend.collect([job[3] for job in jobs])
+    best: dict = {}
+    scores: dict = {i: {} for i in range(len(rows_list))}
+    for (i, c, lv, _), totals in zip(jobs, totals_all):
         for k in range(k_count):
             total = int(totals[k])
-            scores[(c, grid[k] / 100.0)] = total
+            scores[i][(c, grid[k] / 100.0)] = total
             key = (total, -c, -k)
-            if best is None or key < best[0]:
-                best = (key, c, k, lv)
-    assert best is not None
-    _, c, k, lv = best
-    geom = RowGeometry(row_bytes, c)
-    mask, bitval = mask_at(lv, majority, geom, k)
-    return FitResult(c, grid[k] / 100.0, mask, bitval, n, scores)
+            if i not in best or key < best[i][0]:
+                best[i] = (key, c, k, lv)
+    out = []
+    for i, rows in enumerate(rows_list):
+        _, c, k, lv = best[i]
+        mask, bitval = mask_at(lv, majorities[i], RowGeometry(rows.shape[1], c), k)
+        out.append(FitResult(c, grid[k] / 100.0, mask, bitval, rows.shape[0], scores[i]))
+    return out

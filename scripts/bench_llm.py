@@ -165,11 +165,19 @@ def agreement(a: torch.Tensor, b: torch.Tensor) -> dict:
             "prefix_agreement": float(first_diff.float().mean() / a.shape[1])}
 
 
-def run_config(model: Any, ids: torch.Tensor, dtype: str, mode: str, path: str, args: argparse.Namespace) -> dict:
+def timed_generation(model: Any, ids: torch.Tensor, mode: str, path: str, args: argparse.Namespace,
+                     warm_up: bool) -> RunResult:
+    """One timed generation of a configuration (after a 3-token warm-up generation when ``warm_up``)."""
     reserve = ids.shape[1] + args.new_tokens + 1
-    generate(model, ids, make_cache(path, mode, model, args, reserve, False), 3)  # warm-up: kernels, allocator
-    timed = [generate(model, ids, make_cache(path, mode, model, args, reserve, False), args.new_tokens)
-             for _ in range(args.repeats)]
+    if warm_up:
+        generate(model, ids, make_cache(path, mode, model, args, reserve, False), 3)  # kernels, allocator
+    return generate(model, ids, make_cache(path, mode, model, args, reserve, False), args.new_tokens)
+
+
+def summarize_config(model: Any, ids: torch.Tensor, dtype: str, mode: str, path: str, args: argparse.Namespace,
+                     timed: list[RunResult]) -> dict:
+    """The record of one configuration from its timed generations (plus one instrumented run, if asked)."""
+    reserve = ids.shape[1] + args.new_tokens + 1
     steps = [s for r in timed for s in r.step_ms]
     rec: dict = {
         "dtype": dtype, "mode": mode, "path": path, "label": PATHS[path],
@@ -293,6 +301,9 @@ def parse_args() -> argparse.Namespace:
                    help="chunk size of the prefill fit (auto searches all four per codec: four passes; "
                         "auto_once searches on the first layer only and reuses its choice)")
     p.add_argument("--cpu-threads", type=int, default=None, help="torch CPU threads (baseline b's gather)")
+    p.add_argument("--cudnn-sdpa", action="store_true",
+                   help="allow PyTorch's cuDNN attention backend (off by default: on the H200 it is not run-to-run "
+                        "deterministic, so even DynamicCache cannot reproduce its own greedy tokens)")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: smoke-test the script without a GPU (paths c and d on the Numba host path only)")
@@ -318,15 +329,28 @@ def main() -> None:
         args.paths = "".join(p for p in args.paths if p in "rcd")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
+    if args.device == "cuda" and not args.cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     model, tok, source = load_model(args)
     lengths = [args.prompt_len] + ([8000] if args.long else [])
     configs = [(n, dt, mode, path) for n in lengths for dt in args.dtypes.split(",") for mode in args.modes.split(",")
                for path in args.paths if not (mode == "sparse" and path in "ra")]
-    recs: list[dict] = []
     prompts = {n: stdlib_prompts(tok, args.batch, n, model.config.vocab_size).to(args.device) for n in lengths}
-    for n, dt, mode, path in tqdm(configs, desc="configs"):
+    # Repeats go round-robin over the configurations, so slow drift of the machine (clocks, other tenants)
+    # spreads over every path instead of landing on whichever ran last.
+    timed: dict = {cfg: [] for cfg in configs}
+    with tqdm(total=len(configs) * args.repeats, desc="generations") as bar:
+        for rep in range(args.repeats):
+            for cfg in configs:
+                n, dt, mode, path = cfg
+                model.to(DTYPES[dt])
+                timed[cfg].append(timed_generation(model, prompts[n], mode, path, args, warm_up=rep == 0))
+                bar.update()
+    recs: list[dict] = []
+    for cfg in configs:
+        n, dt, mode, path = cfg
         model.to(DTYPES[dt])
-        recs.append(run_config(model, prompts[n], dt, mode, path, args))
+        recs.append(summarize_config(model, prompts[n], dt, mode, path, args, timed[cfg]))
     for n in lengths:
         check_outputs([r for r in recs if r["prompt_len"] == n])
     for r in recs:
@@ -343,6 +367,7 @@ def main() -> None:
     meta = {"args": {k: (str(v) if v is not None else None) for k, v in vars(args).items()}, "model": source,
             "targets": targets, "torch_threads": torch.get_num_threads(), "paths": PATHS,
             "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "cudnn_sdpa": bool(args.cudnn_sdpa),
             "torch": torch.__version__, "transformers": _transformers_version(),
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     for n in lengths:

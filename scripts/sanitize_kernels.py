@@ -1,4 +1,4 @@
-"""Run every bitpack kernel once on a small real case, for compute-sanitizer memcheck/racecheck.
+"""Run every bitpack, kv_rows and kv_select kernel once on a small real case, for compute-sanitizer memcheck/racecheck.
 
 `compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py` (scripts/gpu_check.sh does this).
 Exits non-zero if any output is wrong, so a sanitizer-clean run is also a correct one.
@@ -12,6 +12,43 @@ import torch
 
 from ibpcache import Codec, datasets
 from ibpcache.kernels.bitpack import decode_descriptors, encode_into, gather_raw
+
+
+def kv_kernels_ok() -> bool:
+    """The KV manager's fused kernels: append (K+V encode, attention-buffer copy), fetch (sparse, dense), select."""
+    from ibpcache.kernels.kv_select import partial_scores
+    from ibpcache.loaders.kv import KVOffloadManager
+
+    try:
+        k = datasets.load_kv("code", "k", "bf16", flat=False)[2][:, :96]  # [3, 96, 64] real keys
+        v = datasets.load_kv("code", "v", "bf16", flat=False)[2][:, :96]
+    except FileNotFoundError:
+        g = torch.Generator().manual_seed(0)
+        k = (torch.randn(3, 96, 64, generator=g) * 4).to(torch.bfloat16)
+        v = (torch.randn(3, 96, 64, generator=g)).to(torch.bfloat16)
+    k, v = k[None].expand(2, -1, -1, -1).contiguous().cuda(), v[None].expand(2, -1, -1, -1).contiguous().cuda()
+    ok = True
+    for compress in (True, False):
+        mgr = KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cuda", compress=compress,
+                               host_chunk_bytes=4096)
+        mgr.append(0, k[:, :, :80], v[:, :, :80])
+        for t in range(80, 95):
+            mgr.append(0, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        buf = mgr.take(0, None, extra_tokens=1)
+        mgr.append(0, k[:, :, 95:], v[:, :, 95:], into=buf)
+        ok &= torch.equal(buf[0].view(torch.int16), k.view(torch.int16))
+        idx = torch.randint(0, 96, (2, 3, 33), device="cuda").sort(dim=-1).values
+        got = mgr.fetch(0, idx)
+        ok &= torch.equal(got[1].view(torch.int16), v.gather(2, idx[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
+        mgr.close()
+    dims = torch.arange(13, device="cuda").repeat(9, 1)
+    keys = k[..., :13].contiguous()
+    q = torch.cat([k[:, :, :1]] * 3, dim=1)  # [2, 9, 1, 64]
+    scores, counts = partial_scores(q, dims, keys, 96, 0.125, 4.0, None)
+    ok &= bool((counts >= 1).all()) and scores.shape == (2, 3, 96)
+    torch.cuda.synchronize()
+    print(f"kv kernels: ok={ok}")
+    return ok
 
 
 def main() -> int:
@@ -43,6 +80,7 @@ def main() -> int:
         ok &= torch.equal(out.cpu(), rows[ids.cpu()])
         torch.cuda.synchronize()
         print(f"{name}: ok={ok}")
+    ok &= kv_kernels_ok()
     return 0 if ok else 1
 
 

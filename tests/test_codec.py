@@ -81,6 +81,19 @@ def test_sampled_fit_loses_little(real_rows) -> None:
     assert_bit_equal(sampled.decompress(), x)
 
 
+def test_fit_many_equals_separate_fits(real_rows) -> None:
+    """Fitting several codecs together (two syncs on a GPU) chooses exactly what separate fits choose."""
+    xs = [real_rows("kv_chat_k_bf16")[:4000], real_rows("kv_code_v_fp16")[:4000], real_rows("cora")[:500]]
+    together = Codec.fit_many(xs, chunk_bytes=["auto", 2, "auto"], sample=0.5)
+    alone = [Codec.fit(xs[0], sample=0.5), Codec.fit(xs[1], chunk_bytes=2, sample=0.5), Codec.fit(xs[2], sample=0.5)]
+    for a, b in zip(together, alone):
+        assert a.same_tables(b) and a.chunk_bytes == b.chunk_bytes and a.threshold == b.threshold
+        assert a.scores == b.scores and a.dtype == b.dtype
+    assert Codec.fit_many([]) == []
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        Codec.fit_many(xs, chunk_bytes=[2])
+
+
 # -- golden vectors: the CPU encoder must keep producing these exact bytes -----------------------------
 def golden_files() -> list[Path]:
     return sorted(GOLDEN.glob("*.npz"))

@@ -39,6 +39,9 @@ def test_gpu_fit_equals_cpu_fit_and_round_trips(real_rows, name: str) -> None:
     gpu_codec = Codec.fit(x.cuda())
     assert gpu_codec.same_tables(cpu_codec) and gpu_codec.threshold == cpu_codec.threshold
     assert gpu_codec.scores == cpu_codec.scores
+    both = Codec.fit_many([x.cuda(), x[: x.shape[0] // 2].cuda()])  # batched: two syncs for both codecs
+    assert both[0].same_tables(cpu_codec) and both[0].scores == cpu_codec.scores
+    assert both[1].same_tables(Codec.fit(x[: x.shape[0] // 2]))
     p = gpu_codec.compress(x.cuda())
     assert np.array_equal(p.data.numpy(), cpu_codec.compress(x, pin=False).data.numpy())
     ids = torch.randint(0, x.shape[0], (100_000,), device="cuda")

@@ -26,6 +26,14 @@ class CpuBackend:
     def fit_sizes(rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray, c: int) -> np.ndarray:
         return cpu.fit_sizes_cpu(rows.numpy(), level, inv, pc, c)
 
+    # Same interface as the GPU backend's deferred forms: on the CPU the results are simply ready.
+    bitcount_lazy = bitcount
+    fit_sizes_lazy = fit_sizes
+
+    @staticmethod
+    def collect(handles: "list[np.ndarray]") -> list[np.ndarray]:
+        return list(handles)
+
 
 def backend_for(rows: torch.Tensor) -> object:
     """The backend that runs where ``rows`` live."""

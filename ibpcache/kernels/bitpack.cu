@@ -222,84 +222,92 @@ IBP_FOR_EACH_C(IBP_SIZE)
 // ------------------------------------------------------------------------------------------------
 #define IBP_ENC_WORDS 72  // one group: <= 32 + 32*64 bits = 65 words, plus the carried partial word
 
+// Encode one row with the calling warp: the stored length (all lanes get it). Rows that would not shrink
+// are copied raw (length == row_bytes). `buf` is this warp's IBP_ENC_WORDS words of shared memory.
+template <int C>
+__device__ int ibp_encode_row(const unsigned char* __restrict__ row, unsigned char* __restrict__ dst, int row_bytes,
+                              int n_chunks, const u64* __restrict__ mask, const u64* __restrict__ bitval, u32* buf,
+                              int lane) {
+    const u64 width = ibp_lowmask(8 * C);
+    long long bits = ibp_row_bits<C>(row, row_bytes, n_chunks, mask, bitval, lane);
+    long long nbytes = (bits + 7) / 8;
+    if (nbytes >= row_bytes) {
+        for (int b = lane; b < row_bytes; b += 32) dst[b] = row[b];
+        __syncwarp();
+        return row_bytes;
+    }
+    int L = (int)nbytes;
+    for (int w = lane; w < IBP_ENC_WORDS; w += 32) buf[w] = 0;
+    __syncwarp();
+    long long bitpos = 0;    // bits of the stream written so far
+    long long flushed = 0;   // words already written to dst
+    for (int g0 = 0; g0 < n_chunks; g0 += IBP_GROUP) {
+        int j = g0 + lane;
+        int nh = min(IBP_GROUP, n_chunks - g0);
+        bool valid = j < n_chunks;
+        u64 v = 0, m = 0;
+        bool p = false;
+        if (valid) {
+            v = ibp_load_chunk<C>(row, j, row_bytes);
+            m = mask[j];
+            p = (v & m) == bitval[j];
+        }
+        u32 header = __ballot_sync(IBP_FULL, p);
+        int w = valid ? (p ? 8 * C - __popcll(m) : 8 * C) : 0;
+        u64 val = p ? ibp_pext(v, (~m) & width) : v;
+        int incl = ibp_warp_incl_scan(w, lane);
+        int total = __shfl_sync(IBP_FULL, incl, 31);
+        long long base_word = bitpos >> 5;  // == flushed: buf[0] is word `flushed`
+        // header bits at bitpos
+        if (lane == 0) {
+            int off = (int)(bitpos - base_word * 32);
+            u64 h = (u64)header & ibp_lowmask(nh);
+            atomicOr(&buf[off >> 5], (u32)(h << (off & 31)));
+            if ((off & 31) + nh > 32) atomicOr(&buf[(off >> 5) + 1], (u32)(h >> (32 - (off & 31))));
+        }
+        if (w > 0) {
+            int off = (int)(bitpos + nh + (incl - w) - base_word * 32);
+            int wi = off >> 5, s = off & 31;
+            val &= ibp_lowmask(w);
+            atomicOr(&buf[wi], (u32)(val << s));
+            if (s + w > 32) atomicOr(&buf[wi + 1], (u32)(val >> (32 - s)));
+            if (s + w > 64) atomicOr(&buf[wi + 2], (u32)(val >> (64 - s)));
+        }
+        __syncwarp();
+        long long new_bitpos = bitpos + nh + total;
+        int done_words = (int)((new_bitpos >> 5) - base_word);
+        // flush finished words as bytes
+        for (int b = lane; b < done_words * 4; b += 32) {
+            dst[(flushed + (b >> 2)) * 4 + (b & 3)] = (unsigned char)(buf[b >> 2] >> (8 * (b & 3)));
+        }
+        __syncwarp();
+        u32 carry = buf[done_words];
+        __syncwarp();
+        for (int ww = lane; ww < IBP_ENC_WORDS; ww += 32) buf[ww] = (ww == 0) ? carry : 0u;
+        __syncwarp();
+        flushed += done_words;
+        bitpos = new_bitpos;
+    }
+    // tail: bytes of the last partial word up to L
+    long long first = flushed * 4;
+    for (long long b = first + lane; b < L; b += 32) dst[b] = (unsigned char)(buf[0] >> (8 * (int)(b - first)));
+    __syncwarp();
+    return L;
+}
+
 template <int C>
 __device__ void ibp_encode_impl(const unsigned char* __restrict__ rows, long long n_rows, int row_bytes,
                                 int n_chunks, const u64* __restrict__ mask, const u64* __restrict__ bitval,
                                 const long long* __restrict__ dst_ptrs, int* __restrict__ lengths_out) {
     __shared__ u32 sbuf[IBP_WARPS_PER_BLOCK][IBP_ENC_WORDS];
     int lane = threadIdx.x & 31;
-    int wib = threadIdx.x >> 5;
-    u32* buf = sbuf[wib];
+    u32* buf = sbuf[threadIdx.x >> 5];
     long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
     long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    const u64 width = ibp_lowmask(8 * C);
     for (long long i = warp; i < n_rows; i += nwarps) {
-        const unsigned char* row = rows + i * (long long)row_bytes;
         unsigned char* dst = reinterpret_cast<unsigned char*>(dst_ptrs[i]);
-        long long bits = ibp_row_bits<C>(row, row_bytes, n_chunks, mask, bitval, lane);
-        long long nbytes = (bits + 7) / 8;
-        if (nbytes >= row_bytes) {
-            for (int b = lane; b < row_bytes; b += 32) dst[b] = row[b];
-            if (lane == 0) lengths_out[i] = row_bytes;
-            continue;
-        }
-        int L = (int)nbytes;
-        for (int w = lane; w < IBP_ENC_WORDS; w += 32) buf[w] = 0;
-        __syncwarp();
-        long long bitpos = 0;    // bits of the stream written so far
-        long long flushed = 0;   // words already written to dst
-        for (int g0 = 0; g0 < n_chunks; g0 += IBP_GROUP) {
-            int j = g0 + lane;
-            int nh = min(IBP_GROUP, n_chunks - g0);
-            bool valid = j < n_chunks;
-            u64 v = 0, m = 0;
-            bool p = false;
-            if (valid) {
-                v = ibp_load_chunk<C>(row, j, row_bytes);
-                m = mask[j];
-                p = (v & m) == bitval[j];
-            }
-            u32 header = __ballot_sync(IBP_FULL, p);
-            int w = valid ? (p ? 8 * C - __popcll(m) : 8 * C) : 0;
-            u64 val = p ? ibp_pext(v, (~m) & width) : v;
-            int incl = ibp_warp_incl_scan(w, lane);
-            int total = __shfl_sync(IBP_FULL, incl, 31);
-            long long base_word = bitpos >> 5;  // == flushed: buf[0] is word `flushed`
-            // header bits at bitpos
-            if (lane == 0) {
-                int off = (int)(bitpos - base_word * 32);
-                u64 h = (u64)header & ibp_lowmask(nh);
-                atomicOr(&buf[off >> 5], (u32)(h << (off & 31)));
-                if ((off & 31) + nh > 32) atomicOr(&buf[(off >> 5) + 1], (u32)(h >> (32 - (off & 31))));
-            }
-            if (w > 0) {
-                int off = (int)(bitpos + nh + (incl - w) - base_word * 32);
-                int wi = off >> 5, s = off & 31;
-                val &= ibp_lowmask(w);
-                atomicOr(&buf[wi], (u32)(val << s));
-                if (s + w > 32) atomicOr(&buf[wi + 1], (u32)(val >> (32 - s)));
-                if (s + w > 64) atomicOr(&buf[wi + 2], (u32)(val >> (64 - s)));
-            }
-            __syncwarp();
-            long long new_bitpos = bitpos + nh + total;
-            int done_words = (int)((new_bitpos >> 5) - base_word);
-            // flush finished words as bytes
-            for (int b = lane; b < done_words * 4; b += 32) {
-                dst[(flushed + (b >> 2)) * 4 + (b & 3)] = (unsigned char)(buf[b >> 2] >> (8 * (b & 3)));
-            }
-            __syncwarp();
-            u32 carry = buf[done_words];
-            __syncwarp();
-            for (int ww = lane; ww < IBP_ENC_WORDS; ww += 32) buf[ww] = (ww == 0) ? carry : 0u;
-            __syncwarp();
-            flushed += done_words;
-            bitpos = new_bitpos;
-        }
-        // tail: bytes of the last partial word up to L
-        long long first = flushed * 4;
-        for (long long b = first + lane; b < L; b += 32) dst[b] = (unsigned char)(buf[0] >> (8 * (int)(b - first)));
+        int L = ibp_encode_row<C>(rows + i * (long long)row_bytes, dst, row_bytes, n_chunks, mask, bitval, buf, lane);
         if (lane == 0) lengths_out[i] = L;
-        __syncwarp();
     }
 }
 
@@ -409,6 +417,29 @@ __device__ void ibp_decode_row(const unsigned char* src, int L, bool compressed,
         }
         bit += total;
         __syncwarp();
+    }
+}
+
+// Chunk size chosen at run time (uniform across the warp): kernels that serve two codecs in one launch.
+__device__ __forceinline__ int ibp_encode_row_any(int C, const unsigned char* row, unsigned char* dst, int row_bytes,
+                                                  int n_chunks, const u64* mask, const u64* bitval, u32* buf,
+                                                  int lane) {
+    switch (C) {
+        case 1: return ibp_encode_row<1>(row, dst, row_bytes, n_chunks, mask, bitval, buf, lane);
+        case 2: return ibp_encode_row<2>(row, dst, row_bytes, n_chunks, mask, bitval, buf, lane);
+        case 4: return ibp_encode_row<4>(row, dst, row_bytes, n_chunks, mask, bitval, buf, lane);
+        default: return ibp_encode_row<8>(row, dst, row_bytes, n_chunks, mask, bitval, buf, lane);
+    }
+}
+
+__device__ __forceinline__ void ibp_decode_row_any(int C, const unsigned char* src, int L, bool compressed,
+                                                   unsigned char* dst, int row_bytes, int n_chunks, const u64* mask,
+                                                   const u64* bitval, uint4* ring, int lane) {
+    switch (C) {
+        case 1: ibp_decode_row<1>(src, L, compressed, dst, row_bytes, n_chunks, mask, bitval, ring, lane); break;
+        case 2: ibp_decode_row<2>(src, L, compressed, dst, row_bytes, n_chunks, mask, bitval, ring, lane); break;
+        case 4: ibp_decode_row<4>(src, L, compressed, dst, row_bytes, n_chunks, mask, bitval, ring, lane); break;
+        default: ibp_decode_row<8>(src, L, compressed, dst, row_bytes, n_chunks, mask, bitval, ring, lane); break;
     }
 }
 

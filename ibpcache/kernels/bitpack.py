@@ -7,13 +7,14 @@ Workspaces (the error word) are cached per device, so the fetch path does no cud
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..format import Layout
-from ._build import cupy_stream, get_function
+from ._build import launch
 
 if TYPE_CHECKING:
     from ..codec import Codec
@@ -43,18 +44,19 @@ def _dev_id(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-def _warp_grid(n_rows: int, device_id: int) -> int:
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of a device (asked once: the query costs more than a launch)."""
+    return torch.cuda.get_device_properties(device_id).multi_processor_count
+
+
+def warp_grid(n_rows: int, device_id: int) -> int:
     """Blocks for a warp-per-row grid-stride kernel: enough to fill the GPU, never more than needed."""
-    sms = torch.cuda.get_device_properties(device_id).multi_processor_count
-    return max(1, min(-(-n_rows // _WARPS_PER_BLOCK), sms * 16))
+    return max(1, min(-(-n_rows // _WARPS_PER_BLOCK), sm_count(device_id) * 16))
 
 
 def _launch(symbol: str, device_id: int, grid: "int | tuple", block: int, args: tuple) -> None:
-    fn = get_function(_SRC, symbol, device_id)
-    import cupy
-
-    with cupy.cuda.Device(device_id), cupy_stream(device_id):
-        fn(grid if isinstance(grid, tuple) else (grid,), (block,), args)
+    launch(_SRC, symbol, device_id, grid, block, args)
 
 
 def _err_word(device_id: int) -> torch.Tensor:
@@ -69,37 +71,76 @@ def _check_u8_rows(rows: torch.Tensor, name: str) -> None:
                          f"{tuple(rows.shape)}")
 
 
+def _upload(arrays: "list[np.ndarray]", device: torch.device) -> list[torch.Tensor]:
+    """Small host arrays in ONE host-to-device copy: 8-byte aligned pieces of a byte buffer, typed views on the GPU."""
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 8) * 8
+    buf = np.zeros(max(total, 8), dtype=np.uint8)
+    for a, off in zip(arrays, offsets):
+        buf[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    dev = torch.from_numpy(buf).to(device)
+    return [dev[off : off + a.nbytes].view(_TORCH_OF[a.dtype]) for a, off in zip(arrays, offsets)]
+
+
+_TORCH_OF = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
 class GpuBackend:
-    """Fit passes on the GPU; ``rows`` is a CUDA uint8 [N, row_bytes] tensor."""
+    """Fit passes on the GPU; ``rows`` is a CUDA uint8 [N, row_bytes] tensor.
+
+    The ``*_lazy`` forms leave their results on the GPU and :meth:`collect` reads any number of them back with
+    one copy (one host sync), so fitting many codecs at once (the KV manager's prefill) syncs twice, not per codec.
+    """
 
     name = "gpu"
 
     @staticmethod
-    def bitcount(rows: torch.Tensor) -> np.ndarray:
+    def bitcount_lazy(rows: torch.Tensor) -> torch.Tensor:
         n, rb = rows.shape
         dev = _dev_id(rows)
         counts = torch.zeros(rb * 8, dtype=torch.int64, device=rows.device)
         gx = -(-rb // 256)
-        gy = max(1, min(n, (torch.cuda.get_device_properties(dev).multi_processor_count * 64) // gx))
+        gy = max(1, min(n, (sm_count(dev) * 64) // gx))
         _launch("ibp_bitcount", dev, (gx, gy), 256, (_ptr(rows), np.int64(n), np.int32(rb), _ptr(counts)))
-        return counts.cpu().numpy()
+        return counts
 
     @staticmethod
-    def fit_sizes(rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray, c: int) -> np.ndarray:
+    def fit_sizes_lazy(rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray,
+                       c: int) -> torch.Tensor:
         n, rb = rows.shape
         k = pc.shape[0]
         if k > 32:
             raise ValueError(f"the GPU fit scores at most 32 thresholds at once, got {k}")
         dev = _dev_id(rows)
-        d = rows.device
-        lv = torch.from_numpy(np.ascontiguousarray(level, dtype=np.uint8)).to(d)
-        iv = torch.from_numpy(np.ascontiguousarray(inv).view(np.int64)).to(d)
-        pct = torch.from_numpy(np.ascontiguousarray(pc, dtype=np.int32)).to(d)
-        totals = torch.zeros(k, dtype=torch.int64, device=d)
-        _launch(f"ibp_fit_sizes_c{c}", dev, _warp_grid(n, dev), _THREADS,
+        lv, iv, pct = _upload([np.ascontiguousarray(level, dtype=np.uint8), np.ascontiguousarray(inv).view(np.int64),
+                               np.ascontiguousarray(pc, dtype=np.int32)], rows.device)
+        totals = torch.zeros(k, dtype=torch.int64, device=rows.device)
+        _launch(f"ibp_fit_sizes_c{c}", dev, warp_grid(n, dev), _THREADS,
                 (_ptr(rows), np.int64(n), np.int32(rb), np.int32(inv.shape[0]), _ptr(lv), _ptr(iv), _ptr(pct),
                  np.int32(k), _ptr(totals)))
-        return totals.cpu().numpy()
+        return totals
+
+    @staticmethod
+    def collect(handles: "list[torch.Tensor]") -> list[np.ndarray]:
+        """The lazy results as numpy arrays: one device-to-host copy for all of them."""
+        if not handles:
+            return []
+        flat = torch.cat([h.reshape(-1) for h in handles]).cpu().numpy()
+        out, pos = [], 0
+        for h in handles:
+            out.append(flat[pos : pos + h.numel()])
+            pos += h.numel()
+        return out
+
+    @classmethod
+    def bitcount(cls, rows: torch.Tensor) -> np.ndarray:
+        return cls.collect([cls.bitcount_lazy(rows)])[0]
+
+    @classmethod
+    def fit_sizes(cls, rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray, c: int) -> np.ndarray:
+        return cls.collect([cls.fit_sizes_lazy(rows, level, inv, pc, c)])[0]
 
 
 def size_rows(rows: torch.Tensor, codec: "Codec") -> torch.Tensor:
@@ -110,7 +151,7 @@ def size_rows(rows: torch.Tensor, codec: "Codec") -> torch.Tensor:
     mask, bitval = codec.device_tables(rows.device)
     lengths = torch.empty(n, dtype=torch.int32, device=rows.device)
     if n:
-        _launch(f"ibp_size_c{codec.chunk_bytes}", dev, _warp_grid(n, dev), _THREADS,
+        _launch(f"ibp_size_c{codec.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
                 (_ptr(rows), np.int64(n), np.int32(rb), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval),
                  _ptr(lengths)))
     return lengths
@@ -134,7 +175,7 @@ def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torc
         return
     dev = _dev_id(rows_u8)
     mask, bitval = codec.device_tables(rows_u8.device)
-    _launch(f"ibp_encode_c{codec.chunk_bytes}", dev, _warp_grid(n, dev), _THREADS,
+    _launch(f"ibp_encode_c{codec.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
             (_ptr(rows_u8), np.int64(n), np.int32(rb), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval),
              _ptr(dst_ptrs), _ptr(lengths_out)))
 
@@ -160,7 +201,7 @@ def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: to
         raise ValueError(f"out_rows: expected a CUDA int64 tensor of {m} elements")
     dev = _dev_id(out_u8)
     mask, bitval = codec.device_tables(out_u8.device)
-    _launch(f"ibp_decode_desc_c{codec.chunk_bytes}", dev, _warp_grid(m, dev), _THREADS,
+    _launch(f"ibp_decode_desc_c{codec.chunk_bytes}", dev, warp_grid(m, dev), _THREADS,
             (_ptr(src_ptrs), _ptr(lengths), _ptr(compressed), _ptr(out_rows), _ptr(out_u8), np.int64(m),
              np.int32(codec.row_bytes), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval)))
 
@@ -174,7 +215,7 @@ def gather_rows(packed: "CompressedRows", ids: torch.Tensor, out_u8: torch.Tenso
     mask, bitval = codec.device_tables(out_u8.device)
     err = _err_word(dev)
     n = ids.numel()
-    _launch(f"ibp_gather_c{codec.chunk_bytes}", dev, _warp_grid(n, dev), _THREADS,
+    _launch(f"ibp_gather_c{codec.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
             (_ptr(ids), np.int64(n), _ptr(base), _ptr(meta.get("offsets")), _ptr(meta["lengths"]),
              _ptr(meta["flags"]), np.int64(packed.n_rows), _ptr(out_u8), np.int32(codec.row_bytes),
              np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval), _ptr(err)))
@@ -187,7 +228,7 @@ def gather_raw(base: torch.Tensor, ids: torch.Tensor, out_u8: torch.Tensor, n_ro
     n = ids.numel()
     if n == 0:
         return
-    _launch("ibp_gather_raw", dev, _warp_grid(n, dev), _THREADS,
+    _launch("ibp_gather_raw", dev, warp_grid(n, dev), _THREADS,
             (_ptr(ids), np.int64(n), _ptr(base), np.int64(n_rows), _ptr(out_u8), np.int32(out_u8.shape[1]),
              _ptr(_err_word(dev))))
 

@@ -94,13 +94,9 @@ def _device_id(t: torch.Tensor) -> int:
 
 def _launch(symbol: str, n: int, device_id: int, args: tuple) -> None:
     """Build (once per device) and launch ``symbol`` over ``n`` items on torch's current stream."""
-    import cupy
+    from ._build import launch
 
-    from ._build import cupy_stream, get_function
-
-    fn = get_function(_SOURCE, symbol, device_id)
-    with cupy.cuda.Device(device_id), cupy_stream(device_id):
-        fn(_grid(n), (BLOCK,), args)
+    launch(_SOURCE, symbol, device_id, _grid(n), BLOCK, args)
 
 
 def _check_table(table_keys: torch.Tensor, table_values: torch.Tensor) -> None:

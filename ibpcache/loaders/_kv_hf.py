@@ -110,8 +110,8 @@ class IBPOffloadedCache(Cache):
         mode: "dense" (lossless, all tokens) or "sparse" (InfiniGen-style selection; needs ``model``).
         model: the causal LM, for sparse mode's query speculation (hooks are removed by :meth:`close` or
             when the cache is garbage-collected).
-        compress, transfer, sample_rows, threshold, chunk_bytes, reserve_tokens, timing, count_bytes: see
-            :class:`KVOffloadManager`.
+        compress, transfer, sample_rows, threshold, chunk_bytes, reserve_tokens, timing, count_bytes,
+            defer_prompt_bytes: see :class:`KVOffloadManager`.
         alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
     """
@@ -120,7 +120,7 @@ class IBPOffloadedCache(Cache):
                  compress: bool = True, transfer: str = "auto", alpha: float = 4.0, partial_ratio: float = 0.2,
                  max_num_kv: int = 400, sample_rows: int = 4096, threshold: "float | str" = "auto",
                  chunk_bytes: "int | str" = "auto", reserve_tokens: int = 0, prefetch: bool = True,
-                 timing: bool = False, count_bytes: bool = True) -> None:
+                 timing: bool = False, count_bytes: bool = True, defer_prompt_bytes: "int | None" = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
@@ -136,7 +136,8 @@ class IBPOffloadedCache(Cache):
         self.use_prefetch = bool(prefetch)
         self._manager_kwargs = dict(compress=compress, transfer=transfer, sample_rows=sample_rows,
                                     threshold=threshold, chunk_bytes=chunk_bytes, reserve_tokens=reserve_tokens,
-                                    timing=timing, count_bytes=count_bytes)
+                                    timing=timing, count_bytes=count_bytes,
+                                    defer_prompt_bytes=defer_prompt_bytes)
         self.manager: "KVOffloadManager | None" = None
         self.selector: "PartialKeySelector | None" = None
         self._selection: dict[int, torch.Tensor] = {}
@@ -236,7 +237,9 @@ class IBPOffloadedCache(Cache):
             # transposed views ([B, T, H, D] memory), and on CUDA SDPA's backend choice and kernels depend on
             # the strides, so returning k/v as they are changes the prefill's rounding (and greedy tokens).
             k, v = _like_dynamic_layer(k), _like_dynamic_layer(v)
-            m.append(i, k, v)
+            m.append(i, k, v)  # on the GPU kept back until flush(): all layers' codecs are fitted together
+            if i == self.num_layers - 1:
+                m.flush()  # end of the prefill: the fit belongs to it
             if self.selector is not None:
                 q = self._prefill_q.pop(i, None)
                 if q is None:
@@ -247,9 +250,7 @@ class IBPOffloadedCache(Cache):
             return k, v
         idx = self._selection.pop(i, None) if q_len == 1 else None
         keys, values = m.take(i, idx, extra_tokens=q_len)
-        keys[:, :, -q_len:].copy_(k)
-        values[:, :, -q_len:].copy_(v)
-        m.append(i, k, v)
+        m.append(i, k, v, into=(keys, values))  # stores the new tokens and puts them after the fetched ones
         if self.selector is not None:
             self.selector.append_keys(i, k)
         self._prefetch_next(i)

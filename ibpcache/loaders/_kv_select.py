@@ -19,6 +19,9 @@ step. The choice of *which* tokens is always made from the current query.
 
 GQA: a KV head serves several query heads; its score for a token is the max over those heads, so a token
 that matters to any of them is kept.
+
+On CUDA the scores and the per-head critical counts come from one kernel (``kernels/kv_select.cu``, fp32
+accumulation); on the CPU from the equivalent torch expressions.
 """
 
 from __future__ import annotations
@@ -128,8 +131,8 @@ class PartialKeySelector:
         self._q_dims: list["torch.Tensor | None"] = [None] * num_layers  # [Hq, r]: dims of each query head
         self._keys: list["torch.Tensor | None"] = [None] * num_layers  # [B, Hkv, cap, r]
         self._len = [0] * num_layers
-        self._count_host: list["torch.Tensor | None"] = [None] * num_layers  # pinned int64 [1]: critical count
-        self._count_total = [1] * num_layers  # (batch, head, token) scores the count was taken over
+        self._count_host: list["torch.Tensor | None"] = [None] * num_layers  # pinned: critical count per (b, head)
+        self._count_total = [1] * num_layers  # (batch, head, token) scores the counts were taken over
         self._count_event: list["torch.cuda.Event | None"] = [None] * num_layers
         self.last_k = [0] * num_layers
 
@@ -170,8 +173,7 @@ class PartialKeySelector:
         store[:, :, :t].copy_(self._columns(keys, dims))
         self._keys[layer] = store
         self._len[layer] = t
-        scores = self._scores(layer, query[:, :, -1:, :], None)
-        self._record_count(layer, scores)
+        self._scores_counted(layer, query[:, :, -1:, :], None)
 
     def _columns(self, x: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
         """x[..., dims[h]] per KV head: [B, Hkv, n, D] -> [B, Hkv, n, r]."""
@@ -206,21 +208,37 @@ class PartialKeySelector:
             s = s.masked_fill(~valid[:, None, :].to(s.device), float("-inf"))
         return s
 
-    def _record_count(self, layer: int, scores: torch.Tensor) -> None:
-        """Mean critical-token share over (batch, head), copied to the host without waiting for it."""
-        top = scores.amax(dim=-1, keepdim=True)
-        count = torch.count_nonzero(scores >= top - self.cfg.alpha).reshape(1)  # over (batch, head, token)
-        self._count_total[layer] = scores.numel()
-        if count.is_cuda:
+    def _scores_counted(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None") -> torch.Tensor:
+        """Approximate logits [B, Hkv, T] of one query row, recording the critical counts for the next step."""
+        if query.is_cuda:
+            from ..kernels.kv_select import partial_scores
+
+            t = self._len[layer]
+            if valid is not None:
+                valid = valid.to(query.device)
+                if valid.stride(-1) != 1:
+                    valid = valid.contiguous()
+            scores, counts = partial_scores(query, self._q_dims[layer], self._keys[layer], t, self.scale,
+                                            self.cfg.alpha, valid)
+        else:
+            scores = self._scores(layer, query, valid)
+            counts = (scores >= scores.amax(dim=-1, keepdim=True) - self.cfg.alpha).sum(dim=-1)
+        self._record_count(layer, counts, scores.numel())
+        return scores
+
+    def _record_count(self, layer: int, counts: torch.Tensor, total: int) -> None:
+        """Per-(batch, head) critical counts, copied to the host without waiting for them."""
+        self._count_total[layer] = total
+        if counts.is_cuda:
             host = self._count_host[layer]
-            if host is None:
-                host = self._count_host[layer] = torch.empty(1, dtype=torch.int64, pin_memory=True)
-            host.copy_(count, non_blocking=True)
+            if host is None or host.shape != counts.shape or host.dtype != counts.dtype:
+                host = self._count_host[layer] = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            host.copy_(counts, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             self._count_event[layer] = ev
         else:
-            self._count_host[layer] = count
+            self._count_host[layer] = counts
 
     def _planned_k(self, layer: int) -> int:
         host, ev = self._count_host[layer], self._count_event[layer]
@@ -228,7 +246,7 @@ class PartialKeySelector:
             return self.cfg.max_num_kv
         if ev is not None:
             ev.synchronize()  # recorded a whole step ago: already complete in steady state
-        share = int(host[0]) / self._count_total[layer]
+        share = int(host.sum()) / self._count_total[layer]
         return max(1, min(self.cfg.max_num_kv, int(math.ceil(share * self._len[layer] - 1e-6))))
 
     def select(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None" = None) -> torch.Tensor:
@@ -240,8 +258,7 @@ class PartialKeySelector:
             raise RuntimeError(f"layer {layer}: select before prefill")
         t = self._len[layer]
         k = min(self._planned_k(layer), t)
-        scores = self._scores(layer, query, valid)
-        self._record_count(layer, scores)
+        scores = self._scores_counted(layer, query, valid)
         self.last_k[layer] = k
         idx = torch.topk(scores, k, dim=-1, sorted=False).indices
         return idx.sort(dim=-1).values

@@ -7,9 +7,10 @@ after the existing ones and an append never moves data. Every store keeps each r
 
 Three stores, one per transfer path:
 
-* :class:`ZeroCopyStore` (CUDA): pinned host chunks, rows compressed on the GPU by ``encode_into`` and
-  read back by ONE ``decode_descriptors`` launch whose source pointers are computed on the GPU. No host
-  sync on either path. With ``compress=False`` the same kernel copies raw rows (variant "c").
+* :class:`ZeroCopyKV` (CUDA): one layer's K and V in pinned host chunks; ONE launch encodes a step's new K and
+  V rows straight into their slots, ONE launch turns token indices into slots and addresses and decodes the
+  K and V rows (``kernels/kv_rows.cu``). No host sync, no per-row tensors. With ``compress=False`` the same
+  kernels copy raw rows (variant "c").
 * :class:`CpuGatherStore` (CUDA): InfiniGen's path, the baseline. Raw rows in one pinned buffer; a read
   waits for the indices on the CPU, gathers them with ``index_select`` into a pinned staging buffer and
   copies that to the GPU in bulk.
@@ -27,8 +28,9 @@ import torch
 
 from ..codec import Codec
 from ..errors import CapacityError
+from ..kernels.kv_rows import KvSide, kv_append, kv_fetch
 
-__all__ = ["RowStore", "ZeroCopyStore", "CpuGatherStore", "NumbaHostStore", "identity_codec"]
+__all__ = ["RowStore", "ZeroCopyKV", "CpuGatherStore", "NumbaHostStore", "identity_codec"]
 
 _HOST_CHUNK_BYTES = 4 << 20
 """Default size of one pinned host chunk; a power of two, because torch's pinned allocator rounds up to one."""
@@ -83,133 +85,100 @@ class RowStore(ABC):
         return 0
 
 
-class ZeroCopyStore(RowStore):
-    """Pinned host chunks read by the GPU through UVA; compression and decompression run on the GPU.
+class ZeroCopyKV:
+    """One layer's K AND V in pinned host chunks, moved by the GPU: one launch appends, one launch fetches.
 
-    ``lengths`` (int32 per slot, on the GPU) is the only per-row metadata: ``lengths < row_bytes`` marks a
-    compressed row (the paper's flag bitmask, derived instead of stored). Chunks are added as tokens
-    arrive; a GPU table of chunk base addresses turns slot ids into source pointers without a host sync.
+    Compression and decompression run on the GPU (``kv_rows.cu``); slot -> chunk -> address is computed in
+    the kernels from a GPU table of chunk addresses, so neither path synchronises or builds per-row tensors.
+    ``lengths`` (int32 per slot, on the GPU, one per tensor) is the only per-row metadata: ``< row_bytes``
+    marks a compressed row (the paper's flag bit, derived instead of stored). With ``compress=False`` the
+    same kernels copy raw rows (variant "c"). K and V keep their own codecs (their bits differ).
     """
 
-    def __init__(self, codec: Codec, compress: bool, device: torch.device,
+    def __init__(self, k_codec: Codec, v_codec: Codec, compress: bool, device: torch.device,
                  chunk_bytes: int = _HOST_CHUNK_BYTES) -> None:
-        super().__init__(codec, compress)
         if device.type != "cuda":
-            raise ValueError(f"ZeroCopyStore needs a CUDA device, got {device}")
+            raise ValueError(f"ZeroCopyKV needs a CUDA device, got {device}")
+        if k_codec.row_bytes != v_codec.row_bytes:
+            raise ValueError(f"K and V rows differ in size: {k_codec.row_bytes} vs {v_codec.row_bytes}")
+        self.codecs = (k_codec, v_codec)
+        self.compress = bool(compress)
         self.device = device
+        self.row_bytes = k_codec.row_bytes
         self.slots_per_chunk = max(1, chunk_bytes // self.row_bytes)
-        self._chunks: list[torch.Tensor] = []
-        self._table = torch.empty(0, dtype=torch.int64, device=device)
-        self._lengths = torch.empty(0, dtype=torch.int32, device=device)
-        self._flags = torch.empty(0, dtype=torch.uint8, device=device)  # lengths < row_bytes, kept at write
-        self._raw_lengths = torch.empty(0, dtype=torch.int32, device=device)
-        self._raw_flags = torch.empty(0, dtype=torch.uint8, device=device)
+        self.capacity = 0
+        self._chunks: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._sides: "tuple[KvSide, KvSide] | None" = None
+        self._lengths: "list[torch.Tensor | None]" = [None, None]
 
     def reserve(self, n_slots: int) -> None:
+        """Make sure slots ``[0, n_slots)`` have host memory (adds chunks; written rows never move)."""
         if n_slots <= self.capacity:
             return
         n_chunks = -(-n_slots // self.slots_per_chunk)
-        chunk_nbytes = self.slots_per_chunk * self.row_bytes
-        while len(self._chunks) < n_chunks:
-            self._chunks.append(torch.empty(chunk_nbytes, dtype=torch.uint8, pin_memory=True))
-        ptrs = torch.tensor([c.data_ptr() for c in self._chunks], dtype=torch.int64)
-        self._table = ptrs.to(self.device)
-        self.capacity = len(self._chunks) * self.slots_per_chunk
-        if self.compress:
-            grown = torch.full((self.capacity,), self.row_bytes, dtype=torch.int32, device=self.device)
-            grown[: self._lengths.numel()].copy_(self._lengths)
-            self._lengths = grown
-            flags = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
-            flags[: self._flags.numel()].copy_(self._flags)
-            self._flags = flags
-        else:
-            self._raw_lengths = torch.full((self.capacity,), self.row_bytes, dtype=torch.int32, device=self.device)
-            self._raw_flags = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+        nbytes = self.slots_per_chunk * self.row_bytes
+        sides = []
+        for t, codec in enumerate(self.codecs):
+            chunks = self._chunks[t]
+            while len(chunks) < n_chunks:
+                chunks.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+            table = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64).to(self.device)
+            lengths = None
+            if self.compress:  # unwritten slots read as raw rows (never fetched: indices are checked)
+                lengths = torch.full((n_chunks * self.slots_per_chunk,), self.row_bytes, dtype=torch.int32,
+                                     device=self.device)
+                old = self._lengths[t]
+                if old is not None:
+                    lengths[: old.numel()].copy_(old)
+                self._lengths[t] = lengths
+            mask, bitval = codec.device_tables(self.device)
+            sides.append(KvSide(table, lengths, mask, bitval, codec.chunk_bytes, codec.n_chunks))
+        self._sides = (sides[0], sides[1])
+        self.capacity = n_chunks * self.slots_per_chunk
 
     def live_tensors(self) -> tuple[torch.Tensor, ...]:
         """GPU tensors a read uses that :meth:`reserve` may replace: a side-stream reader keeps them alive."""
-        return (self._table, self._lengths, self._flags, self._raw_lengths, self._raw_flags)
+        if self._sides is None:
+            return ()
+        return tuple(t for side in self._sides for t in (side.table, side.lengths) if t is not None)
 
-    def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chunk index, byte offset in chunk) of each slot. K and V stores share it: same geometry."""
-        chunk = torch.div(slots, self.slots_per_chunk, rounding_mode="floor")
-        offset = (slots - chunk * self.slots_per_chunk) * self.row_bytes
-        return chunk, offset
+    def write(self, keys: torch.Tensor, values: torch.Tensor, slot0: int, written: "torch.Tensor | None" = None,
+              into: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> None:
+        """Store [B, H, n, D] keys/values at slots ``slot0 + t * B * H + b * H + h`` (one launch, no sync);
+        ``into`` buffers ([B, H, W, D]) also get them at their last n token positions."""
+        b, h, n, _ = keys.shape
+        if slot0 + b * h * n > self.capacity:
+            raise CapacityError(f"write of slots [{slot0}, {slot0 + b * h * n}) past capacity {self.capacity}; "
+                                "reserve first")
+        kv_append(keys, values, slot0, self.slots_per_chunk, *self._sides, written=written, into=into)
 
-    def _pointers(self, loc: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self._table[loc[0]] + loc[1]
-
-    def _raw_meta(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Constant lengths/flags of m raw rows: views of buffers sized in :meth:`reserve` (read-only, so any
-        stream may share them), or fresh ones on the current stream for reads larger than the capacity."""
-        if m <= self._raw_lengths.numel():
-            return self._raw_lengths[:m], self._raw_flags[:m]
-        return (torch.full((m,), self.row_bytes, dtype=torch.int32, device=self.device),
-                torch.zeros(m, dtype=torch.uint8, device=self.device))
-
-    def write(self, rows_u8: torch.Tensor, slot0: int) -> "torch.Tensor | int":
-        m = rows_u8.shape[0]
-        if slot0 + m > self.capacity:
-            raise CapacityError(f"write of slots [{slot0}, {slot0 + m}) past capacity {self.capacity}; reserve first")
-        if m == 0:
-            return 0
-        if self.compress:
-            from ..kernels.bitpack import encode_into
-
-            slots = torch.arange(slot0, slot0 + m, dtype=torch.int64, device=self.device)
-            lengths = self._lengths[slot0 : slot0 + m]
-            encode_into(rows_u8, self._pointers(self.locate(slots)), lengths, self.codec)
-            # the flags a read needs, computed once here (m rows) instead of at every read (all rows)
-            torch.lt(lengths, self.row_bytes, out=self._flags[slot0 : slot0 + m].view(torch.bool))
-            return lengths
-        # Raw rows: contiguous slots, so one async DMA copy per chunk touched (usually one).
-        done = 0
-        while done < m:
-            slot = slot0 + done
-            ci, within = divmod(slot, self.slots_per_chunk)
-            n = min(m - done, self.slots_per_chunk - within)
-            dst = self._chunks[ci][within * self.row_bytes : (within + n) * self.row_bytes]
-            dst.copy_(rows_u8[done : done + n].reshape(-1), non_blocking=True)
-            done += n
-        return m * self.row_bytes
-
-    def read(self, slots: torch.Tensor, out_u8: torch.Tensor, out_rows: "torch.Tensor | None",
-             loc: "tuple[torch.Tensor, torch.Tensor] | None" = None, prefix: bool = False) -> "torch.Tensor | int":
-        """One ``decode_descriptors`` launch; returns the stored lengths read (a GPU tensor) or the raw byte count.
-
-        ``prefix=True`` promises ``slots == arange(len(slots))`` (a dense read): the per-row metadata is then
-        a view, no gather."""
-        from ..kernels.bitpack import decode_descriptors
-
-        m = slots.numel()
-        if m == 0:
-            return 0
-        if self.compress:
-            if prefix:
-                lengths, flags = self._lengths[:m], self._flags[:m]
-            else:
-                lengths, flags = self._lengths[slots], self._flags[slots]
-            moved: "torch.Tensor | int" = lengths
-        else:
-            lengths, flags = self._raw_meta(m)
-            moved = m * self.row_bytes
-        ptrs = self._pointers(loc if loc is not None else self.locate(slots))
-        decode_descriptors(out_u8, ptrs, lengths, flags, out_rows, self.codec)
-        return moved
+    def read(self, idx: "torch.Tensor | None", n: int, out_k: torch.Tensor, out_v: torch.Tensor,
+             read: "torch.Tensor | None" = None) -> None:
+        """Decode ``n`` tokens per (batch, head) into ``out_k``/``out_v`` [B, H, >= n, D]: the tokens ``idx``
+        [B, H, n] names (trusted), or tokens ``0..n-1`` (``idx`` None). One launch, no sync."""
+        if n and self._sides is not None:
+            kv_fetch(idx, n, out_k, out_v, self.slots_per_chunk, *self._sides, read=read)
 
     def stored_bytes(self, n_slots: int) -> int:
+        """K plus V bytes that slots ``[0, n_slots)`` occupy once compressed (synchronises)."""
         if not self.compress:
-            return n_slots * self.row_bytes
-        return int(self._lengths[:n_slots].sum(dtype=torch.int64))
+            return 2 * n_slots * self.row_bytes
+        return sum(int(lengths[:n_slots].sum(dtype=torch.int64)) for lengths in self._lengths)
 
     @property
     def host_nbytes(self) -> int:
-        return sum(c.numel() for c in self._chunks)
+        return sum(c.numel() for chunks in self._chunks for c in chunks)
 
     @property
     def device_nbytes(self) -> int:
-        tables = self.codec.metadata_nbytes if self.compress else 0
-        return (self._lengths.numel() * 5 + self._raw_lengths.numel() * 5 + self._table.numel() * 8 + tables)
+        """GPU bytes of metadata: per-slot lengths, chunk tables, codec tables."""
+        if self._sides is None:
+            return 0
+        total = sum(side.table.numel() * 8 for side in self._sides)
+        if self.compress:
+            total += sum(lengths.numel() * 4 for lengths in self._lengths) + sum(
+                c.metadata_nbytes for c in self.codecs)
+        return total
 
 
 class CpuGatherStore(RowStore):

@@ -6,7 +6,7 @@ unit InfiniGen fetches — in fixed-size slots of pinned host memory (in-place l
 its slot times ``row_bytes``, so appends need no offsets). Per request it fits one mask/bitval pair per
 layer and tensor on a sample of the prompt (no offline preprocessing), compresses on the GPU and writes
 straight into pinned memory; a fetch turns token indices into source pointers on the GPU and decodes all
-rows in one launch per tensor, with no host sync.
+rows of K and V in one launch, with no host sync (appends likewise: one encode launch per layer and step).
 
 ``IBPOffloadedCache`` (a transformers 5.x ``Cache``) puts the manager under ``model.generate``; it lives in
 ``_kv_hf`` and is imported on first use, so importing this module needs no transformers.
@@ -23,7 +23,7 @@ import torch
 
 from ..codec import Codec
 from ..errors import InvalidIdsError
-from ._kv_store import CpuGatherStore, NumbaHostStore, RowStore, ZeroCopyStore, identity_codec
+from ._kv_store import CpuGatherStore, NumbaHostStore, RowStore, ZeroCopyKV, identity_codec
 
 if TYPE_CHECKING:
     from ._kv_hf import IBPOffloadedCache, IBPOffloadedLayer
@@ -72,8 +72,12 @@ class _Pending:
 
 @dataclass
 class _LayerState:
+    """One layer: ``kv`` (zero-copy: K and V together) or ``k_store``/``v_store`` (CPU-gather and host paths)."""
+
+    kv: "ZeroCopyKV | None" = None
     k_store: "RowStore | None" = None
     v_store: "RowStore | None" = None
+    prompt: "tuple[torch.Tensor, torch.Tensor] | None" = None  # kept back until flush() (see defer_prompt_bytes)
     n_tokens: int = 0
     fit_s: float = 0.0
     pending: "_Pending | None" = None
@@ -95,8 +99,12 @@ class KVOffloadManager:
             one fit-size pass per codec instead of four (prefill fit time), same stored format.
         reserve_tokens: host capacity to allocate up front per layer (prompt + new tokens avoids growth).
         timing: record CUDA events around every transfer, summarised by :meth:`stats` (benchmarks).
-        count_bytes: keep exact PCIe byte counters for compressed rows (two small kernels per fetch; turn
-            off when timing end-to-end latency).
+        count_bytes: keep exact PCIe byte counters (an atomic add per row in the transfer kernels; turn off
+            when timing end-to-end latency).
+        defer_prompt_bytes: keep copies of the prompts (compressed managers only), up to this many bytes, and fit
+            all their codecs together at :meth:`flush` (called by any read and by the next append): a GPU
+            prefill then waits for the GPU twice instead of twice per layer. 0 fits each layer at its first
+            append; None (default) means 1 GiB on CUDA and 0 on the CPU.
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class KVOffloadManager:
         host_chunk_bytes: int = 4 << 20,
         timing: bool = False,
         count_bytes: bool = True,
+        defer_prompt_bytes: "int | None" = None,
     ) -> None:
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("batch_size", batch_size), ("sample_rows", sample_rows)):
@@ -150,6 +159,11 @@ class KVOffloadManager:
         self.reserve_tokens, self.host_chunk_bytes = int(reserve_tokens), int(host_chunk_bytes)
         self.timing = bool(timing)
         self.count_bytes = bool(count_bytes)
+        if defer_prompt_bytes is None:
+            defer_prompt_bytes = 1 << 30 if dev.type == "cuda" else 0
+        self.defer_prompt_bytes = int(defer_prompt_bytes) if compress else 0
+        self._pending: list[int] = []  # layers whose prompt waits for flush(), in append order
+        self._pending_bytes = 0
         self.row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
         self.rows_per_token = batch_size * num_kv_heads
         self._layers = [_LayerState() for _ in range(num_layers)]
@@ -166,22 +180,15 @@ class KVOffloadManager:
         self._read_host = 0  # bytes moved by paths that know them on the host
         self._read_worker = 0  # same, counted by the gather thread
         self._written_host = 0
-        self._dev_acc: dict[str, torch.Tensor] = {}  # per-stream GPU byte counters (no cross-stream races)
+        # zero-copy kernels add the bytes they move here (atomically: any stream may read or write)
+        zc = self.transfer == "zero_copy" and self.count_bytes
+        self._dev_read = torch.zeros(1, dtype=torch.int64, device=self.device) if zc else None
+        self._dev_written = torch.zeros(1, dtype=torch.int64, device=self.device) if zc else None
         self._timings: list[tuple[Any, Any]] = []  # (start, end) CUDA events of every timed transfer
 
-    def _count(self, moved: "torch.Tensor | int", counter: str) -> None:
-        """Add bytes moved; GPU paths hand over their stored lengths and are summed without a sync."""
-        if isinstance(moved, torch.Tensor):
-            if not self.count_bytes:
-                return
-            moved = moved.sum(dtype=torch.int64)
-            key = f"{counter}@{torch.cuda.current_stream(self.device).cuda_stream if self.device.type == 'cuda' else 0}"
-            acc = self._dev_acc.get(key)
-            if acc is None:
-                self._dev_acc[key] = moved.clone()
-            else:
-                acc += moved
-        elif counter == "read_worker":
+    def _count(self, moved: int, counter: str) -> None:
+        """Add bytes moved by the CPU-gather and host paths (known on the host)."""
+        if counter == "read_worker":
             self._read_worker += moved
         elif counter == "read":
             self._read_host += moved
@@ -214,6 +221,9 @@ class KVOffloadManager:
     def codecs(self, layer: int) -> "tuple[Codec, Codec] | None":
         """The (K, V) codecs fitted for ``layer`` (None before its first append)."""
         st = self._state(layer)
+        self._flush_pending()
+        if st.kv is not None:
+            return st.kv.codecs
         return None if st.k_store is None else (st.k_store.codec, st.v_store.codec)
 
     # -- writing ----------------------------------------------------------------------------------
@@ -244,29 +254,37 @@ class KVOffloadManager:
             gen = self._generators[rows.device] = torch.Generator(device=rows.device).manual_seed(0)
         return rows[torch.randint(0, n, (self.sample_rows,), device=rows.device, generator=gen)]
 
-    def _make_store(self, rows: torch.Tensor, kind: str = "k") -> RowStore:
-        shape = (self.head_dim,)
-        if self.compress:
-            chunk = self.chunk_bytes
-            if chunk == "auto_once":
-                chunk = self._chunk_once.get(kind, "auto")
-            codec = Codec.fit(self._fit_sample(rows), threshold=self.threshold, chunk_bytes=chunk)
-            if self.chunk_bytes == "auto_once":
-                self._chunk_once.setdefault(kind, codec.chunk_bytes)
+    def _make_codecs(self, prompts: "list[tuple[torch.Tensor, torch.Tensor]]") -> "list[tuple[Codec, Codec]]":
+        """(K, V) codecs per layer, fitted together on samples of the layers' prompts (or identities when raw)."""
+        if not self.compress:
+            ident = identity_codec(self.row_bytes, self.dtype, (self.head_dim,))
+            return [(ident, ident)] * len(prompts)
+        samples = [self._fit_sample(self._rows(x)) for kv in prompts for x in kv]  # k0, v0, k1, v1, ...
+        codecs: list[Codec] = []
+        if self.chunk_bytes == "auto_once" and "k" not in self._chunk_once:  # search sizes on the first layer
+            codecs += Codec.fit_many(samples[:2], threshold=self.threshold, chunk_bytes="auto")
+            self._chunk_once.update(k=codecs[0].chunk_bytes, v=codecs[1].chunk_bytes)
+        if self.chunk_bytes == "auto_once":
+            chunks: "list[int | str]" = [self._chunk_once["k"], self._chunk_once["v"]] * (len(prompts) - len(codecs) // 2)
         else:
-            codec = identity_codec(self.row_bytes, self.dtype, shape)
-        if self.transfer == "zero_copy":
-            return ZeroCopyStore(codec, self.compress, self.device, self.host_chunk_bytes)
+            chunks = [self.chunk_bytes] * (len(samples) - len(codecs))
+        codecs += Codec.fit_many(samples[len(codecs):], threshold=self.threshold, chunk_bytes=chunks)
+        return [(codecs[2 * i], codecs[2 * i + 1]) for i in range(len(prompts))]
+
+    def _make_store(self, codec: Codec) -> RowStore:
         if self.transfer == "cpu_gather":
             return CpuGatherStore(codec, self.device)
         return NumbaHostStore(codec, self.compress)
 
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+               into: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> None:
         """Store new tokens' K/V ([B, H, n, D] each) after the layer's existing tokens.
 
         The first append of a layer (the prompt) also fits that layer's K and V codecs on a sample of
         its rows; the time this takes is kept per layer (``stats()['fit_s']``). Later appends (decode
         steps) are compressed on the GPU and written to pinned memory without a host sync.
+        ``into``: the [B, H, W, D] buffers :meth:`take` returned; their last n token positions get the new
+        tokens too (on the zero-copy path in the same launch as the append).
         """
         st = self._state(layer)
         keys, values = self._check_kv(keys, "keys"), self._check_kv(values, "values")
@@ -275,29 +293,87 @@ class KVOffloadManager:
         n = keys.shape[2]
         if n == 0:
             return
-        rows_k, rows_v = self._rows(keys), self._rows(values)
-        if st.k_store is None:
-            self._fit_layer(st, rows_k, rows_v)
+        first = st.kv is None and st.k_store is None and st.prompt is None
+        if first and self.defer_prompt_bytes > 0:  # keep it on the GPU; flush() fits and stores it
+            st.prompt = (keys.clone(), values.clone())  # the caller may reuse its buffers
+            st.n_tokens += n
+            self._pending.append(layer)
+            self._pending_bytes += 2 * keys.numel() * keys.element_size()
+            if into is not None:
+                into[0][:, :, -n:].copy_(keys)
+                into[1][:, :, -n:].copy_(values)
+            if self._pending_bytes >= self.defer_prompt_bytes:
+                self.flush()
+            return
+        self._flush_pending()
+        if first:
+            self._fit_layers([(st, keys, values)])
         elif layer == 0:
             self.decode_steps += 1
-        slot0 = st.n_tokens * self.rows_per_token
-        need = slot0 + rows_k.shape[0]
-        for store in (st.k_store, st.v_store):
-            if need > store.capacity:
-                store.reserve(max(need, self.reserve_tokens * self.rows_per_token))
-        self._count(st.k_store.write(rows_k.view(torch.uint8), slot0), "write")
-        self._count(st.v_store.write(rows_v.view(torch.uint8), slot0), "write")
+        self._write(st, keys, values, st.n_tokens * self.rows_per_token, into)
         st.n_tokens += n
 
-    def _fit_layer(self, st: _LayerState, rows_k: torch.Tensor, rows_v: torch.Tensor) -> None:
+    def _write(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, slot0: int,
+               into: "tuple[torch.Tensor, torch.Tensor] | None") -> None:
+        """Store [B, H, n, D] keys/values at the slots of tokens ``slot0 / (B * H)`` onwards."""
+        n = keys.shape[2]
+        need = slot0 + n * self.rows_per_token
+        reserve = max(need, self.reserve_tokens * self.rows_per_token)
+        if st.kv is not None:
+            if need > st.kv.capacity:
+                st.kv.reserve(reserve)
+            if keys.stride(3) != 1:
+                keys = keys.contiguous()
+            if values.stride(3) != 1:
+                values = values.contiguous()
+            st.kv.write(keys, values, slot0, self._dev_written, into=into)
+        else:
+            for store, x in ((st.k_store, keys), (st.v_store, values)):
+                if need > store.capacity:
+                    store.reserve(reserve)
+                self._count(store.write(self._rows(x).view(torch.uint8), slot0), "write")
+            if into is not None:
+                into[0][:, :, -n:].copy_(keys)
+                into[1][:, :, -n:].copy_(values)
+
+    def flush(self) -> None:
+        """Fit and store every prompt kept back (``defer_prompt_bytes``): all their codecs in one batched fit.
+
+        Called by every read and by the first decode-step append; :class:`IBPOffloadedCache` calls it at the end
+        of the prefill so that the prefill's time includes the fit.
+        """
+        if not self._pending:
+            return
+        layers, self._pending, self._pending_bytes = self._pending, [], 0
+        items = [(self._layers[i], *self._layers[i].prompt) for i in layers]
+        self._fit_layers(items)
+        for st, keys, values in items:
+            st.prompt = None
+            self._write(st, keys, values, 0, None)
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            self.flush()
+
+    def _fit_layers(self, items: "list[tuple[_LayerState, torch.Tensor, torch.Tensor]]") -> None:
+        """Fit the layers' K and V codecs on their prompts and create their stores.
+
+        Timed alone (queued GPU work is drained first); each layer is charged an equal share of the time."""
         cuda = self.device.type == "cuda"
         if cuda and self.compress:
-            torch.cuda.current_stream(self.device).synchronize()  # time the fit alone, not queued work
+            torch.cuda.current_stream(self.device).synchronize()
         t0 = time.perf_counter()
-        st.k_store, st.v_store = self._make_store(rows_k, "k"), self._make_store(rows_v, "v")
+        codecs = self._make_codecs([(k, v) for _, k, v in items])
+        for (st, _, _), (k_codec, v_codec) in zip(items, codecs):
+            if self.transfer == "zero_copy":
+                st.kv = ZeroCopyKV(k_codec, v_codec, self.compress, self.device, self.host_chunk_bytes)
+            else:
+                st.k_store, st.v_store = self._make_store(k_codec), self._make_store(v_codec)
         if cuda and self.compress:
             torch.cuda.current_stream(self.device).synchronize()
-        st.fit_s = time.perf_counter() - t0 if self.compress else 0.0
+        share = (time.perf_counter() - t0) / len(items) if self.compress else 0.0
+        for st, _, _ in items:
+            st.fit_s = share
 
     # -- reading ----------------------------------------------------------------------------------
     def _check_idx(self, token_idx: object, n_tokens: int) -> torch.Tensor:
@@ -347,6 +423,12 @@ class KVOffloadManager:
         """Fill ``out`` ([B, H, k + extra, D]) with the rows of ``idx`` (None: every stored token).
 
         Runs on the current stream (the side stream when prefetching)."""
+        if st.kv is not None:  # one launch for K and V; slots and addresses are computed in the kernel
+            if idx is not None and idx.dtype != torch.int64:
+                idx = idx.to(torch.int64)
+            st.kv.read(idx if idx is None or idx.is_contiguous() else idx.contiguous(),
+                       st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], self._dev_read)
+            return
         width = out[0].shape[2]
         t = st.n_tokens
         if idx is None:
@@ -364,29 +446,27 @@ class KVOffloadManager:
         else:
             slots = self._slots(idx)
             out_rows = self._out_rows(idx.shape[-1], width)
-        extra: dict = {}
-        if isinstance(st.k_store, ZeroCopyStore):
-            extra["loc"] = st.k_store.locate(slots)  # K and V share the slot geometry: locate once
-            extra["prefix"] = idx is None  # dense: slots == arange, metadata by slicing
         for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
             out_u8 = dst.view(-1, self.head_dim).view(torch.uint8)
-            self._count(store.read(slots, out_u8, out_rows, **extra), counter)
+            self._count(store.read(slots, out_u8, out_rows), counter)
 
     def fetch(self, layer: int, token_idx: torch.Tensor,
               out: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V [B, H, k, D] of the tokens ``token_idx`` [B, H, k] selects per (batch, head).
 
         Duplicates and k == 0 are allowed; indices outside ``[0, seq_length(layer))`` raise
-        :class:`InvalidIdsError`. One decode launch per tensor on the current stream.
+        :class:`InvalidIdsError` (checking them costs one host sync). One launch for K and V (zero-copy) on the
+        current stream.
         """
         st = self._state(layer)
+        self._flush_pending()
         idx = self._check_idx(token_idx, st.n_tokens)
         k = idx.shape[-1]
         if out is None:
             out = self._alloc(k)
         else:
             self._check_out(out, k)
-        if k and st.k_store is not None:
+        if k and st.n_tokens:
             start = self._timed_start()
             self._read(st, idx, out)
             self._timed_end(start)
@@ -409,6 +489,7 @@ class KVOffloadManager:
         ``extra_tokens`` leaves room for the current step's tokens so attention gets one buffer, no concat.
         """
         st = self._state(layer)
+        self._flush_pending()
         if extra_tokens < 0:
             raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
         out = self._alloc(st.n_tokens + extra_tokens)
@@ -428,6 +509,7 @@ class KVOffloadManager:
         On the CPU path nothing runs ahead: :meth:`take` reads synchronously.
         """
         st = self._state(layer)
+        self._flush_pending()
         self._retire(st)
         if self.device.type != "cuda" or st.n_tokens == 0:
             return
@@ -446,7 +528,7 @@ class KVOffloadManager:
             ev.record(self._side)
         # The side stream reads tensors that a later append on the current stream may replace (growth):
         # keep them alive until take() has made the current stream wait for the event.
-        live = st.k_store.live_tensors() + st.v_store.live_tensors()
+        live = st.kv.live_tensors()
         st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev, refs=(token_idx, *live))
 
     def _prefetch_cpu_gather(self, st: _LayerState, idx: "torch.Tensor | None", extra: int,
@@ -495,6 +577,7 @@ class KVOffloadManager:
         Returns [B, H, k + extra_tokens, D] buffers whose last ``extra_tokens`` positions are left unset.
         """
         st = self._state(layer)
+        self._flush_pending()
         p, st.pending = st.pending, None
         if p is not None and p.matches(token_idx, st.n_tokens, extra_tokens):
             ev = p.done_event()
@@ -533,25 +616,23 @@ class KVOffloadManager:
         ``transfer_s_per_step``: GPU time of all timed transfers divided by the decode steps (``timing=True``;
         a transfer overlapped with compute still counts in full).
         """
+        self._flush_pending()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for st in self._layers:
             self._retire(st)
         read = self._read_host + self._read_worker
         written = self._written_host
-        for key, acc in self._dev_acc.items():
-            if key.startswith("read"):
-                read += int(acc)
-            else:
-                written += int(acc)
+        if self._dev_read is not None:
+            read += int(self._dev_read)
+            written += int(self._dev_written)
         stored = raw = host = gpu = 0
         for st in self._layers:
-            if st.k_store is None:
-                continue
             n_slots = st.n_tokens * self.rows_per_token
-            for store in (st.k_store, st.v_store):
+            raw += 2 * n_slots * self.row_bytes
+            stores = (st.kv,) if st.kv is not None else (st.k_store, st.v_store) if st.k_store is not None else ()
+            for store in stores:
                 stored += store.stored_bytes(n_slots)
-                raw += n_slots * self.row_bytes
                 host += store.host_nbytes
                 gpu += store.device_nbytes
         transfer_s = sum(start.elapsed_time(end) for start, end in self._timings) / 1e3
@@ -583,6 +664,7 @@ class KVOffloadManager:
             if st.pending is not None and st.pending.future is not None:
                 st.pending.future.result()
         self._layers = [_LayerState() for _ in range(self.num_layers)]
+        self._pending, self._pending_bytes = [], 0
         self._chunk_once.clear()
         self._reset_counters()
 
