@@ -183,6 +183,7 @@ def summarize_config(model: Any, ids: torch.Tensor, dtype: str, mode: str, path:
         "dtype": dtype, "mode": mode, "path": path, "label": PATHS[path],
         "batch": ids.shape[0], "prompt_len": ids.shape[1], "new_tokens": args.new_tokens,
         "decode_ms_per_token": statistics.median(steps),
+        "decode_ms_per_round": [statistics.median(r.step_ms) for r in timed],  # round j of every config ran together
         "decode_p10_ms": sorted(steps)[len(steps) // 10], "decode_p90_ms": sorted(steps)[(9 * len(steps)) // 10],
         "prefill_ms": statistics.median(r.prefill_ms for r in timed),
         "total_s": statistics.median(r.prefill_ms + sum(r.step_ms) for r in timed) / 1e3,
@@ -233,15 +234,19 @@ def check_outputs(recs: list[dict]) -> None:
 
 def summarize_targets(recs: list[dict]) -> list[dict]:
     """The issue's targets: d vs b in sparse mode (>= 25% lower latency), d vs a in dense, d never slower than c."""
-    by = {(r["dtype"], r["mode"], r["path"]): r["decode_ms_per_token"] for r in recs}
+    by = {(r["dtype"], r["mode"], r["path"]): r for r in recs}
     out = []
     for dtype in sorted({r["dtype"] for r in recs}):
         row: dict = {"dtype": dtype}
         for mode, base in (("sparse", "b"), ("dense", "a"), ("dense", "b"), ("sparse", "c"), ("dense", "c")):
             d, other = by.get((dtype, mode, "d")), by.get((dtype, mode, base))
             if d is not None and other is not None:
-                row[f"{mode}_d_vs_{base}_latency_reduction"] = 1.0 - d / other
-                row[f"{mode}_{base}_over_d_speedup"] = other / d
+                row[f"{mode}_d_vs_{base}_latency_reduction"] = 1.0 - d["decode_ms_per_token"] / other["decode_ms_per_token"]
+                row[f"{mode}_{base}_over_d_speedup"] = other["decode_ms_per_token"] / d["decode_ms_per_token"]
+                # paired by round (the configurations of a round ran back to back): robust to machine drift
+                per_round = [1.0 - x / y for x, y in zip(d["decode_ms_per_round"], other["decode_ms_per_round"])]
+                row[f"{mode}_d_vs_{base}_reduction_by_round"] = per_round
+                row[f"{mode}_d_vs_{base}_reduction_round_median"] = statistics.median(per_round)
         out.append(row)
     return out
 
@@ -363,7 +368,7 @@ def main() -> None:
             "tokens_equal_offloading_ref",
             "tokens_equal_other_sparse_paths", "vs_dense_token_agreement"]
     print(format_table(recs, cols))
-    print(format_table(targets))
+    print(format_table([{k: v for k, v in t.items() if not isinstance(v, list)} for t in targets]))
     meta = {"args": {k: (str(v) if v is not None else None) for k, v in vars(args).items()}, "model": source,
             "targets": targets, "torch_threads": torch.get_num_threads(), "paths": PATHS,
             "attn_implementation": getattr(model.config, "_attn_implementation", None),

@@ -57,12 +57,34 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _same_code(a: object, b: object) -> bool:
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return ca is not None and cb is not None and ca.co_code == cb.co_code and ca.co_names == cb.co_names
+
+
+def _rope_is_llamas(module: object) -> bool:
+    """True when a model module's ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's (same bytecode): its
+    query rotation is then exactly ``q * cos + rotate_half(q) * sin`` and the key half can be skipped."""
+    try:
+        from transformers.models.llama import modeling_llama as llama
+    except ImportError:
+        return False
+    rope = getattr(module, "apply_rotary_pos_emb", None)
+    rope = getattr(rope, "__wrapped__", rope)
+    ref = getattr(llama.apply_rotary_pos_emb, "__wrapped__", llama.apply_rotary_pos_emb)
+    return _same_code(rope, ref) and _same_code(getattr(module, "rotate_half", None), llama.rotate_half)
+
+
+_LLAMA_ROPE: dict = {}  # module name -> _rope_is_llamas (checked once per model module)
+
+
 def project_query(decoder_layer: torch.nn.Module, hidden: torch.Tensor,
                   position_embeddings: "tuple[torch.Tensor, torch.Tensor]") -> torch.Tensor:
     """Query states [B, Hq, T, D] that ``decoder_layer`` would compute from residual input ``hidden``.
 
     Uses the layer's own norm, projection, optional per-head ``q_norm`` (Qwen3) and the model module's
-    ``apply_rotary_pos_emb`` when it has one, so RoPE variants of Llama-family models match.
+    ``apply_rotary_pos_emb`` when it has one, so RoPE variants of Llama-family models match. When that function
+    is Llama's, only the query half of it is computed (the same operations, so the same bits, half the kernels).
     """
     attn = decoder_layer.self_attn
     head_dim = attn.head_dim
@@ -72,11 +94,15 @@ def project_query(decoder_layer: torch.nn.Module, hidden: torch.Tensor,
         q = attn.q_norm(q)
     q = q.transpose(1, 2)
     cos, sin = position_embeddings
-    rope = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
-    if rope is not None:
+    name = type(attn).__module__
+    module = sys.modules.get(name)
+    if name not in _LLAMA_ROPE:
+        _LLAMA_ROPE[name] = _rope_is_llamas(module)
+    rope = getattr(module, "apply_rotary_pos_emb", None)
+    if rope is not None and not _LLAMA_ROPE[name]:
         q, _ = rope(q, q, cos, sin)
         return q
-    return q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+    return (q * cos.unsqueeze(1)) + (_rotate_half(q) * sin.unsqueeze(1))
 
 
 def valid_from_mask(mask: "torch.Tensor | None", n_past: int) -> "torch.Tensor | None":

@@ -142,6 +142,31 @@ def test_deferred_prompts_store_what_immediate_fits_store(code_kv: Any, budget: 
     assert later.stats()["decode_steps"] == 1
 
 
+def test_speculated_query_is_the_layers_own_query() -> None:
+    """project_query gives bit for bit the query the decoder layer computes (Llama RoPE: query half only)."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ibpcache.loaders._kv_select import _rope_is_llamas, project_query
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    assert _rope_is_llamas(module) and not _rope_is_llamas(sys.modules[__name__])
+    hidden = torch.randn(2, 3, 64)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(3)[None].expand(2, -1))
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        got = project_query(layer, hidden, (cos, sin))
+        q = layer.self_attn.q_proj(layer.input_layernorm(hidden)).view(2, 3, -1, 16).transpose(1, 2)
+        want, _ = module.apply_rotary_pos_emb(q, q, cos, sin)
+    assert torch.equal(got, want)
+
+
 def test_take_leaves_room_for_current_tokens(code_kv: Any) -> None:
     k, v = code_kv("bf16")
     mgr = _manager(torch.bfloat16)
