@@ -59,16 +59,12 @@ class RowStore(ABC):
         """Make sure slots ``[0, n_slots)`` have memory (grows, never shrinks, never moves written rows)."""
 
     @abstractmethod
-    def write(self, rows_u8: torch.Tensor, slot0: int) -> "torch.Tensor | int":
-        """Store ``rows_u8`` (uint8 [M, row_bytes]) into slots ``[slot0, slot0 + M)``.
-
-        Returns the bytes written: an int, or (GPU paths, to avoid a sync) the int32 stored lengths.
-        """
+    def write(self, rows_u8: torch.Tensor, slot0: int) -> int:
+        """Store ``rows_u8`` (uint8 [M, row_bytes]) into slots ``[slot0, slot0 + M)``; returns the bytes written."""
 
     @abstractmethod
-    def read(self, slots: torch.Tensor, out_u8: torch.Tensor, out_rows: "torch.Tensor | None") -> "torch.Tensor | int":
-        """Decode the rows of ``slots`` into ``out_u8[out_rows]`` (or in order); returns the bytes moved as
-        :meth:`write` does."""
+    def read(self, slots: torch.Tensor, out_u8: torch.Tensor, out_rows: "torch.Tensor | None") -> int:
+        """Decode the rows of ``slots`` into ``out_u8[out_rows]`` (or in order); returns the bytes moved."""
 
     @abstractmethod
     def stored_bytes(self, n_slots: int) -> int:

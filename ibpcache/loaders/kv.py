@@ -281,8 +281,9 @@ class KVOffloadManager:
         """Store new tokens' K/V ([B, H, n, D] each) after the layer's existing tokens.
 
         The first append of a layer (the prompt) also fits that layer's K and V codecs on a sample of
-        its rows; the time this takes is kept per layer (``stats()['fit_s']``). Later appends (decode
-        steps) are compressed on the GPU and written to pinned memory without a host sync.
+        its rows — right away, or with every other kept-back prompt at :meth:`flush` (``defer_prompt_bytes``);
+        the time this takes is kept per layer (``stats()['fit_s']``). Later appends (decode steps) are
+        compressed on the GPU and written to pinned memory without a host sync.
         ``into``: the [B, H, W, D] buffers :meth:`take` returned; their last n token positions get the new
         tokens too (on the zero-copy path in the same launch as the append).
         """
