@@ -16,7 +16,7 @@ import torch
 
 from .format import CHUNK_SIZES, RowGeometry
 
-__all__ = ["DEFAULT_THRESHOLDS", "FitResult", "bit_levels", "chunk_tables", "fit_rows", "fit_rows_many", "sample_rows"]
+__all__ = ["DEFAULT_THRESHOLDS", "FitResult", "bit_levels", "chunk_tables", "fit_rows_many", "sample_rows"]
 
 DEFAULT_THRESHOLDS: tuple[float, ...] = tuple(round(0.70 + 0.01 * k, 2) for k in range(26))
 """T/N candidates 0.70, 0.71, ..., 0.95 (the paper sweeps 0.7..1.0 and finds ~0.8 best)."""
@@ -104,21 +104,6 @@ def sample_rows(n_rows: int, sample: "float | int | None", seed: int = 0) -> "np
     return np.sort(rng.choice(n_rows, size=count, replace=False))
 
 
-def fit_rows(
-    rows_u8: torch.Tensor,
-    *,
-    thresholds: "tuple[float, ...]",
-    chunk_sizes: "tuple[int, ...]",
-    backend: "object",
-) -> FitResult:
-    """Fit on ``rows_u8`` ([N, row_bytes] uint8, CPU or CUDA) using ``backend`` (cpu or gpu kernels).
-
-    ``backend`` provides ``bitcount_lazy(rows)``, ``fit_sizes_lazy(rows, level, inv, pc, c)`` and
-    ``collect(handles) -> list[np.ndarray]`` (see :class:`~ibpcache.kernels.bitpack.GpuBackend`).
-    """
-    return fit_rows_many([rows_u8], thresholds=thresholds, chunk_sizes=[chunk_sizes], backend=backend)[0]
-
-
 def fit_rows_many(
     rows_list: "list[torch.Tensor]",
     *,
@@ -126,7 +111,8 @@ def fit_rows_many(
     chunk_sizes: "list[tuple[int, ...]]",
     backend: "object",
 ) -> list[FitResult]:
-    """Fit one codec per entry of ``rows_list`` (``chunk_sizes[i]``: the sizes tried for entry i).
+    """Fit one codec per entry of ``rows_list`` ([N, row_bytes] uint8, CPU or CUDA; ``chunk_sizes[i]``: the sizes
+    tried for entry i) with ``backend``'s ``bitcount_lazy``, ``fit_sizes_lazy`` and ``collect``.
 
     All bit counts are launched before any is read, then all size passes: on the GPU that is two host syncs
     for any number of codecs (the KV manager fits two per decoder layer at the end of a prefill).

@@ -18,17 +18,14 @@ class CpuBackend:
 
     name = "cpu"
 
+    # The GPU backend's interface; on the CPU every "lazy" result is simply ready.
     @staticmethod
-    def bitcount(rows: torch.Tensor) -> np.ndarray:
+    def bitcount_lazy(rows: torch.Tensor) -> np.ndarray:
         return cpu.bitcount_cpu(rows.numpy())
 
     @staticmethod
-    def fit_sizes(rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray, c: int) -> np.ndarray:
+    def fit_sizes_lazy(rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray, c: int) -> np.ndarray:
         return cpu.fit_sizes_cpu(rows.numpy(), level, inv, pc, c)
-
-    # Same interface as the GPU backend's deferred forms: on the CPU the results are simply ready.
-    bitcount_lazy = bitcount
-    fit_sizes_lazy = fit_sizes
 
     @staticmethod
     def collect(handles: "list[np.ndarray]") -> list[np.ndarray]:

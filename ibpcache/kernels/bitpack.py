@@ -134,14 +134,6 @@ class GpuBackend:
             pos += h.numel()
         return out
 
-    @classmethod
-    def bitcount(cls, rows: torch.Tensor) -> np.ndarray:
-        return cls.collect([cls.bitcount_lazy(rows)])[0]
-
-    @classmethod
-    def fit_sizes(cls, rows: torch.Tensor, level: np.ndarray, inv: np.ndarray, pc: np.ndarray, c: int) -> np.ndarray:
-        return cls.collect([cls.fit_sizes_lazy(rows, level, inv, pc, c)])[0]
-
 
 def size_rows(rows: torch.Tensor, codec: "Codec") -> torch.Tensor:
     """int32 [N] stored bytes per row, computed on the GPU (no sync)."""
