@@ -71,11 +71,10 @@ def kv_append(keys: torch.Tensor, values: torch.Tensor, slot0: int, slots_per_ch
     if keys.shape != values.shape or keys.dtype != values.dtype or keys.device != values.device:
         raise ValueError(f"keys and values differ: {tuple(keys.shape)} {keys.dtype} {keys.device} vs "
                          f"{tuple(values.shape)} {values.dtype} {values.device}")
+    if not keys.is_cuda:
+        raise ValueError(f"keys/values: expected CUDA tensors, got {keys.device}")
+    strides = (*_byte_strides(keys, "keys"), *_byte_strides(values, "values"))
     b, h, n, d = keys.shape
-    m = b * h * n
-    if m == 0:
-        return
-    dev = _dev(keys)
     row_bytes = d * keys.element_size()
     att_k = att_v = None
     width = 0
@@ -84,11 +83,16 @@ def kv_append(keys: torch.Tensor, values: torch.Tensor, slot0: int, slots_per_ch
         width = att_k.shape[2]
         if (att_k.shape != att_v.shape or att_k.shape[:2] != keys.shape[:2] or att_k.shape[3] != d or width < n
                 or att_k.dtype != keys.dtype or att_v.dtype != keys.dtype
+                or att_k.device != keys.device or att_v.device != keys.device
                 or not (att_k.is_contiguous() and att_v.is_contiguous())):
-            raise ValueError(f"into: expected two contiguous {keys.dtype} [{b}, {h}, >= {n}, {d}] tensors, got "
-                             f"{tuple(att_k.shape)} and {tuple(att_v.shape)}")
+            raise ValueError(f"into: expected two contiguous {keys.dtype} [{b}, {h}, >= {n}, {d}] tensors on "
+                             f"{keys.device}, got {tuple(att_k.shape)} and {tuple(att_v.shape)}")
+    m = b * h * n
+    if m == 0:
+        return
+    dev = _dev(keys)
     launch(_SRC, "ibp_kv_append", dev, warp_grid(2 * m, dev), _THREADS, (
-        _ptr(keys), _ptr(values), *_byte_strides(keys, "keys"), *_byte_strides(values, "values"), np.int64(n),
+        _ptr(keys), _ptr(values), *strides, np.int64(n),
         np.int32(h), np.int32(b * h), np.int64(slot0), np.int64(slots_per_chunk), np.int32(row_bytes),
         _ptr(k.table), _ptr(v.table), _ptr(k.lengths), _ptr(v.lengths), *k.codec_args(), *v.codec_args(),
         _ptr(written), _ptr(att_k), _ptr(att_v), np.int64(width), np.int64(width - n)))
@@ -102,10 +106,12 @@ def kv_fetch(idx: "torch.Tensor | None", n: int, out_k: torch.Tensor, out_v: tor
     ``read`` (int64 [1] on the GPU, optional) accumulates the stored bytes read.
     """
     b, h, width, d = out_k.shape
-    if out_v.shape != out_k.shape or not (out_k.is_contiguous() and out_v.is_contiguous()) or n > width:
-        raise ValueError(f"out_k/out_v: expected two contiguous [B, H, >= {n}, D] tensors, got "
-                         f"{tuple(out_k.shape)} and {tuple(out_v.shape)}")
-    if idx is not None and (idx.dtype != torch.int64 or tuple(idx.shape) != (b, h, n) or not idx.is_contiguous()):
+    if (out_v.shape != out_k.shape or not (out_k.is_contiguous() and out_v.is_contiguous()) or n > width
+            or not out_k.is_cuda or out_v.device != out_k.device):
+        raise ValueError(f"out_k/out_v: expected two contiguous CUDA [B, H, >= {n}, D] tensors, got "
+                         f"{tuple(out_k.shape)} on {out_k.device} and {tuple(out_v.shape)} on {out_v.device}")
+    if idx is not None and (idx.dtype != torch.int64 or tuple(idx.shape) != (b, h, n) or not idx.is_contiguous()
+                            or idx.device != out_k.device):
         raise ValueError(f"idx: expected a contiguous int64 tensor of shape {(b, h, n)}, got {idx.dtype} "
                          f"{tuple(idx.shape)}")
     m = b * h * n

@@ -33,10 +33,12 @@ def partial_scores(query: torch.Tensor, q_dims: torch.Tensor, keys: torch.Tensor
                          "dtype; q_dims must be contiguous")
     if groups * r > MAX_QUERY_VALUES:
         raise ValueError(f"partial_scores: {groups} query heads x {r} dims exceed {MAX_QUERY_VALUES}")
+    if not (query.is_cuda and keys.device == query.device and q_dims.device == query.device):
+        raise ValueError("partial_scores: query, q_dims and keys must be CUDA tensors on one device")
     if query.stride(3) != 1:
         raise ValueError("partial_scores: the query's head dimension must be contiguous")
-    if valid is not None and (valid.dtype != torch.bool or valid.stride(-1) != 1):
-        raise ValueError("partial_scores: valid must be a bool [B, T] tensor with contiguous rows")
+    if valid is not None and (valid.dtype != torch.bool or valid.stride(-1) != 1 or valid.device != query.device):
+        raise ValueError("partial_scores: valid must be a bool [B, T] tensor with contiguous rows, on the query's device")
     scores = torch.empty((b, hkv, n_tokens), dtype=torch.float32, device=query.device)
     counts = torch.empty((b, hkv), dtype=torch.int32, device=query.device)
     if n_tokens == 0 or b * hkv == 0:

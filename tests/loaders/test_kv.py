@@ -167,6 +167,31 @@ def test_speculated_query_is_the_layers_own_query() -> None:
     assert torch.equal(got, want)
 
 
+def test_kv_kernel_launchers_reject_bad_input() -> None:
+    """The fused KV launchers check what they are handed before any launch: a clear ValueError, never a bad pointer."""
+    from ibpcache.kernels.kv_rows import KvSide, kv_append, kv_fetch
+    from ibpcache.kernels.kv_select import partial_scores
+
+    table = torch.zeros(1, dtype=torch.int64)
+    side = KvSide(table, None, table, table, 8, 16)
+    k = torch.zeros(2, 3, 4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="differ"):
+        kv_append(k, k[:, :, :3], 0, 64, side, side)
+    with pytest.raises(ValueError, match="CUDA"):
+        kv_append(k, k, 0, 64, side, side)  # host tensors: the kernel would read host pointers as device ones
+    out = torch.empty(2, 3, 5, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA"):
+        kv_fetch(None, 4, out, out, 64, side, side)
+    with pytest.raises(ValueError, match="out_k/out_v"):
+        kv_fetch(None, 6, out, out, 64, side, side)  # 6 tokens do not fit 5 positions
+    q = torch.zeros(2, 9, 1, 64, dtype=torch.float16)
+    dims = torch.zeros(9, 13, dtype=torch.int64)
+    with pytest.raises(ValueError, match="dtype"):
+        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.bfloat16), 16, 0.125, 4.0, None)
+    with pytest.raises(ValueError, match="CUDA"):
+        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.float16), 16, 0.125, 4.0, None)
+
+
 def test_take_leaves_room_for_current_tokens(code_kv: Any) -> None:
     k, v = code_kv("bf16")
     mgr = _manager(torch.bfloat16)
