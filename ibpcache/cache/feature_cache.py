@@ -20,10 +20,19 @@ Static caches are filled once and a fetch never syncs beyond the id check. Dynam
 ``lfu``) admit missed rows after each fetch has been served, on the same stream, from the decoded output
 (re-encoded on the GPU for a compressed slab, so admissions cost no PCIe traffic); their bookkeeping is
 vectorised torch code with a few host syncs for data-dependent sizes (``policy.py``).
+
+Concurrency: every policy and device may be fetched from any number of Python threads, each on its own CUDA
+stream. A fetch holds the cache's lock while it enqueues work, and on CUDA its stream first waits for the last
+cache operation enqueued by any thread (an event chain), so probe/decode workspaces, slab slots and the index are
+never used by two streams at once and an admission never overwrites a slot that a decode on another stream has
+yet to read. The caller's output is ready on the caller's current stream when ``fetch`` returns, as for any
+torch op. Concurrent fetches therefore run one after the other on the GPU; a cache per loader thread is the way
+to run them side by side.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -131,6 +140,8 @@ class FeatureCache:
         self.stats_ = FetchStats(self.device, self.row_bytes)
         self._probe_status = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._ws: dict[str, torch.Tensor] = {}
+        self._lock = threading.RLock()  # one fetch/admission at a time (see the module docstring)
+        self._last_op: "torch.cuda.Event | None" = None  # the last cache operation enqueued on CUDA
         if self.policy_kind is PolicyKind.STATIC:
             self._build_static(StaticPolicy(hotness))
         else:
@@ -272,16 +283,34 @@ class FeatureCache:
         if b == 0:
             return out
         out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
-        t0 = self.stats_.start()
-        if self.device.type == "cuda":
-            entries = self._probe(ids)
-            self._decode(out_u8, b)
-        else:
-            entries = self._fetch_cpu(ids, out_u8)
-        if self.dynamic:
-            self._admit(ids, entries, out_u8)
-        self.stats_.stop(t0, b)
+        with self._lock:
+            self._after_last_op()
+            t0 = self.stats_.start()
+            if self.device.type == "cuda":
+                entries = self._probe(ids)
+                self._decode(out_u8, b)
+            else:
+                entries = self._fetch_cpu(ids, out_u8)
+            if self.dynamic:
+                self._admit(ids, entries, out_u8)
+            self.stats_.stop(t0, b)
+            self._record_op()
         return out
+
+    def _after_last_op(self) -> None:
+        """CUDA: order this fetch after the last cache operation, whichever thread/stream enqueued it.
+
+        Skipped while the current stream is being captured into a CUDA graph (a captured fetch is replayed in
+        stream order; waiting on an event recorded outside the capture is not allowed there)."""
+        if self._last_op is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(self._last_op)
+
+    def _record_op(self) -> None:
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        if self._last_op is None:
+            self._last_op = torch.cuda.Event()
+        self._last_op.record(torch.cuda.current_stream(self.device))
 
     def _check_out(self, out: torch.Tensor | None, b: int) -> torch.Tensor:
         shape = (b, *self.row_shape)
@@ -302,6 +331,10 @@ class FeatureCache:
         """Descriptor buffers, grown geometrically to the largest batch seen (no allocation per fetch)."""
         have = self._ws["src"].numel() if self._ws else 0
         if b > have:
+            if have and self.device.type == "cuda":
+                # the old buffers may still be read by work queued on another thread's stream: let it finish
+                # before they go back to the allocator (growth happens a few times at warm-up, not per fetch)
+                torch.cuda.synchronize(self.device)
             cap = max(b, int(have * _GROWTH))
             dev = self.device
             self._ws = {
@@ -453,8 +486,9 @@ class FeatureCache:
         ``effective_gbps`` is output bytes per second over recent timed fetches (None before the first).
         Reading stats syncs the device.
         """
-        snap = self.stats_.snapshot()
-        status = int(self._probe_status[0])
+        with self._lock:
+            snap = self.stats_.snapshot()
+            status = int(self._probe_status[0])
         return {
             **snap,
             "mode": self.mode,
@@ -488,8 +522,11 @@ class FeatureCache:
 
     def reset_stats(self) -> None:
         """Zero the counters and timings (cache contents stay)."""
-        self.stats_.reset()
-        self._probe_status.zero_()
+        with self._lock:
+            self._after_last_op()
+            self.stats_.reset()
+            self._probe_status.zero_()
+            self._record_op()
 
     def __repr__(self) -> str:
         return (f"FeatureCache(mode={self.mode}, policy={self.policy_kind.value}, device={self.device}, "

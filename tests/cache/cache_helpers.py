@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["zipf", "uniform", "id_batches", "assert_same_rows"]
+__all__ = ["zipf", "uniform", "id_batches", "assert_same_rows", "fetch_from_threads"]
 
 
 def zipf(n_rows: int, n: int, seed: int) -> torch.Tensor:
@@ -39,3 +39,56 @@ def assert_same_rows(got: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -
     g = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     w = want.contiguous().reshape(-1).view(torch.uint8)
     assert torch.equal(g, w), "fetched rows differ from rows[ids]"
+
+
+def fetch_from_threads(cache, rows: torch.Tensor, n_threads: int = 4, n_fetches: int = 40, batch: int = 2000,
+                       streams: bool = False) -> list[str]:
+    """Fetch skewed batches from ``n_threads`` Python threads at once (each on its own CUDA stream when
+    ``streams``), as a prefetch thread beside an evaluation loop would; return a description of every batch that
+    differs from ``rows[ids]`` (an empty list means every concurrent fetch was exact).
+
+    A barrier starts the threads together so their fetches really interleave; each thread checks its own
+    batches after its stream has finished them.
+    """
+    import threading
+
+    n_rows = rows.shape[0]
+    barrier = threading.Barrier(n_threads)
+    bad: list[str] = []
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            stream = torch.cuda.Stream() if streams else None
+            batches = [zipf(n_rows, batch, seed=1000 * t + k) for k in range(n_fetches)]
+            outs = []
+            barrier.wait()
+            ctx = torch.cuda.stream(stream) if stream is not None else _null()
+            with ctx:
+                for ids in batches:
+                    outs.append(cache.fetch(ids.to(cache.device) if streams else ids))
+            if stream is not None:
+                stream.synchronize()
+            for k, (ids, got) in enumerate(zip(batches, outs)):
+                want = rows[ids].contiguous().reshape(-1).view(torch.uint8)
+                if not torch.equal(got.cpu().contiguous().reshape(-1).view(torch.uint8), want):
+                    bad.append(f"thread {t} batch {k}")
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return bad
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
