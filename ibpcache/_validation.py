@@ -33,11 +33,13 @@ def as_row_bytes(x: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8).reshape(n, -1)
 
 
-def check_ids(ids: object, n_rows: int, device: torch.device, name: str = "ids") -> torch.Tensor:
+def check_ids(ids: object, n_rows: int, device: torch.device, name: str = "ids", check_range: bool = True
+              ) -> torch.Tensor:
     """Validate row ids: an integer tensor (int64, or int32 widened), 1-D, all in [0, n_rows).
 
     The range check is one min/max reduction on the ids' device (a single device sync on CUDA), never a
-    host loop. Returns contiguous int64 ids on ``device``.
+    host loop. Returns contiguous int64 ids on ``device``. ``check_range=False`` skips the range check (and so the
+    sync): for callers whose kernels check ids themselves and report bad ones lazily.
     """
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name}: expected an int64 torch.Tensor, got {type(ids).__name__}")
@@ -46,7 +48,7 @@ def check_ids(ids: object, n_rows: int, device: torch.device, name: str = "ids")
     if ids.dim() != 1:
         raise InvalidIdsError(f"{name}: expected a 1-D tensor, got shape {tuple(ids.shape)}")
     ids = ids.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
-    if ids.numel():
+    if check_range and ids.numel():
         lo, hi = torch.aminmax(ids)
         lo_v, hi_v = int(lo), int(hi)
         if lo_v < 0:

@@ -17,6 +17,7 @@ from .kernels import bitpack_cpu as cpu
 
 if TYPE_CHECKING:
     from .compressed import CompressedRows
+    from .kernels.tables import KernelTables
 
 __all__ = ["Codec"]
 
@@ -97,6 +98,13 @@ class Codec:
             b = torch.from_numpy(self.bitval.view(np.int64).copy()).to(dev)
             self._device_tables[key] = (m, b)
         return self._device_tables[key]
+
+    def kernel_tables(self, device: "str | torch.device") -> "KernelTables":
+        """The plain tables a kernel launch takes (``kernels.tables.KernelTables``) on ``device``."""
+        from .kernels.tables import KernelTables
+
+        mask, bitval = self.device_tables(device)
+        return KernelTables(mask, bitval, self.chunk_bytes, self.n_chunks, self.row_bytes)
 
     # -- fit --------------------------------------------------------------------------------------
     @classmethod

@@ -41,7 +41,7 @@ import torch
 from .._validation import as_row_bytes, check_ids, resolve_device
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import CapacityError
+from ..errors import CapacityError, InvalidIdsError
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
 from .host_store import HostStore
@@ -107,6 +107,11 @@ class FeatureCache:
         index: ``"auto"``, ``"hash"`` or ``"direct"`` (see ``hashmap.make_index``).
         max_probes: hash probe bound.
         slot_bytes: slot size of dynamic policies, ``"auto"`` (``policy.choose_slot_bytes``) or an int.
+        validate: ``"eager"`` checks the id range before every fetch (one min/max reduction: a host sync on CUDA)
+            and raises at once; ``"lazy"`` (CUDA, static policy) lets the lookup kernel check ids with no sync: a bad
+            id's row comes back as zeros and :class:`InvalidIdsError` is raised by a later ``fetch``, by
+            :meth:`check_errors` or by :meth:`stats`. Lazy fetches of a static cache never sync the host and can be
+            captured in a CUDA graph (they use no workspace; pass ``out=`` and keep ``ids`` in place to replay).
     """
 
     def __init__(
@@ -123,8 +128,12 @@ class FeatureCache:
         index: str = "auto",
         max_probes: int = DEFAULT_MAX_PROBES,
         slot_bytes: "int | str" = "auto",
+        validate: str = "eager",
     ) -> None:
         self.device = resolve_device(device)
+        if validate not in ("eager", "lazy"):
+            raise ValueError(f"validate must be 'eager' or 'lazy', got {validate!r}")
+        self.validate = validate
         self.policy_kind = PolicyKind.from_str(policy)
         self.compress_cache = bool(compress_cache)
         self.compress_host = bool(compress_host)
@@ -141,6 +150,9 @@ class FeatureCache:
         self._probe_status = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._ws: dict[str, torch.Tensor] = {}
         self._lock = threading.RLock()  # one fetch/admission at a time (see the module docstring)
+        # bad-id report of the lookup kernel: two int32 words in (pinned) host memory, read without a sync
+        self._err_host = torch.zeros(2, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._err_np = self._err_host.numpy()
         self._last_op: "torch.cuda.Event | None" = None  # the last cache operation enqueued on CUDA
         if self.policy_kind is PolicyKind.STATIC:
             self._build_static(StaticPolicy(hotness))
@@ -150,6 +162,7 @@ class FeatureCache:
         self.slab_bases[self.slab.slab_id] = self.slab.base_ptr
         self.slab_bases = self.slab_bases.to(self.device)
         self._rows = None  # the slab is filled; keep no second reference to the caller's rows
+        self._source = None  # the fused lookup's view of index + slab + host store (built on first use)
 
     # ------------------------------------------------------------------------------------------------
     # construction
@@ -277,25 +290,63 @@ class FeatureCache:
         :class:`InvalidIdsError` (one min/max reduction: the fetch's only host sync); float or bool ids too.
         ``out``: optional preallocated ``[len(ids), *row_shape]`` tensor of the rows' dtype on the device.
         """
-        ids = check_ids(ids, self.n_rows, self.device)
+        fused = self.device.type == "cuda" and not self.dynamic
+        lazy = fused and self.validate == "lazy"
+        if lazy:
+            self._raise_pending_error()
+        ids = check_ids(ids, self.n_rows, self.device, check_range=not lazy)
         b = int(ids.numel())
         out = self._check_out(out, b)
         if b == 0:
             return out
         out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and not fused:
+            raise RuntimeError("only a static-policy CUDA FeatureCache can be captured in a CUDA graph (dynamic "
+                               "policies decide admissions on the host)")
         with self._lock:
             self._after_last_op()
-            t0 = self.stats_.start()
-            if self.device.type == "cuda":
+            t0 = None if capturing else self.stats_.start()
+            if fused:
+                self._lookup(ids, out_u8)
+            elif self.device.type == "cuda":
                 entries = self._probe(ids)
                 self._decode(out_u8, b)
             else:
                 entries = self._fetch_cpu(ids, out_u8)
             if self.dynamic:
                 self._admit(ids, entries, out_u8)
-            self.stats_.stop(t0, b)
+            if t0 is not None:
+                self.stats_.stop(t0, b)
             self._record_op()
         return out
+
+    def _lookup(self, ids: torch.Tensor, out_u8: torch.Tensor) -> None:
+        """CUDA, static policy: ONE launch probes the index, reads each row from the slab or zero-copy from the
+        host store, and decodes it into ``out_u8`` (ids range-checked in the kernel)."""
+        from ..kernels.lookup import RowSource, lookup_rows
+
+        if self._source is None:
+            h = self.host.host_args()
+            self._source = RowSource(self.index.kernel_args(), self.slab_bases, h.base, h.offsets, h.stride,
+                                     h.lengths, self.n_rows)
+            self._tables = self._decode_codec.kernel_tables(self.device)
+        lookup_rows(ids, out_u8, self._source, self._tables, self.stats_.counters, self._err_host.data_ptr())
+
+    def _raise_pending_error(self) -> None:
+        """Raise (once) the bad-id report a lazily validated lookup left in host memory."""
+        if self._err_np[0]:
+            self._err_np[:] = 0
+            raise InvalidIdsError(f"ids: a recent fetch got an id outside [0, {self.n_rows}) (validate='lazy' "
+                                  "reports it after the fact; that id's row was returned as zeros)")
+
+    def check_errors(self) -> None:
+        """Wait for the cache's queued work and raise :class:`InvalidIdsError` if a lazily validated fetch saw a
+        bad id (a no-op with ``validate='eager'``)."""
+        with self._lock:
+            if self._last_op is not None:
+                self._last_op.synchronize()
+            self._raise_pending_error()
 
     def _after_last_op(self) -> None:
         """CUDA: order this fetch after the last cache operation, whichever thread/stream enqueued it.
@@ -489,6 +540,7 @@ class FeatureCache:
         with self._lock:
             snap = self.stats_.snapshot()
             status = int(self._probe_status[0])
+            self._raise_pending_error()
         return {
             **snap,
             "mode": self.mode,

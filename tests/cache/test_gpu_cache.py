@@ -231,6 +231,67 @@ def test_static_fetch_syncs_only_for_the_id_check(cora_x, cora_codec) -> None:
     assert len(syncs) <= 2, [str(w.message) for w in syncs]  # the min/max of the range check
 
 
+@pytest.mark.parametrize("combo", COMBOS, ids=[mode_name(*c) for c in COMBOS])
+def test_lazy_static_fetch_never_syncs(cora_x, cora_codec, cora_degrees, combo) -> None:
+    """Issue 11: a lookup step with lazy validation runs under set_sync_debug_mode('error')."""
+    fc = _cache(cora_x, cora_codec, combo, hotness=cora_degrees, validate="lazy")
+    batches = [zipf(cora_x.shape[0], 2000, s).to(CUDA) for s in range(5)]
+    out = torch.empty(2000, 1433, device=CUDA)
+    fc.fetch(batches[0], out=out)  # builds the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [fc.fetch(ids).clone() for ids in batches]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for ids, g in zip(batches, got):
+        assert_same_rows(g, cora_x, ids)
+    st = _ok(fc, 6 * 2000)
+    assert st["hits"] > 0
+
+
+def test_lazy_validation_reports_bad_ids_later_and_keeps_the_context(cora_x, cora_codec) -> None:
+    fc = _cache(cora_x, cora_codec, (True, True), validate="lazy")
+    ids = torch.tensor([5, 2708, 7, -3], device=CUDA)
+    got = fc.fetch(ids)  # no exception yet: no sync was allowed
+    with pytest.raises(InvalidIdsError, match="outside"):
+        fc.check_errors()
+    assert torch.equal(got[1].cpu(), torch.zeros(1433)) and torch.equal(got[3].cpu(), torch.zeros(1433))
+    assert_same_rows(got[[0, 2]], cora_x, torch.tensor([5, 7]))
+    fc.fetch(torch.tensor([1 << 40], device=CUDA))
+    torch.cuda.synchronize()
+    with pytest.raises(InvalidIdsError):
+        fc.fetch(torch.tensor([3], device=CUDA))  # the next fetch raises what the last one saw
+    good = zipf(cora_x.shape[0], 500, 9)
+    assert_same_rows(fc.fetch(good), cora_x, good)  # reported once; the cache and the context still work
+    fc.check_errors()
+
+
+@pytest.mark.parametrize("combo", [(True, True), (False, True)], ids=["IBP(C/M)", "IBP(M)"])
+def test_static_fetch_is_captured_in_a_cuda_graph(cora_x, cora_codec, cora_degrees, combo) -> None:
+    """Issue 11: a whole lookup step captured with torch.cuda.graph and replayed with new ids, outputs exact."""
+    fc = _cache(cora_x, cora_codec, combo, hotness=cora_degrees, validate="lazy")
+    ids = zipf(cora_x.shape[0], 1024, 0).to(CUDA)
+    out = torch.empty(1024, 1433, device=CUDA)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fc.fetch(ids, out=out)  # warm up outside the capture (kernel build, module load)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fc.fetch(ids, out=out)
+    for seed in range(1, 4):
+        new = zipf(cora_x.shape[0], 1024, seed)
+        ids.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_rows(out, cora_x, new)
+    fc.check_errors()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("combo", [(True, True), (False, False)], ids=["IBP(C/M)", "baseline"])
 def test_concurrent_fetches_on_streams_are_exact(cora_x, cora_codec, cora_degrees, policy, combo) -> None:

@@ -1,0 +1,293 @@
+// requires: bitpack.cu hashmap.cu
+// The engine's one lookup launch: for every bag (a run of ids; one id per bag for plain row fetches) probe the
+// cache index, read each row from its slab (hit) or zero-copy from the pinned host store (miss), decode it, and
+// either write it out (op ROWS) or pool the bag (SUM / MEAN / MAX, optional per-sample weights) straight into its
+// place in a [samples, tables * row] output. Several embedding tables go in one launch: bag j belongs to table
+// t and sample s by the layout (table-major bags, TorchRec/FBGEMM's KJT order, or sample-major [B, T] input).
+//
+// No host sync is needed around it: ids are range-checked here, per table; a bad id contributes nothing (its
+// output row is zeros for ROWS) and sets err[0] = 1, err[1] = its table, in pinned host memory that the launcher
+// reads lazily. Counters (requests, hits, host bytes, slab bytes) are device atomics, one per warp per counter;
+// freq (optional) counts lookups per global row for frequency-driven cache refreshes.
+//
+// Bit-exactness of pooling against torch.nn.functional.embedding_bag on CUDA (and FBGEMM TBE): each element is
+// accumulated in float32, starting from 0, over the bag's ids in order (acc + v, or fmaf(v, w, acc) with
+// per-sample weights, as nvcc contracts torch's `acc += v * w`); MEAN divides by the number of ids at the end;
+// MAX keeps the first value unless a later one compares greater (torch's rule, NaN included); the result is
+// rounded to the row dtype with the hardware's round-to-nearest conversions, as torch's casts are.
+
+// index mode of a raw row cache (e.g. the trainable rows of an embedding bag): table_values is int32 [n_rows]
+// holding each row's slot in slab 0 (-1 = not cached); keep in sync with IndexMode in lookup.py
+#define IBP_INDEX_SLOTS 3
+
+#define IBP_OP_ROWS 0
+#define IBP_OP_SUM 1
+#define IBP_OP_MEAN 2
+#define IBP_OP_MAX 3
+
+#define IBP_ELEM_F32 0
+#define IBP_ELEM_F16 1
+#define IBP_ELEM_BF16 2
+
+#define IBP_POOL_WARPS 4           // warps per block of the pooling kernel
+#define IBP_POOL_MAX_ROW 2048      // bytes of a pooled row (shared-memory row buffer per warp)
+#define IBP_POOL_PER_LANE 16       // float accumulators per lane: pooled rows have at most 512 elements
+
+__device__ __forceinline__ float ibp_f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short ibp_f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ unsigned short ibp_f32_to_bf16(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float ibp_elem_load(const unsigned char* row, int e, int elem) {
+    if (elem == IBP_ELEM_F32) return reinterpret_cast<const float*>(row)[e];
+    unsigned short h = reinterpret_cast<const unsigned short*>(row)[e];
+    if (elem == IBP_ELEM_F16) return ibp_f16_to_f32(h);
+    return __uint_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ void ibp_elem_store(unsigned char* row, int e, int elem, float v) {
+    if (elem == IBP_ELEM_F32) {
+        reinterpret_cast<float*>(row)[e] = v;
+    } else {
+        reinterpret_cast<unsigned short*>(row)[e] = elem == IBP_ELEM_F16 ? ibp_f32_to_f16(v) : ibp_f32_to_bf16(v);
+    }
+}
+
+// Where row `gid` is stored: its slab entry on a hit, its place in the host store on a miss.
+struct IbpRowSource {
+    const unsigned char* src;
+    int len;
+    bool comp;
+    bool hit;
+};
+
+__device__ __forceinline__ IbpRowSource ibp_row_source(i64 gid, int mode, const i64* __restrict__ table_keys,
+                                                       const i64* __restrict__ table_values, i64 capacity,
+                                                       int max_probes, const i64* __restrict__ slab_bases,
+                                                       i64 host_base, const i64* __restrict__ host_offsets,
+                                                       i64 host_stride, const int* __restrict__ host_lengths,
+                                                       int row_bytes) {
+    IbpRowSource r;
+    if (mode == IBP_INDEX_SLOTS) {  // a raw row cache: int32 slot per row (-1 = not cached), fixed-size slots
+        const int slot = reinterpret_cast<const int*>(table_values)[gid];
+        if (slot >= 0) {
+            r.src = reinterpret_cast<const unsigned char*>(slab_bases[0] + (i64)slot * row_bytes);
+            r.len = row_bytes;
+            r.comp = false;
+            r.hit = true;
+            return r;
+        }
+    }
+    const i64 entry = mode == IBP_INDEX_SLOTS ? IBP_EMPTY_ENTRY
+                                              : ibp_index_find(mode, table_keys, table_values, capacity, max_probes, gid);
+    if (entry != IBP_EMPTY_ENTRY) {
+        const u64 e = (u64)entry;
+        r.src = reinterpret_cast<const unsigned char*>(
+            slab_bases[(e >> IBP_ENTRY_SLAB_SHIFT) & ((1ULL << IBP_ENTRY_SLAB_BITS) - 1ULL)] +
+            (i64)(e & ((1ULL << IBP_ENTRY_OFFSET_BITS) - 1ULL)));
+        r.len = (int)((e >> IBP_ENTRY_LENGTH_SHIFT) & ((1ULL << IBP_ENTRY_LENGTH_BITS) - 1ULL));
+        r.comp = ((e >> IBP_ENTRY_COMPRESSED_SHIFT) & 1ULL) != 0;
+        r.hit = true;
+    } else {
+        r.src = reinterpret_cast<const unsigned char*>(host_base +
+                                                       (host_offsets != nullptr ? host_offsets[gid] : gid * host_stride));
+        r.len = host_lengths != nullptr ? host_lengths[gid] : row_bytes;
+        r.comp = r.len < row_bytes;  // a row is stored compressed exactly when it is shorter than raw
+        r.hit = false;
+    }
+    if (!r.comp) r.len = row_bytes;
+    return r;
+}
+
+// Bag j -> (table t, sample s) and its id range [start, end).
+__device__ __forceinline__ void ibp_bag_place(i64 j, int n_tables, i64 per_table, int sample_major,
+                                              const i64* __restrict__ bag_offsets, int bag_size, i64 n_bags,
+                                              int include_last, i64 n_ids, int& t, i64& s, i64& start, i64& end) {
+    if (n_tables <= 1) {
+        t = 0;
+        s = j;
+    } else if (sample_major) {
+        t = (int)(j % n_tables);
+        s = j / n_tables;
+    } else {
+        t = (int)(j / per_table);
+        s = j % per_table;
+    }
+    if (bag_offsets != nullptr) {
+        start = bag_offsets[j];
+        end = (j + 1 < n_bags || include_last) ? bag_offsets[j + 1] : n_ids;
+        if (start < 0) start = 0;
+        if (end > n_ids) end = n_ids;
+    } else {
+        start = j * (i64)bag_size;
+        end = start + bag_size;
+    }
+}
+
+__device__ __forceinline__ void ibp_flush_counters(u64* __restrict__ counters, int lane, u64 requests, u64 hits,
+                                                   u64 host_bytes, u64 slab_bytes) {
+    if (lane == 0 && counters != nullptr && requests != 0) {
+        atomicAdd(&counters[IBP_COUNTER_REQUESTS], requests);
+        atomicAdd(&counters[IBP_COUNTER_HITS], hits);
+        atomicAdd(&counters[IBP_COUNTER_HOST_BYTES], host_bytes);
+        atomicAdd(&counters[IBP_COUNTER_SLAB_BYTES], slab_bytes);
+    }
+}
+
+__device__ __forceinline__ void ibp_report_bad_id(volatile int* err, int t) {
+    err[1] = t;
+    err[0] = 1;
+}
+
+// Arguments shared by both kernels, in this order (see ibpcache/kernels/lookup.py):
+#define IBP_LOOKUP_PARAMS                                                                                       \
+    const i64 *ids, i64 n_ids, const i64 *bag_offsets, int bag_size, i64 n_bags, int include_last,             \
+        int n_tables, i64 per_table, int sample_major, const i64 *table_base, const i64 *table_rows, i64 n_rows, \
+        unsigned char *out, int index_mode, const i64 *table_keys, const i64 *table_values, i64 capacity,       \
+        int max_probes, const i64 *slab_bases, i64 host_base, const i64 *host_offsets, i64 host_stride,         \
+        const int *host_lengths, int row_bytes, int n_chunks, const u64 *mask, const u64 *bitval,              \
+        u64 *counters, int *err, int *freq
+
+// ROWS: one id per bag, decoded straight into its output row. Warp per bag, 8 warps per block.
+template <int C>
+__device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
+    __shared__ uint4 sring[IBP_WARPS_PER_BLOCK][IBP_RING_VEC];
+    const int lane = threadIdx.x & 31;
+    uint4* ring = sring[threadIdx.x >> 5];
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
+    for (i64 j = warp; j < n_bags; j += nwarps) {
+        int t;
+        i64 s, start, end;
+        ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
+                      start, end);
+        unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
+        const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
+        const i64 id = start < end ? ids[start] : -1;
+        if (id < 0 || id >= limit) {
+            if (lane == 0) ibp_report_bad_id(err, t);
+            for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
+            continue;
+        }
+        const i64 gid = id + (table_base != nullptr ? table_base[t] : 0);
+        IbpRowSource r = ibp_row_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                        host_base, host_offsets, host_stride, host_lengths, row_bytes);
+        ibp_decode_row<C>(r.src, r.len, r.comp, dst, row_bytes, n_chunks, mask, bitval, ring, lane);
+        requests += 1;
+        if (r.hit) {
+            hits += 1;
+            slab_bytes += (u64)r.len;
+        } else {
+            host_bytes += (u64)r.len;
+        }
+        if (freq != nullptr && lane == 0) atomicAdd(&freq[gid], 1);
+    }
+    ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+}
+
+// SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * IBP_POOL_PER_LANE elements.
+// Each row is decoded into the warp's shared row buffer, then every lane folds its elements (e = lane + 32 k)
+// into float registers.
+template <int C>
+__device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+    __shared__ uint4 sring[IBP_POOL_WARPS][IBP_RING_VEC];
+    __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];
+    const int lane = threadIdx.x & 31;
+    uint4* ring = sring[threadIdx.x >> 5];
+    unsigned char* rowbuf = reinterpret_cast<unsigned char*>(srow[threadIdx.x >> 5]);
+    const int elem_bytes = elem == IBP_ELEM_F32 ? 4 : 2;
+    const int dim = row_bytes / elem_bytes;
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
+    for (i64 j = warp; j < n_bags; j += nwarps) {
+        int t;
+        i64 s, start, end;
+        ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
+                      start, end);
+        const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
+        const i64 base = table_base != nullptr ? table_base[t] : 0;
+        float acc[IBP_POOL_PER_LANE];
+#pragma unroll
+        for (int k = 0; k < IBP_POOL_PER_LANE; ++k) acc[k] = 0.0f;
+        int count = 0;
+        for (i64 p = start; p < end; ++p) {
+            const i64 id = ids[p];
+            if (id < 0 || id >= limit) {
+                if (lane == 0) ibp_report_bad_id(err, t);
+                continue;
+            }
+            const i64 gid = id + base;
+            IbpRowSource r = ibp_row_source(gid, index_mode, table_keys, table_values, capacity, max_probes,
+                                            slab_bases, host_base, host_offsets, host_stride, host_lengths, row_bytes);
+            ibp_decode_row<C>(r.src, r.len, r.comp, rowbuf, row_bytes, n_chunks, mask, bitval, ring, lane);
+            __syncwarp();
+            const float w = psw != nullptr ? psw[p] : 1.0f;
+#pragma unroll
+            for (int k = 0; k < IBP_POOL_PER_LANE; ++k) {
+                const int e = lane + 32 * k;
+                if (e < dim) {
+                    const float v = ibp_elem_load(rowbuf, e, elem);
+                    if (op == IBP_OP_MAX) {
+                        if (count == 0 || v > acc[k]) acc[k] = v;
+                    } else if (psw != nullptr) {
+                        acc[k] = fmaf(v, w, acc[k]);
+                    } else {
+                        acc[k] = acc[k] + v;
+                    }
+                }
+            }
+            __syncwarp();
+            count += 1;
+            requests += 1;
+            if (r.hit) {
+                hits += 1;
+                slab_bytes += (u64)r.len;
+            } else {
+                host_bytes += (u64)r.len;
+            }
+            if (freq != nullptr && lane == 0) atomicAdd(&freq[gid], 1);
+        }
+        unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
+#pragma unroll
+        for (int k = 0; k < IBP_POOL_PER_LANE; ++k) {
+            const int e = lane + 32 * k;
+            if (e < dim) {
+                float v = acc[k];
+                if (op == IBP_OP_MEAN && count > 0) v = v / (float)count;
+                ibp_elem_store(dst, e, elem, v);
+            }
+        }
+    }
+    ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+}
+
+#define IBP_LOOKUP_ARGS                                                                                           \
+    ids, n_ids, bag_offsets, bag_size, n_bags, include_last, n_tables, per_table, sample_major, table_base,        \
+        table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
+        host_offsets, host_stride, host_lengths, row_bytes, n_chunks, mask, bitval, counters, err, freq
+
+#define IBP_LOOKUP(C)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                      \
+        ibp_lookup_rows_c##C(IBP_LOOKUP_PARAMS) {                                                               \
+        ibp_lookup_rows_impl<C>(IBP_LOOKUP_ARGS);                                                               \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
+        ibp_lookup_pool_c##C(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                           \
+        ibp_lookup_pool_impl<C>(op, elem, psw, IBP_LOOKUP_ARGS);                                                \
+    }
+IBP_FOR_EACH_C(IBP_LOOKUP)

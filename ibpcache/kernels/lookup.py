@@ -1,0 +1,153 @@
+"""Launchers of ``lookup.cu``: the engine's one lookup launch (probe + slab/zero-copy read + decode [+ pooling]).
+
+Nothing here synchronizes the device, allocates, or reads a tensor's values: every launch is CUDA-graph capturable
+as long as its tensors stay alive and in place. Bad ids are reported by the kernel through ``err`` (a pinned host
+int32 word pair the caller reads when it wants to, without a sync), never by a trap.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ._build import launch
+from .bitpack import sm_count
+from .hashmap import IndexArgs
+from .tables import KernelTables
+
+__all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "RowSource", "BagLayout", "lookup_rows", "lookup_pool",
+           "POOL_MAX_ROW_BYTES", "POOL_MAX_ELEMS", "pool_supported"]
+
+_SRC = "lookup.cu"
+_ROWS_WARPS = 8  # IBP_WARPS_PER_BLOCK in bitpack.cu
+_POOL_WARPS = 4  # IBP_POOL_WARPS in lookup.cu
+POOL_MAX_ROW_BYTES = 2048  # IBP_POOL_MAX_ROW
+POOL_MAX_ELEMS = 32 * 16  # 32 lanes x IBP_POOL_PER_LANE
+SLOTS_INDEX = 3  # IBP_INDEX_SLOTS: int32 slot per row into slab 0 (a raw row cache)
+
+
+class PoolOp(enum.IntEnum):
+    """Keep in sync with IBP_OP_* in lookup.cu."""
+
+    ROWS = 0
+    SUM = 1
+    MEAN = 2
+    MAX = 3
+
+
+class ElemType(enum.IntEnum):
+    """Element types the pooling kernel folds (keep in sync with IBP_ELEM_* in lookup.cu)."""
+
+    F32 = 0
+    F16 = 1
+    BF16 = 2
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> "ElemType | None":
+        return {torch.float32: cls.F32, torch.float16: cls.F16, torch.bfloat16: cls.BF16}.get(dtype)
+
+
+def pool_supported(dtype: torch.dtype, row_bytes: int) -> bool:
+    """Whether the fused pooling kernel takes rows of this dtype and size (else pool with torch)."""
+    elem = ElemType.of(dtype)
+    if elem is None or row_bytes > POOL_MAX_ROW_BYTES:
+        return False
+    return row_bytes // (4 if elem is ElemType.F32 else 2) <= POOL_MAX_ELEMS
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where rows live: the cache index (``index.mode`` may be ``SLOTS_INDEX``: ``index.table_values`` is then an
+    int32 slot per row into ``slab_bases[0]``), the slab base addresses, and the host store (``host_base`` is its
+    device-visible address; ``host_offsets`` int64 [N] or None for row i at ``i * host_stride``; ``host_lengths``
+    int32 [N] or None when every row is stored raw). ``n_rows`` bounds ids when there is one table."""
+
+    index: IndexArgs
+    slab_bases: torch.Tensor
+    host_base: int
+    host_offsets: Optional[torch.Tensor]
+    host_stride: int
+    host_lengths: Optional[torch.Tensor]
+    n_rows: int
+
+
+@dataclass(frozen=True)
+class BagLayout:
+    """How bag j maps to (table t, sample s) and where its output goes (``out[s, t]`` of ``[S, T, row]``).
+
+    One table (the default): bag j is sample j. Several tables: ``sample_major`` bags are ``j = s * T + t`` (a
+    ``[B, T]`` id matrix), else table-major ``j = t * per_table + s`` (TorchRec's KJT / FBGEMM's TBE order).
+    ``table_base`` / ``table_rows`` (int64 [T]) turn table-local ids into global rows and bound them."""
+
+    n_tables: int = 1
+    per_table: int = 0
+    sample_major: bool = False
+    table_base: Optional[torch.Tensor] = None
+    table_rows: Optional[torch.Tensor] = None
+
+
+_ONE_TABLE = BagLayout()
+
+
+def _ptr(t: Optional[torch.Tensor]) -> np.uint64:
+    return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
+
+
+def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
+                 include_last: bool, layout: BagLayout, out: torch.Tensor, src: RowSource, tables: KernelTables,
+                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor]) -> tuple:
+    idx = src.index
+    return (
+        _ptr(ids), np.int64(ids.numel()), _ptr(bag_offsets), np.int32(bag_size), np.int64(n_bags),
+        np.int32(int(include_last)), np.int32(layout.n_tables), np.int64(layout.per_table),
+        np.int32(int(layout.sample_major)), _ptr(layout.table_base), _ptr(layout.table_rows), np.int64(src.n_rows),
+        _ptr(out), np.int32(int(idx.mode)), _ptr(idx.table_keys), _ptr(idx.table_values), np.int64(idx.capacity),
+        np.int32(idx.max_probes), _ptr(src.slab_bases), np.int64(src.host_base), _ptr(src.host_offsets),
+        np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes), np.int32(tables.n_chunks),
+        _ptr(tables.mask), _ptr(tables.bitval), _ptr(counters), np.uint64(err_ptr), _ptr(freq))
+
+
+def _check(ids: torch.Tensor, out: torch.Tensor, tables: KernelTables, err_ptr: int) -> int:
+    assert ids.dtype == torch.int64 and ids.is_cuda and ids.is_contiguous()
+    assert out.dtype == torch.uint8 and out.is_cuda and out.is_contiguous()
+    assert err_ptr != 0, "err must point at pinned host memory (two int32 words)"
+    assert tables.row_bytes > 0
+    return out.device.index if out.device.index is not None else torch.cuda.current_device()
+
+
+def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: KernelTables,
+                counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor] = None,
+                layout: BagLayout = _ONE_TABLE) -> None:
+    """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``."""
+    dev = _check(ids, out, tables, err_ptr)
+    n = ids.numel()
+    if n == 0:
+        return
+    grid = max(1, min(-(-n // _ROWS_WARPS), sm_count(dev) * 16))
+    args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq)
+    launch(_SRC, f"ibp_lookup_rows_c{tables.chunk_bytes}", dev, grid, 32 * _ROWS_WARPS, args)
+
+
+def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
+                include_last: bool, op: PoolOp, elem: ElemType, per_sample_weights: Optional[torch.Tensor],
+                out: torch.Tensor, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
+                err_ptr: int, freq: Optional[torch.Tensor] = None, layout: BagLayout = _ONE_TABLE) -> None:
+    """Pool each bag (``bag_offsets`` as torch.nn.functional.embedding_bag takes them, or fixed ``bag_size``)
+    into its output row; see lookup.cu for the exact arithmetic."""
+    dev = _check(ids, out, tables, err_ptr)
+    assert op is not PoolOp.ROWS
+    assert tables.row_bytes <= POOL_MAX_ROW_BYTES
+    if per_sample_weights is not None:
+        assert per_sample_weights.dtype == torch.float32 and per_sample_weights.is_contiguous()
+    if bag_offsets is not None:
+        assert bag_offsets.dtype == torch.int64 and bag_offsets.is_contiguous()
+    if n_bags == 0:
+        return
+    grid = max(1, min(-(-n_bags // _POOL_WARPS), sm_count(dev) * 32))
+    args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + _common_args(
+        ids, bag_offsets, bag_size, n_bags, include_last, layout, out, src, tables, counters, err_ptr, freq)
+    launch(_SRC, f"ibp_lookup_pool_c{tables.chunk_bytes}", dev, grid, 32 * _POOL_WARPS, args)
