@@ -115,7 +115,8 @@ __device__ __forceinline__ IbpRowSource ibp_row_source(i64 gid, int mode, const 
 // Bag j -> (table t, sample s) and its id range [start, end).
 __device__ __forceinline__ void ibp_bag_place(i64 j, int n_tables, i64 per_table, int sample_major,
                                               const i64* __restrict__ bag_offsets, int bag_size, i64 n_bags,
-                                              int include_last, i64 n_ids, int& t, i64& s, i64& start, i64& end) {
+                                              int include_last, i64 n_ids, int& t, i64& s, i64& start, i64& end,
+                                              bool& bad_offsets) {
     if (n_tables <= 1) {
         t = 0;
         s = j;
@@ -129,9 +130,13 @@ __device__ __forceinline__ void ibp_bag_place(i64 j, int n_tables, i64 per_table
     if (bag_offsets != nullptr) {
         start = bag_offsets[j];
         end = (j + 1 < n_bags || include_last) ? bag_offsets[j + 1] : n_ids;
+        // torch's rules: offsets[0] == 0, non-decreasing, the last one <= len(input); a bad bag pools nothing
+        bad_offsets = (j == 0 && start != 0) || start < 0 || end < start || end > n_ids;
+        if (bad_offsets) end = start;
         if (start < 0) start = 0;
         if (end > n_ids) end = n_ids;
     } else {
+        bad_offsets = false;
         start = j * (i64)bag_size;
         end = start + bag_size;
     }
@@ -147,9 +152,15 @@ __device__ __forceinline__ void ibp_flush_counters(u64* __restrict__ counters, i
     }
 }
 
+// err[0]: 1 = an id outside its table (err[1] = the table), 2 = offsets break torch's rules (err[1] = the bag)
 __device__ __forceinline__ void ibp_report_bad_id(volatile int* err, int t) {
     err[1] = t;
     err[0] = 1;
+}
+
+__device__ __forceinline__ void ibp_report_bad_offsets(volatile int* err, i64 bag) {
+    err[1] = (int)bag;
+    err[0] = 2;
 }
 
 // Arguments shared by both kernels, in this order (see ibpcache/kernels/lookup.py):
@@ -173,8 +184,9 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
     for (i64 j = warp; j < n_bags; j += nwarps) {
         int t;
         i64 s, start, end;
+        bool bad_offsets;
         ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
-                      start, end);
+                      start, end, bad_offsets);
         unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
         const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
         const i64 id = start < end ? ids[start] : -1;
@@ -217,8 +229,10 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
     for (i64 j = warp; j < n_bags; j += nwarps) {
         int t;
         i64 s, start, end;
+        bool bad_offsets;
         ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
-                      start, end);
+                      start, end, bad_offsets);
+        if (bad_offsets && lane == 0) ibp_report_bad_offsets(err, j);
         const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
         const i64 base = table_base != nullptr ? table_base[t] : 0;
         float acc[IBP_POOL_PER_LANE];

@@ -18,8 +18,10 @@ the start of the next batch; Colossal-AI refuses such batches.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -28,7 +30,8 @@ import torch
 
 from ..codec import Codec
 
-__all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather"]
+__all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather",
+           "FusedLookup"]
 
 _MIN = torch.iinfo(torch.int64).min
 _MAX = torch.iinfo(torch.int64).max
@@ -371,10 +374,36 @@ class CachedRowManager:
         self.coalesce_sparse_grads = False
         self._state_host: dict[str, torch.Tensor] = {}
         self._state_init: dict[str, float] = {}
+        self._lock = threading.RLock()
+        self._last_op: "torch.cuda.Event | None" = None
+        self.fused: "FusedLookup | None" = None
         if self.n_pinned:
             self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
                         torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
         self._warmup(warmup_ratio)
+
+    # -- concurrency ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def exclusive(self):
+        """One forward at a time, from any thread or CUDA stream: the lock orders the host side, and on CUDA the
+        current stream first waits for the last forward enqueued by any thread (an event chain), so a forward on
+        one stream never evicts or rewrites rows another stream's kernels have yet to read."""
+        with self._lock:
+            cuda = self.device.type == "cuda"
+            capturing = cuda and torch.cuda.is_current_stream_capturing()
+            if cuda and not capturing and self._last_op is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._last_op)
+            yield
+            if cuda and not capturing:
+                if self._last_op is None:
+                    self._last_op = torch.cuda.Event()
+                self._last_op.record(torch.cuda.current_stream(self.device))
+
+    def fused_lookup(self, refresh_every: int) -> "FusedLookup":
+        """The one-launch inference lookup over this cache and its host store (built on first use)."""
+        if self.fused is None:
+            self.fused = FusedLookup(self, refresh_every)
+        return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
     def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
@@ -701,12 +730,108 @@ class CachedRowManager:
             "device": str(self.device),
         }
         out.update(self.store.stats())
+        if self.fused is not None:
+            out.update(self.fused.stats())
         return out
 
     def print_comm_stats(self) -> None:
         """Colossal-AI-compatible summary on stdout."""
         for k, v in self.stats().items():
             print(f"{k}: {v}")
+
+
+class FusedLookup:
+    """Inference lookups of a :class:`CachedRowManager` in ONE kernel launch (``kernels/lookup.cu``).
+
+    The kernel reads a bag's rows from the manager's cache (raw rows of ``cached_weight``, found through the
+    ``slot_of`` table) or, on a miss, zero-copy from the compressed host store, decodes and pools them straight into
+    the output. Nothing is admitted on the lookup path and nothing syncs the host: ids are checked in the kernel
+    (reported lazily through pinned host words), hits / host bytes are device counters, and every id's lookup is
+    counted per row (``freq``). The cache follows the traffic by a refresh on a schedule (after 16, 32, 64, ...
+    lookups, then every ``refresh_every``): the most requested rows are made resident through the manager's own
+    admission path (one sync then). Requires rows of the pooling kernel's size (``lookup.pool_supported``).
+    """
+
+    def __init__(self, mgr: "CachedRowManager", refresh_every: int) -> None:
+        from ..kernels.hashmap import IndexArgs
+        from ..kernels.lookup import SLOTS_INDEX
+
+        self.mgr = mgr
+        dev = mgr.device
+        self.refresh_every = int(refresh_every)
+        self.err = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+        self._err_np = self.err.numpy()
+        self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.freq = torch.zeros(mgr.num_embeddings, dtype=torch.int32, device=dev)
+        self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
+        self._empty = torch.empty(0, dtype=torch.int64, device=dev)
+        self._index_mode = SLOTS_INDEX
+        self._index_args = IndexArgs
+        self._weight_ptr = -1
+        self._codec: "Codec | None" = None
+        self._tables: Any = None
+        self.calls = 0
+        self.refreshes = 0
+        self._next_refresh = 16
+
+    def pending_error(self) -> "tuple[int, int] | None":
+        """``(kind, where)`` of a bad input seen by a recent lookup, or None; clears the report. kind 1: an id
+        outside its table (where = the table), kind 2: offsets that break torch's rules (where = the bag)."""
+        if not self._err_np[0]:
+            return None
+        kind, where = int(self._err_np[0]), int(self._err_np[1])
+        self._err_np[:] = 0
+        return kind, where
+
+    def _source(self) -> Any:
+        from ..kernels.lookup import RowSource
+
+        mgr, store = self.mgr, self.mgr.store
+        ptr = mgr.cached_weight.data_ptr()
+        if ptr != self._weight_ptr:  # the cache grew/shrank for an oversized batch: a new slab address
+            self.slab_bases[0] = ptr
+            self._weight_ptr = ptr
+        if store.codec is not self._codec:  # refits replace the codec
+            self._codec = store.codec
+            self._tables = store.codec.kernel_tables(mgr.device)
+        index = self._index_args(self._index_mode, self._empty, mgr.slot_of, 0, 0)
+        lengths = store._lengths_dev if store.compress else None
+        return RowSource(index, self.slab_bases, store.data.data_ptr(), None, store.row_bytes, lengths,
+                         mgr.num_embeddings)
+
+    def pool(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
+             include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor, layout: Any) -> None:
+        """Pool bags of ``ids`` into ``out`` (see ``kernels.lookup.lookup_pool``); then maybe refresh the cache."""
+        from ..kernels.lookup import ElemType, PoolOp, lookup_pool
+
+        mgr = self.mgr
+        op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
+        elem = ElemType.of(mgr.store.dtype)
+        out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
+        lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, elem, psw, out_u8, self._source(), self._tables,
+                    self.counters, self.err.data_ptr(), self.freq, layout)
+        self.calls += 1
+        if self.calls >= self._next_refresh and not torch.cuda.is_current_stream_capturing():
+            self.refresh()
+            self._next_refresh = self.calls + (self._next_refresh if self._next_refresh < self.refresh_every
+                                               else self.refresh_every)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Make the most requested rows (by the lookup counts) resident, evicting the others as needed."""
+        mgr = self.mgr
+        k = min(mgr.capacity, int((self.freq > 0).sum()))
+        if k == 0:
+            return
+        hot = torch.topk(self.freq, k, sorted=False).indices
+        mgr.prepare_unique(hot)
+        self.refreshes += 1
+
+    def stats(self) -> dict[str, Any]:
+        requests, hits, host_bytes, slab_bytes = (int(v) for v in self.counters.tolist())
+        return {"fused_lookups": requests, "fused_hits": hits, "fused_hit_rate": hits / max(requests, 1),
+                "fused_host_bytes": host_bytes, "fused_raw_host_bytes": (requests - hits) * self.mgr.store.row_bytes,
+                "fused_calls": self.calls, "fused_refreshes": self.refreshes}
 
 
 def _set_rows(param: torch.nn.Parameter, data: torch.Tensor) -> None:

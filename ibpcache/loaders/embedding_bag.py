@@ -193,7 +193,14 @@ class _CachedBagBase(nn.Module):
         chunk_bytes: "int | str",
         refit_threshold: Optional[float],
         fetch: "str | FetchPath",
+        fused_inference: bool = True,
+        refresh_every: int = 256,
+        validate: str = "lazy",
     ) -> None:
+        if validate not in ("eager", "lazy"):
+            raise ValueError(f"validate must be 'eager' or 'lazy', got {validate!r}")
+        if not isinstance(refresh_every, int) or refresh_every < 1:
+            raise ValueError(f"refresh_every must be a positive int, got {refresh_every!r}")
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings: expected a positive int, got {num_embeddings!r}")
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -235,6 +242,13 @@ class _CachedBagBase(nn.Module):
             pinned_ids=() if padding_idx is None else (padding_idx,), refit_threshold=refit_threshold)
         self.cached_weight = self.cache_weight_mgr.cached_weight
         self._padding_slot = None if padding_idx is None else 0
+        from ..kernels.lookup import pool_supported
+
+        self.validate = validate
+        self.refresh_every = refresh_every
+        self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
+                                and store.fetch is FetchPath.ZERO_COPY
+                                and pool_supported(store.dtype, store.row_bytes))
 
     def _initial_weight(self, weight: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
         """``_weight`` as given, or Colossal-AI's init: uniform(-1/N, 1/N) with a zero padding row."""
@@ -292,6 +306,57 @@ class _CachedBagBase(nn.Module):
         if t is None:
             return None
         return t.to(self.device, non_blocking=True)
+
+    # -- the fused inference lookup ---------------------------------------------------------------
+    def _use_fused(self) -> bool:
+        """Inference lookups (no gradient wanted, no max_norm) go through the one-launch pooled lookup."""
+        return (self.fused_inference and self.cache_op and self.max_norm is None
+                and not (torch.is_grad_enabled() and self.cached_weight.requires_grad))
+
+    def check_errors(self) -> None:
+        """Wait for queued lookups and raise the bad-id error a lazily validated lookup saw (``validate='lazy'``:
+        the kernel checks ids without a host sync; the bad id's bag gets nothing from it)."""
+        mgr = self.cache_weight_mgr
+        if mgr._last_op is not None:
+            mgr._last_op.synchronize()
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        fused = self.cache_weight_mgr.fused
+        report = fused.pending_error() if fused is not None else None
+        if report is None:
+            return
+        kind, where = report
+        if kind == 2:
+            raise EmbeddingBagInputError(f"a recent lookup got offsets that are not non-decreasing from 0 to at most "
+                                         f"len(input) (first seen at bag {where}; validate='lazy' reports it after "
+                                         "the fact; that bag pooled nothing)")
+        table = f" of table {where}" if getattr(self, "num_tables", 1) > 1 else ""
+        raise EmbeddingBagIndexError(f"a recent lookup got an id{table} outside its valid range (validate='lazy' "
+                                     "reports it after the fact; that id contributed nothing to its bag)")
+
+    def _fused(self, ids: torch.Tensor, offs: Optional[torch.Tensor], bag_size: int, n_bags: int,
+               psw: Optional[torch.Tensor], out: torch.Tensor, layout: Any, bad: Optional[torch.Tensor]) -> None:
+        """Validate (eagerly: one sync; lazily: none) and run the pooled lookup into ``out``."""
+        if psw is not None:
+            if self.mode != "sum":
+                raise EmbeddingBagInputError("embedding_bag: per_sample_weights was not None. per_sample_weights is "
+                                             f"only supported for mode='sum' (got mode='{self.mode}'). Please open a "
+                                             "feature request on GitHub.")
+            if psw.shape != ids.shape:
+                raise EmbeddingBagInputError(f"per_sample_weights: expected shape {tuple(ids.shape)} (like input), "
+                                             f"got {tuple(psw.shape)}")
+            psw = psw.to(torch.float32).reshape(-1).contiguous()
+        if self.validate == "eager":
+            checks = _check_tensors(ids, bad, offs)
+            if checks:
+                _verifier(ids, bad, offs, "[0, num_embeddings of its table)")(torch.stack(checks).tolist())
+        else:
+            self._raise_pending()
+        mgr = self.cache_weight_mgr
+        with mgr.exclusive():
+            mgr.fused_lookup(self.refresh_every).pool(ids.reshape(-1), offs, bag_size, n_bags,
+                                                      self.include_last_offset, self.mode, psw, out, layout)
 
     # -- Colossal-AI API --------------------------------------------------------------------------
     def set_cache_op(self, cache_op: bool = True) -> None:
@@ -396,13 +461,17 @@ class CachedEmbeddingBag(_CachedBagBase):
         chunk_bytes: "int | str" = "auto",
         refit_threshold: Optional[float] = 0.5,
         fetch: str = "zero_copy",
+        fused_inference: bool = True,
+        refresh_every: int = 256,
+        validate: str = "lazy",
     ) -> None:
         super().__init__()
         self.buffer_size = buffer_size
         self.pin_weight = pin_weight
         self._setup(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
                     _weight, mode, include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio,
-                    evict_strategy, compress, threshold, chunk_bytes, refit_threshold, fetch)
+                    evict_strategy, compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference,
+                    refresh_every, validate)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None,
@@ -413,6 +482,18 @@ class CachedEmbeddingBag(_CachedBagBase):
         ids = input.to(self.device, torch.int64, non_blocking=True)
         offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
         psw = self._to_device(per_sample_weights)
+        if self._use_fused():
+            ids = ids.contiguous()
+            if ids.dim() == 2:
+                n_bags, bag_size = ids.shape
+                offs = None
+            else:
+                offs = offs.contiguous()
+                n_bags, bag_size = max(offs.numel() - (1 if self.include_last_offset else 0), 0), 0
+            out = torch.empty((n_bags, self.embedding_dim), dtype=self.cached_weight.dtype, device=self.device)
+            bad = (ids < 0) | (ids >= self.num_embeddings) if self.validate == "eager" else None
+            self._fused(ids, offs, bag_size, n_bags, psw, out, None, bad)
+            return shape_hook(out) if shape_hook is not None else out
         if not self.cache_op:  # Colossal-AI's split use: ids are slots from cache_weight_mgr.prepare_ids
             verify = _verifier(ids, None, offs, "")
             verify(torch.stack(_check_tensors(ids, None, offs)).tolist() if offs is not None and offs.numel() else [])
@@ -474,6 +555,9 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         chunk_bytes: "int | str" = "auto",
         refit_threshold: Optional[float] = 0.5,
         fetch: str = "zero_copy",
+        fused_inference: bool = True,
+        refresh_every: int = 256,
+        validate: str = "lazy",
     ) -> None:
         super().__init__()
         sizes = [int(n) for n in num_embeddings_per_table]
@@ -495,11 +579,12 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
             ids_freq_mapping = torch.cat([torch.as_tensor(f).reshape(-1) for f in ids_freq_mapping])
         self._setup(sum(sizes), embedding_dim, None, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, mode,
                     include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio, evict_strategy,
-                    compress, threshold, chunk_bytes, refit_threshold, fetch)
+                    compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference, refresh_every, validate)
         starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
         self.register_buffer("table_offsets", starts.to(self.device), persistent=False)
         self.register_buffer("table_sizes", torch.tensor(sizes, dtype=torch.int64, device=self.device),
                              persistent=False)
+        self.register_buffer("table_starts", starts[:-1].contiguous().to(self.device), persistent=False)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None,
@@ -512,6 +597,9 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         n_tab = self.num_tables
         ids = input.to(self.device, torch.int64, non_blocking=True)
         psw = self._to_device(per_sample_weights)
+        if self._use_fused():
+            out = self._forward_fused(ids, offsets, psw)
+            return shape_hook(out) if shape_hook is not None else out
         if ids.dim() == 2:
             if ids.shape[1] != n_tab:
                 raise FormatError(f"input: a 2-D input must be [batch, {n_tab} tables], got {tuple(ids.shape)}")
@@ -542,6 +630,41 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         out = out.reshape(batch, n_tab * self.embedding_dim)
         if shape_hook is not None:
             out = shape_hook(out)
+        return out
+
+    def _forward_fused(self, ids: torch.Tensor, offsets: Optional[torch.Tensor],
+                       psw: Optional[torch.Tensor]) -> torch.Tensor:
+        """Inference: all tables in ONE launch, straight into the ``[B, T * D]`` output (no host sync with
+        ``validate='lazy'``, the default: CUDA-graph capturable with fixed-size inputs)."""
+        from ..kernels.lookup import BagLayout
+
+        n_tab = self.num_tables
+        ids = ids.contiguous()
+        if ids.dim() == 2:
+            if ids.shape[1] != n_tab:
+                raise FormatError(f"input: a 2-D input must be [batch, {n_tab} tables], got {tuple(ids.shape)}")
+            batch = ids.shape[0]
+            offs = None
+            layout = BagLayout(n_tab, batch, True, self.table_starts, self.table_sizes)
+            bag_size, n_bags = 1, batch * n_tab
+            bad = None
+            if self.validate == "eager":
+                bad = (ids < 0) | (ids >= self.table_sizes.unsqueeze(0))
+        else:
+            offs = offsets.to(self.device, torch.int64, non_blocking=True).contiguous()
+            n_bags = offs.numel() - (1 if self.include_last_offset else 0)
+            if n_bags < 0 or n_bags % n_tab:
+                raise FormatError(f"offsets: expected {n_tab} tables x batch bags"
+                                  f"{' + 1' if self.include_last_offset else ''}, got {offs.numel()} offsets")
+            batch = n_bags // n_tab
+            layout = BagLayout(n_tab, batch, False, self.table_starts, self.table_sizes)
+            bag_size = 0
+            bad = None
+            if self.validate == "eager":
+                table = self._table_of_positions(ids.numel(), offs, batch)
+                bad = (ids < 0) | (ids >= self.table_sizes[table])
+        out = torch.empty((batch, n_tab * self.embedding_dim), dtype=self.cached_weight.dtype, device=self.device)
+        self._fused(ids, offs, bag_size, n_bags, psw, out, layout, bad)
         return out
 
     def _ranked_per_table(self, prep: Prepared, offs: Optional[torch.Tensor], psw: Optional[torch.Tensor],
