@@ -98,9 +98,10 @@ def _ptr(t: Optional[torch.Tensor]) -> np.uint64:
 
 
 def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
-                 include_last: bool, layout: BagLayout, out: torch.Tensor, src: RowSource, tables: KernelTables,
+                 include_last: bool, layout: Optional[BagLayout], out: torch.Tensor, src: RowSource, tables: KernelTables,
                  counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor]) -> tuple:
     idx = src.index
+    layout = layout if layout is not None else _ONE_TABLE
     return (
         _ptr(ids), np.int64(ids.numel()), _ptr(bag_offsets), np.int32(bag_size), np.int64(n_bags),
         np.int32(int(include_last)), np.int32(layout.n_tables), np.int64(layout.per_table),
@@ -121,7 +122,7 @@ def _check(ids: torch.Tensor, out: torch.Tensor, tables: KernelTables, err_ptr: 
 
 def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: KernelTables,
                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor] = None,
-                layout: BagLayout = _ONE_TABLE) -> None:
+                layout: Optional[BagLayout] = None) -> None:
     """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``."""
     dev = _check(ids, out, tables, err_ptr)
     n = ids.numel()
@@ -135,7 +136,7 @@ def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: Ke
 def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
                 include_last: bool, op: PoolOp, elem: ElemType, per_sample_weights: Optional[torch.Tensor],
                 out: torch.Tensor, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
-                err_ptr: int, freq: Optional[torch.Tensor] = None, layout: BagLayout = _ONE_TABLE) -> None:
+                err_ptr: int, freq: Optional[torch.Tensor] = None, layout: Optional[BagLayout] = None) -> None:
     """Pool each bag (``bag_offsets`` as torch.nn.functional.embedding_bag takes them, or fixed ``bag_size``)
     into its output row; see lookup.cu for the exact arithmetic."""
     dev = _check(ids, out, tables, err_ptr)
