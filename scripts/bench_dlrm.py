@@ -1,27 +1,26 @@
-"""DLRM embedding lookups (GPU): Colossal-AI's CachedEmbeddingBag vs ours, side by side in one run.
+"""DLRM embedding lookups (GPU): FBGEMM's TBE cache, Colossal-AI and ibpcache side by side in one process.
 
-Setup (the paper's, on our real data): ``--tables`` (26) embedding tables of real trained rows, the MiniLM
-word-embedding table resampled to ``--total-gb`` per entry size, ids drawn per table from a bounded Zipf law
-(``--zipf`` 1.05, hot rows spread by a per-table random permutation), ``--bag`` ids per table per sample
-(1 = one categorical value per feature, Criteo-style), LFU eviction, ``warmup_ratio`` 0.7 for everyone.
-Entry sizes: 512 B = the first 128 columns of a MiniLM row (the paper's 128 x fp32); 2 KB = a MiniLM row
-(384) followed by the first 128 columns of another random MiniLM row (the paper's rescaled 512 x fp32).
+Setup: ``--tables`` (26) embedding tables of real trained rows: the MiniLM word-embedding table resampled to
+``--total-gb`` per row size (128 B = MiniLM[:, :32], 512 B = [:, :128], 2 KB = a MiniLM row + 128 columns of
+another), ids drawn per table from a bounded Zipf law (``--zipf`` 1.05, hot rows spread by a per-table random
+permutation), ``--bags`` ids per table per sample (1 = one categorical value per feature; 20 = a multi-hot bag,
+summed). All methods get the same ids, built outside the timed region.
 
-Methods (all over one cache / host table for all tables, so one lookup per step; same ids for everyone):
-  colossal      Colossal-AI 0.5 CachedEmbeddingBag (CPU index_select + copy, loaded from the installed wheel
-                under a synthetic package as ../shared/ENVIRONMENT.md says); batches it refuses are recorded
-                as "refused" with its message
-  ours_host     ours, raw host table, misses gathered on the CPU + one copy (our cache logic, Colossal's
-                transfer style: isolates the cache-management part of the gain)
-  ours_off      ours, raw host table, misses fetched by the GPU zero-copy kernel (GPU-initiated transfer)
-  ours_on       ours, IBP-compressed host table, zero-copy fused fetch + decode (the full design)
-Speedup shares: ln(t_colossal / t_ours_on) split into cache management (colossal -> ours_host), GPU-initiated
-transfer (ours_host -> ours_off) and compression (ours_off -> ours_on).
+Methods (one module over all tables each, so one lookup call per step):
+  fbgemm_lfu / fbgemm_lru  FBGEMM 1.6 ``SplitTableBatchedEmbeddingBagsCodegen`` (what TorchRec runs), every table
+                 ``EmbeddingLocation.MANAGED_CACHING`` with ``uvm_host_mapped=True`` (tables in pinned host memory,
+                 an HBM cache of ``cache_load_factor`` = the cache ratio), LFU or LRU, default bounds check;
+                 staged by ../shared/tools/stage-fbgemm (put its folder on PYTHONPATH)
+  colossal       Colossal-AI 0.5 CachedEmbeddingBag (batches it refuses are recorded as "refused")
+  ibpcache       TableBatchedCachedEmbeddingBag as a user gets it: IBP-compressed pinned host table, fused
+                 one-launch inference lookups (lazy id checks, no host sync), cache refreshed from lookup counts
+  ibpcache_raw   the same with compress=False (raw host rows through the same kernel)
 
-Timing: every step is timed alone with CUDA events (device idle before it), medians over ``--iters`` steps
-after ``--warmup`` steps; a point stops early after ``--max-seconds-per-point`` (the iterations actually run
-are recorded). Outputs are verified against the host table before and after timing. With ``--train`` a step
-is forward + backward + sparse SGD. Writes bench_dlrm.json / bench_dlrm.png under --out.
+Every step is timed alone with CUDA events (device idle before it; the latency a serving step sees), medians over
+``--iters`` steps after ``--warmup`` steps (capped by ``--max-seconds-per-point``). Every method's output is checked
+bit for bit against torch's embedding_bag over the full table on the GPU, before and after timing. Writes
+bench_dlrm.json (``{"points": [{"row_bytes", "batch", "cache_ratio", "bag", "mode", "methods": {name:
+{"M_lookups_per_s", ...}}}]}``) and bench_dlrm.png under --out.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import argparse
 import gc
 import importlib
 import importlib.util
-import math
 import sys
 import time
 import types
@@ -46,9 +44,8 @@ from ibpcache import datasets
 from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
-METHODS = ("colossal", "ours_host", "ours_off", "ours_on")
-OURS = {"ours_host": dict(compress=False, fetch="host_gather"), "ours_off": dict(compress=False, fetch="zero_copy"),
-        "ours_on": dict(compress=True, fetch="zero_copy")}
+METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "ibpcache", "ibpcache_raw")
+OURS = {"ibpcache": dict(compress=True), "ibpcache_raw": dict(compress=False)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -57,7 +54,7 @@ OURS = {"ours_host": dict(compress=False, fetch="host_gather"), "ours_off": dict
 
 
 def real_rows(entry_bytes: int) -> torch.Tensor:
-    """MiniLM rows shaped to the entry size (float32): 512 B = 128 columns, 2 KB = 384 + 128 of another row."""
+    """MiniLM rows shaped to the entry size (float32): <= 1536 B = the first columns; 2 KB = 384 + 128 of another row."""
     minilm = datasets.load_minilm()
     dim = entry_bytes // 4
     if dim <= minilm.shape[1]:
@@ -96,7 +93,7 @@ class ZipfIds:
 
 
 # ------------------------------------------------------------------------------------------------
-# the methods, behind one interface: lookup(local_ids [T, B*bag]) -> output
+# the methods, behind one interface: inputs(local ids [T, B*bag]) built untimed, lookup(inputs) -> [B, T*D]
 # ------------------------------------------------------------------------------------------------
 
 
@@ -116,6 +113,25 @@ def load_colossal(folder: "str | None") -> tuple[type, Any]:
     return cached.CachedEmbeddingBag, mgr.EvictionStrategy
 
 
+def build_fbgemm(name: str, table: torch.Tensor, tables: int, rows: int, ratio: float, device: torch.device) -> Any:
+    """FBGEMM TBE with every table in host-mapped memory behind one HBM cache (TorchRec's UVM caching)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm, EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    alg = CacheAlgorithm.LFU if name == "fbgemm_lfu" else CacheAlgorithm.LRU
+    dim = table.shape[1]
+    emb = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)] * tables, cache_algorithm=alg,
+        cache_load_factor=ratio, pooling_mode=PoolingMode.SUM, uvm_host_mapped=True, device=device)
+    with torch.no_grad():
+        for t, w in enumerate(emb.split_embedding_weights()):
+            w.copy_(table[t * rows:(t + 1) * rows].view(w.shape))
+    return emb
+
+
 class Method:
     """One embedding module over all tables plus the layout glue; ``lookup`` returns [B, T * D]."""
 
@@ -126,7 +142,9 @@ class Method:
         self.tables = tables
         self.rows = table.shape[0] // tables
         self.dim = table.shape[1]
-        if name == "colossal":
+        if name.startswith("fbgemm"):
+            self.module = build_fbgemm(name, table, tables, self.rows, cache_ratio, device)
+        elif name == "colossal":
             cls, strategy = colossal
             weight = table.clone() if train else table  # it writes evicted rows back into the tensor it is given
             self.module = cls(table.shape[0], self.dim, mode="sum", sparse=train, _weight=weight,
@@ -141,17 +159,15 @@ class Method:
         self.opt = torch.optim.SGD(list(self.module.parameters()), lr=lr) if train else None
 
     def inputs(self, local: torch.Tensor, bag: int) -> tuple[torch.Tensor, "torch.Tensor | None", int]:
-        """The module's input for table-local ids ``[T, B * bag]`` (built outside the timed region).
-
-        bag == 1: sample-major (ours: ``[B, T]``; Colossal-AI: global ids with one-id bags), so neither output
-        needs a transpose. bag > 1: table-major bags for both (the torchrec / Colossal-AI tablewise layout).
-        """
+        """The module's own input format for table-local ids ``[T, B * bag]``."""
         batch = local.shape[1] // bag
+        if self.name.startswith("fbgemm"):  # KJT order: table-major bags, offsets with the total at the end
+            return local.reshape(-1), torch.arange(0, local.numel() + 1, bag, device=self.device), batch
         if self.name == "colossal":
             glob = local + self.table_base
             flat = glob.t().reshape(-1) if bag == 1 else glob.reshape(-1)
             return flat, torch.arange(0, flat.numel(), bag, device=self.device), batch
-        if bag == 1:
+        if bag == 1:  # ours: a [B, T] id matrix (sample-major) needs no offsets
             return local.t().contiguous(), None, batch
         return local.reshape(-1), torch.arange(0, local.numel(), bag, device=self.device), batch
 
@@ -175,15 +191,17 @@ class Method:
         return out
 
     def counters(self) -> dict[str, float]:
+        if self.name.startswith("fbgemm"):
+            return {}
         if self.name == "colossal":
             mgr = self.module.cache_weight_mgr
-            return {"hits": float(sum(mgr.num_hits_history)), "misses": float(sum(mgr.num_miss_history)),
-                    "steps": float(len(mgr.num_hits_history)), "bytes_fetched": float(sum(mgr.num_miss_history))
-                    * self.dim * 4}
+            return {"hits": float(sum(mgr.num_hits_history)), "misses": float(sum(mgr.num_miss_history))}
         st = self.module.stats()
-        return {"hits": float(st["hits"]), "misses": float(st["misses"]), "steps": float(st["steps"]),
-                "bytes_fetched": float(st["bytes_fetched"]), "write_backs": float(st["write_backs"]),
-                "host_ratio": st["host_ratio"], "overflow_batches": float(st["overflow_batches"])}
+        if "fused_hits" in st:
+            return {"hits": float(st["fused_hits"]), "misses": float(st["fused_lookups"] - st["fused_hits"]),
+                    "host_bytes": float(st["fused_host_bytes"]), "raw_host_bytes": float(st["fused_raw_host_bytes"]),
+                    "refreshes": float(st["fused_refreshes"]), "host_ratio": st["host_ratio"]}
+        return {"hits": float(st["hits"]), "misses": float(st["misses"]), "host_ratio": st["host_ratio"]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,25 +209,30 @@ class Method:
 # ------------------------------------------------------------------------------------------------
 
 
-def reference(table: torch.Tensor, local: torch.Tensor, rows: int, bag: int) -> torch.Tensor:
-    """The expected [B, T * D] output, computed on the CPU from the host table."""
+def reference(table_dev: torch.Tensor, local: torch.Tensor, rows: int, bag: int) -> torch.Tensor:
+    """The expected [B, T * D] output: torch's embedding_bag over the full table (on the GPU when it is there)."""
     t, n = local.shape
-    glob = (local.cpu() + torch.arange(t).unsqueeze(1) * rows).reshape(-1)
-    out = F.embedding_bag(glob, table, torch.arange(0, glob.numel(), bag), mode="sum")
+    glob = (local.to(table_dev.device) + torch.arange(t, device=table_dev.device).unsqueeze(1) * rows).reshape(-1)
+    offsets = torch.arange(0, glob.numel(), bag, device=table_dev.device)
+    out = F.embedding_bag(glob, table_dev, offsets, mode="sum")
     return out.view(t, n // bag, -1).transpose(0, 1).reshape(n // bag, -1)
 
 
-def run_point(method: Method, ids: ZipfIds, table: torch.Tensor, batch: int, bag: int, args: argparse.Namespace,
-              seed: int) -> dict[str, Any]:
+def run_point(method: Method, ids: ZipfIds, table_dev: torch.Tensor, batch: int, bag: int,
+              args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Warm up, then time steps one by one with CUDA events; verify outputs before and after."""
     ids.reset(seed)
     probe = ids.batch(batch, bag)
-    got = method.step(method.inputs(probe, bag), bag).detach().cpu()
+    got = method.step(method.inputs(probe, bag), bag).detach()
     checkable = not method.train or method.fresh  # training changes the table after the first step
-    ok_before = bool(torch.equal(got, reference(table, probe, method.rows, bag))) if checkable else None
+    ok_before = bool(torch.equal(got, reference(table_dev, probe, method.rows, bag).to(got.device))) \
+        if checkable else None
     method.fresh = False
-    for _ in range(args.warmup):
+    t_warm = time.perf_counter()
+    for _ in range(args.warmup):  # capped like the timed loop: slow baselines get fewer warm-up steps
         method.step(method.inputs(ids.batch(batch, bag), bag), bag)
+        if time.perf_counter() - t_warm > args.max_seconds_per_point:
+            break
     before = method.counters()
     times: list[float] = []
     cuda = method.device.type == "cuda"
@@ -235,64 +258,52 @@ def run_point(method: Method, ids: ZipfIds, table: torch.Tensor, batch: int, bag
     ok_after: "bool | None" = None
     if not method.train:  # a trained table no longer equals the initial one
         probe = ids.batch(batch, bag)
-        got = method.step(method.inputs(probe, bag), bag).detach().cpu()
-        ok_after = bool(torch.equal(got, reference(table, probe, method.rows, bag)))
+        got = method.step(method.inputs(probe, bag), bag).detach()
+        ok_after = bool(torch.equal(got, reference(table_dev, probe, method.rows, bag).to(got.device)))
     arr = np.asarray(times)
     lookups = batch * bag * method.tables
-    d = {k: after[k] - before.get(k, 0.0) for k in ("hits", "misses", "steps", "bytes_fetched")}
-    steps = max(d["steps"], 1.0)
-    return {
-        "status": "ok", "iters": len(times), "median_ms": float(np.median(arr)),
-        "p10_ms": float(np.percentile(arr, 10)), "p90_ms": float(np.percentile(arr, 90)), "mean_ms": float(arr.mean()),
-        "lookups_per_s": lookups / (float(np.median(arr)) * 1e-3), "lookups_per_step": lookups,
-        "unique_rows_per_step": (d["hits"] + d["misses"]) / steps, "misses_per_step": d["misses"] / steps,
-        "hit_rate": d["hits"] / max(d["hits"] + d["misses"], 1.0),
-        "fetched_mb_per_step": d["bytes_fetched"] / steps / 1e6, "host_ratio": after.get("host_ratio"),
-        "overflow_batches": after.get("overflow_batches"),
+    med = float(np.median(arr))
+    res: dict[str, Any] = {
+        "status": "ok", "iters": len(times), "median_ms": med, "p10_ms": float(np.percentile(arr, 10)),
+        "p90_ms": float(np.percentile(arr, 90)), "max_ms": float(arr.max()), "mean_ms": float(arr.mean()),
+        "M_lookups_per_s": lookups / (med * 1e-3) / 1e6, "lookups_per_step": lookups,
         "verified": None if ok_before is None else bool(ok_before and ok_after is not False),
     }
+    if "hits" in after:
+        d = {k: after[k] - before.get(k, 0.0) for k in after if isinstance(after[k], float)}
+        res["hit_rate"] = d["hits"] / max(d["hits"] + d["misses"], 1.0)
+        if "host_bytes" in d:
+            res["host_mb_per_step"] = d["host_bytes"] / max(len(times), 1) / 1e6
+            res["transfer_ratio"] = d["raw_host_bytes"] / max(d["host_bytes"], 1.0)
+            res["refreshes_during_timing"] = d["refreshes"]
+        res["host_ratio"] = after.get("host_ratio")
+    return res
 
 
-def shares(point: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Speedups vs Colossal-AI and how ln(total speedup) splits across the three design steps."""
-    t = {m: r["median_ms"] for m, r in point.items() if r.get("status") == "ok"}
-    out: dict[str, Any] = {}
-    for m in ("ours_host", "ours_off", "ours_on"):
-        if m in t and "colossal" in t:
-            out[f"speedup_{m}_vs_colossal"] = t["colossal"] / t[m]
-    if "ours_off" in t and "ours_on" in t:
-        out["compression_speedup"] = t["ours_off"] / t["ours_on"]
-    if "ours_host" in t and "ours_off" in t:
-        out["transfer_speedup"] = t["ours_host"] / t["ours_off"]
-    if all(m in t for m in METHODS) and t["colossal"] > t["ours_on"]:
-        total = math.log(t["colossal"] / t["ours_on"])
-        out["share_cache_management"] = math.log(t["colossal"] / t["ours_host"]) / total
-        out["share_gpu_initiated_transfer"] = math.log(t["ours_host"] / t["ours_off"]) / total
-        out["share_compression"] = math.log(t["ours_off"] / t["ours_on"]) / total
-    return out
-
-
-def check_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets, point by point: >= 4x Colossal-AI at batch 1024, >= 2.8x wherever it runs, every
-    point it refuses served by us, and compression on at least as fast as off."""
+def check_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 11's inference targets, point by point: ibpcache >= 1.5x the better FBGEMM policy at 512 B / 2 KB rows
+    (>= 2x at batch >= 4096), >= 1.0x at 128 B, and compression never slower than raw."""
     lines, misses = [], []
-    keys = sorted({(r["entry_bytes"], r["cache_ratio"], r["batch"]) for r in records})
-    for e, c, b in keys:
-        pt = {r["method"]: r for r in records if (r["entry_bytes"], r["cache_ratio"], r["batch"]) == (e, c, b)}
-        on, off, col = pt.get("ours_on", {}), pt.get("ours_off", {}), pt.get("colossal", {})
-        tag = f"{e} B, cache {c:g}, batch {b}"
-        if on.get("status") != "ok":
-            misses.append(f"{tag}: ours_on did not run ({on.get('error')})")
+    for pt in points:
+        if pt["mode"] != "inference":
             continue
-        if col.get("status") == "ok":
-            need = 4.0 if b == 1024 else 2.8
-            got = col["median_ms"] / on["median_ms"]
-            (lines if got >= need else misses).append(f"{tag}: {got:.2f}x Colossal-AI (target {need}x)")
-        elif col.get("status") == "refused":
-            lines.append(f"{tag}: Colossal-AI refused, ours served {on['lookups_per_s'] / 1e6:.1f}M lookups/s")
-        if off.get("status") == "ok":
-            ratio = off["median_ms"] / on["median_ms"]
-            (lines if ratio >= 1.0 else misses).append(f"{tag}: compression on/off speed {ratio:.3f}")
+        m = pt["methods"]
+        tag = f"{pt['row_bytes']} B, batch {pt['batch']}, cache {pt['cache_ratio']:g}, bag {pt['bag']}"
+        ours = m.get("ibpcache", {})
+        if ours.get("status") != "ok":
+            misses.append(f"{tag}: ibpcache did not run ({ours.get('error')})")
+            continue
+        fb = [m[k]["M_lookups_per_s"] for k in ("fbgemm_lfu", "fbgemm_lru") if m.get(k, {}).get("status") == "ok"]
+        if fb:
+            need = 1.0 if pt["row_bytes"] <= 128 else (2.0 if pt["batch"] >= 4096 else 1.5)
+            got = ours["M_lookups_per_s"] / max(fb)
+            pt["speedup_vs_best_fbgemm"] = got
+            (lines if got >= need else misses).append(f"{tag}: {got:.2f}x the better FBGEMM policy (target {need}x)")
+        raw = m.get("ibpcache_raw", {})
+        if raw.get("status") == "ok":
+            ratio = ours["M_lookups_per_s"] / raw["M_lookups_per_s"]
+            pt["compression_speedup"] = ratio
+            (lines if ratio >= 1.0 else misses).append(f"{tag}: compression on/off {ratio:.3f}")
     return {"met": not misses, "missed": misses, "lines": [f"target met: {x}" for x in lines]
             + [f"TARGET MISSED: {x}" for x in misses]}
 
@@ -300,32 +311,27 @@ def check_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
 def plot(records: list[dict[str, Any]]):
     import matplotlib.pyplot as plt
 
-    entries = sorted({r["entry_bytes"] for r in records})
+    panels = sorted({(r["row_bytes"], r["bag"]) for r in records})
     ratios = sorted({r["cache_ratio"] for r in records})
-    fig, axes = plt.subplots(len(entries), len(ratios), figsize=(5.5 * len(ratios), 4 * len(entries)), squeeze=False)
-    styles = {"colossal": "s-", "ours_host": "^--", "ours_off": "o--", "ours_on": "o-"}
-    for i, e in enumerate(entries):
+    fig, axes = plt.subplots(len(panels), len(ratios), figsize=(5.5 * len(ratios), 3.8 * len(panels)), squeeze=False)
+    styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "ibpcache": "o-", "ibpcache_raw": "o--"}
+    for i, (rb, bag) in enumerate(panels):
         for j, c in enumerate(ratios):
             ax = axes[i][j]
-            rr = [r for r in records if r["entry_bytes"] == e and r["cache_ratio"] == c]
+            rr = [r for r in records if (r["row_bytes"], r["bag"], r["cache_ratio"]) == (rb, bag, c)]
             for m in METHODS:
-                pts = sorted((r["batch"], r["lookups_per_s"]) for r in rr if r["method"] == m and r["status"] == "ok")
+                pts = sorted((r["batch"], r["M_lookups_per_s"]) for r in rr if r["method"] == m and r["status"] == "ok")
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], styles[m], label=m)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[m], label=m)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            for r in rr:  # points Colossal-AI refuses: marked at the bottom of the panel
-                if r["status"] == "refused":
-                    ax.annotate(f"{r['method']} refused", (r["batch"], ax.get_ylim()[0]), fontsize=7, rotation=90,
-                                va="bottom", color="gray")
             ax.set_xlabel("batch size (samples)")
             ax.set_ylabel("M lookups / s")
-            ax.set_title(f"{e} B entries, cache {c:.0%}")
+            ax.set_title(f"{rb} B rows, bag {bag}, cache {c:.0%}")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     first = records[0]
-    fig.suptitle(f"DLRM lookups: Colossal-AI CachedEmbeddingBag vs ibpcache ({first['tables']} tables, Zipf, "
-                 f"{'training' if first['train'] else 'inference'})")
+    fig.suptitle(f"DLRM lookups ({first['tables']} tables, Zipf, {'training' if first['train'] else 'inference'})")
     fig.tight_layout()
     return fig
 
@@ -345,116 +351,135 @@ def build_table(entry_bytes: int, rows: int, seed: int) -> torch.Tensor:
     return datasets.resample_rows(real_rows(entry_bytes), rows, seed=seed)
 
 
+def to_points(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flat records -> the issue's schema: one point per (row size, batch, cache, bag) with a dict of methods."""
+    keys = ("row_bytes", "batch", "cache_ratio", "bag", "mode")
+    points: dict[tuple, dict[str, Any]] = {}
+    for r in records:
+        k = tuple(r[x] for x in keys)
+        pt = points.setdefault(k, {**dict(zip(keys, k)), "methods": {}})
+        pt["methods"][r["method"]] = {x: v for x, v in r.items() if x not in keys and x != "method"}
+    return list(points.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_out_argument(p)
     p.add_argument("--tables", type=int, default=26)
-    p.add_argument("--entry-bytes", default="512,2048", help="row sizes (multiples of 4 bytes of float32)")
-    p.add_argument("--total-gb", type=float, default=3.0, help="host table size per entry size (all tables)")
-    p.add_argument("--batches", default="1024,2048,4096,8192")
+    p.add_argument("--entry-bytes", default="128,512,2048", help="row sizes (multiples of 4 bytes of float32)")
+    p.add_argument("--rows-per-table", type=int, default=225_000)
+    p.add_argument("--total-gb", type=float, default=None, help="instead of --rows-per-table: host bytes per row size")
+    p.add_argument("--batches", default="1024,4096,8192,16384")
     p.add_argument("--cache-ratios", default="0.01,0.1")
-    p.add_argument("--bag", type=int, default=1, help="ids per table per sample")
+    p.add_argument("--bags", default="1,20", help="ids per table per sample (summed)")
     p.add_argument("--zipf", type=float, default=1.05)
-    p.add_argument("--iters", type=int, default=400, help="timed steps per point (the paper: 1000)")
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--max-seconds-per-point", type=float, default=5.0)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=70, help="warm-up steps (ibpcache refreshes its cache at 16/32/64)")
+    p.add_argument("--max-seconds-per-point", type=float, default=3.0)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--train", action="store_true", help="time forward + backward + sparse SGD steps")
+    p.add_argument("--train", action="store_true", help="time forward + backward + sparse SGD (ours, Colossal-AI)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--colossal-dir", default=None, help="folder of colossalai's cache_embedding modules")
+    p.add_argument("--name", default="bench_dlrm", help="stem of the JSON/PNG files")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run of our methods)")
     args = p.parse_args()
     if args.quick:  # smaller defaults; options given explicitly still win
-        for key, value in {"total_gb": 0.05, "iters": 20, "warmup": 5, "batches": "1024,8192"}.items():
+        for key, value in {"rows_per_table": 20_000, "iters": 20, "warmup": 20, "batches": "1024,8192"}.items():
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_dlrm needs a CUDA GPU (or --device cpu for a smoke run)")
     methods = [m for m in args.methods.split(",") if m]
-    if device.type == "cpu":
-        methods = [m for m in methods if m != "ours_host"]  # host_gather and zero_copy are CUDA fetch paths
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    unavailable: dict[str, str] = {}
+    if device.type != "cuda":
+        unavailable.update({m: "needs CUDA" for m in methods if not m.startswith("ibpcache")})
+    if args.train:
+        unavailable.update({m: "FBGEMM's training libraries are not staged" for m in methods if m.startswith("fbgemm")})
     colossal: Any = None
-    colossal_error: "str | None" = None
-    if "colossal" in methods and device.type != "cuda":
-        colossal_error = "Colossal-AI's CachedEmbeddingBag needs CUDA"
-    elif "colossal" in methods:
+    if "colossal" in methods and "colossal" not in unavailable:
         try:
             colossal = load_colossal(args.colossal_dir)
         except Exception as exc:  # the baseline missing must not hide our numbers
-            colossal_error = f"{type(exc).__name__}: {exc}"
-            print(f"colossal: unavailable ({colossal_error})", flush=True)
+            unavailable["colossal"] = f"{type(exc).__name__}: {exc}"
+    for name in [m for m in methods if m.startswith("fbgemm") and m not in unavailable]:
+        try:
+            importlib.import_module("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+        except Exception as exc:
+            unavailable[name] = f"{type(exc).__name__}: {exc}"
+    for name, why in unavailable.items():
+        print(f"{name}: unavailable ({why})", flush=True)
     entries = [int(x) for x in args.entry_bytes.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     ratios = [float(x) for x in args.cache_ratios.split(",")]
-    plan = {e: max(1, int(args.total_gb * 1e9 / e / args.tables)) for e in entries}
-    print(f"bench_dlrm: {args.tables} tables, rows/table {plan}, zipf a={args.zipf}, bag {args.bag}, batches "
-          f"{batches}, cache ratios {ratios}, {args.iters} timed steps (<= {args.max_seconds_per_point}s/point) after "
-          f"{args.warmup} warm-up, {'training' if args.train else 'inference'}, methods {methods}", flush=True)
+    bags = [int(x) for x in args.bags.split(",")]
+    plan = {e: (max(1, int(args.total_gb * 1e9 / e / args.tables)) if args.total_gb else args.rows_per_table)
+            for e in entries}
+    mode = "training" if args.train else "inference"
+    print(f"bench_dlrm: {args.tables} tables, rows/table {plan}, zipf a={args.zipf}, bags {bags}, batches {batches}, "
+          f"cache ratios {ratios}, <= {args.iters} timed steps (<= {args.max_seconds_per_point}s/point) after "
+          f"{args.warmup} warm-up, {mode}, methods {methods}", flush=True)
     t_start = time.perf_counter()
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=len(entries) * len(ratios) * len(methods) * len(batches), desc="points")
+    bar = tqdm(total=len(entries) * len(ratios) * len(methods) * len(batches) * len(bags), desc="points")
     for entry in entries:
         rows = plan[entry]
         table = build_table(entry, rows * args.tables, seed=entry)
+        table_dev = table.to(device) if device.type == "cuda" else table
         ids = ZipfIds(rows, args.tables, args.zipf, device)
         for ratio in ratios:
-            point: dict[int, dict[str, dict]] = {b: {} for b in batches}
             for name in methods:
-                base = {"entry_bytes": entry, "rows_per_table": rows, "tables": args.tables, "cache_ratio": ratio,
-                        "method": name, "bag": args.bag, "train": args.train}
-                if name == "colossal" and colossal is None:
+                base = {"row_bytes": entry, "rows_per_table": rows, "tables": args.tables, "cache_ratio": ratio,
+                        "method": name, "mode": mode, "train": args.train}
+                if name in unavailable:
                     for b in batches:
-                        records.append({**base, "batch": b, "status": "unavailable", "error": colossal_error})
-                        bar.update()
+                        for bag in bags:
+                            records.append({**base, "batch": b, "bag": bag, "status": "unavailable",
+                                            "error": unavailable[name]})
+                            bar.update()
                     continue
                 t_build = time.perf_counter()
                 method = Method(name, table, args.tables, ratio, colossal, args.train, args.lr, device)
                 build_s = time.perf_counter() - t_build
-                for b in batches:
-                    try:
-                        res = run_point(method, ids, table, b, args.bag, args, seed=b)
-                    except Exception as exc:  # Colossal-AI asserts when a batch has more rows than its cache
-                        msg = f"{type(exc).__name__}: {exc}"
-                        res = {"status": "refused" if name == "colossal" else "error", "error": msg}
-                        if name == "colossal":  # its state is undefined after a failed assert: start afresh
+                for bag in bags:
+                    for b in batches:
+                        try:
+                            res = run_point(method, ids, table_dev, b, bag, args, seed=b + 7919 * bag)
+                        except Exception as exc:  # Colossal-AI asserts when a batch has more rows than its cache
+                            res = {"status": "refused" if name == "colossal" else "error",
+                                   "error": f"{type(exc).__name__}: {exc}"}
                             del method
                             free_memory()
                             method = Method(name, table, args.tables, ratio, colossal, args.train, args.lr, device)
-                        else:
-                            raise
-                    rec = {**base, "batch": b, "build_s": build_s, **res}
-                    records.append(rec)
-                    point[b][name] = rec
-                    bar.update()
+                        records.append({**base, "batch": b, "bag": bag, "build_s": build_s, **res})
+                        bar.update()
                 del method
                 free_memory()
-            for b in batches:
-                extra = shares(point[b])
-                for rec in point[b].values():
-                    rec.update(extra)
-            cols = ("entry_bytes", "cache_ratio", "batch", "method", "status", "median_ms", "lookups_per_s",
-                    "hit_rate", "speedup_ours_on_vs_colossal", "compression_speedup", "verified")
-            rows_here = [r for r in records if r["entry_bytes"] == entry and r["cache_ratio"] == ratio]
-            print(format_table([{k: r.get(k) for k in cols} for r in rows_here]), flush=True)
-        del table, ids
+            cols = ("row_bytes", "cache_ratio", "bag", "batch", "method", "status", "median_ms", "M_lookups_per_s",
+                    "hit_rate", "verified")
+            here = [r for r in records if r["row_bytes"] == entry and r["cache_ratio"] == ratio]
+            print(format_table([{k: r.get(k) for k in cols} for r in here]), flush=True)
+        del table, table_dev, ids
         free_memory()
     bar.close()
-    targets = check_targets(records)
+    points = to_points(records)
+    targets = check_targets(points)
     for line in targets["lines"]:
         print(line, flush=True)
     meta = {**vars(args), "rows_per_table": plan, "out": str(args.out), "elapsed_s": time.perf_counter() - t_start,
-            "targets": targets, "note": "entries: 512 B = MiniLM[:, :128]; 2 KB = MiniLM row + first 128 columns of "
-                                        "another row"}
-    paths = write_results(args.out, "bench_dlrm", records, plot, meta=meta)
+            "targets": targets, "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "note": "rows: 128 B = MiniLM[:, :32]; 512 B = [:, :128]; 2 KB = a MiniLM row + 128 columns of another"}
+    paths = write_results(args.out, args.name, records, plot, meta=meta, extra={"points": points})
     print(f"wrote {paths}", flush=True)
     bad = [r for r in records if r.get("status") == "ok" and r.get("verified") is False]
-    if bad:
-        raise SystemExit(f"{len(bad)} points produced wrong outputs")
+    errors = [r for r in records if r.get("status") == "error"]
+    if bad or errors:
+        raise SystemExit(f"{len(bad)} points produced wrong outputs, {len(errors)} failed: "
+                         f"{[(r['method'], r.get('error')) for r in errors][:3]}")
 
 
 if __name__ == "__main__":

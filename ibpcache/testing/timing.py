@@ -191,11 +191,13 @@ def write_results(
     plot_fn: Callable[[list[dict[str, Any]]], Any] | None = None,
     *,
     meta: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Path]:
     """Write ``<out_dir>/<name>.json`` (records + environment + ``meta``) and, given ``plot_fn``, ``<name>.png``.
 
     ``plot_fn(records)`` draws with matplotlib and returns the Figure (or None to use the current figure); it runs
-    under the non-interactive Agg backend unless pyplot was already set up. Returns the paths written.
+    under the non-interactive Agg backend unless pyplot was already set up. ``extra`` adds top-level keys (a schema an
+    issue names, e.g. ``points``). Returns the paths written.
     """
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"result name must be a plain file stem, got {name!r}")
@@ -206,6 +208,7 @@ def write_results(
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "env": environment_info(),
         "meta": meta or {},
+        **(extra or {}),
         "records": records,
     }
     text = json.dumps(payload, indent=1, default=_to_json)

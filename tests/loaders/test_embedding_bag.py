@@ -669,14 +669,18 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     root = Path(__file__).resolve().parents[2]
     script = root / "scripts" / "bench_dlrm.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path), "--tables", "3", "--total-gb",
-           "0.003", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05", "--iters", "3", "--warmup", "1"]
+    cmd = [sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path), "--tables", "3", "--rows-per-table",
+           "400", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05", "--bags", "1,3", "--iters", "3",
+           "--warmup", "1"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    records = json.loads((tmp_path / "bench_dlrm.json").read_text())["records"]
-    ours = [r for r in records if r["method"].startswith("ours")]
+    payload = json.loads((tmp_path / "bench_dlrm.json").read_text())
+    records = payload["records"]
+    ours = [r for r in records if r["method"].startswith("ibpcache")]
     assert ours and all(r["status"] == "ok" and r["verified"] for r in ours)
-    assert {r["status"] for r in records if r["method"] == "colossal"} == {"unavailable"}
+    assert {r["status"] for r in records if not r["method"].startswith("ibpcache")} == {"unavailable"}
+    assert {(p["bag"], p["batch"]) for p in payload["points"]} == {(1, 64), (3, 64)}
+    assert all(p["methods"]["ibpcache"]["M_lookups_per_s"] > 0 for p in payload["points"])
     assert (tmp_path / "bench_dlrm.png").exists()
 
 
