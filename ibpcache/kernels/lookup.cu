@@ -170,7 +170,148 @@ __device__ __forceinline__ void ibp_report_bad_offsets(volatile int* err, i64 ba
         unsigned char *out, int index_mode, const i64 *table_keys, const i64 *table_values, i64 capacity,       \
         int max_probes, const i64 *slab_bases, i64 host_base, const i64 *host_offsets, i64 host_stride,         \
         const int *host_lengths, int row_bytes, int n_chunks, const u64 *mask, const u64 *bitval,              \
-        u64 *counters, int *err, int *freq
+        u64 *counters, int *err, int *freq, i64 *stage_of, i64 *step_state, const unsigned char *staging,       \
+        i64 stage_cap
+
+// ---- in-step deduplication of misses (optional: staging == nullptr turns it off) --------------------------
+// A step with staging is three launches: CLAIM (thread per bag: every missed row claims a staging index once,
+// tagged with the step's generation in stage_of[gid] = gen << 32 | index), STAGE (a warp per claimed row reads it
+// once from host memory and decodes it into the staging buffer in device memory), then the lookup itself, which
+// reads claimed rows from staging and only unclaimed ones (staging full) zero-copy. step_state (int64 [4]):
+// [0] generation of the last finished step, [1]/[2] claim counters by generation parity, [3] the lookup's
+// block ticket: its last block advances the generation and clears the next step's counter, so no host work is
+// needed between steps (CUDA-graph replays included).
+#define IBP_STAGE_CLAIMING 0xFFFFFFFFu
+#define IBP_STAGE_FULL 0xFFFFFFFEu
+
+__device__ __forceinline__ i64 ibp_stage_lookup(const i64* __restrict__ stage_of, const i64* step_state, i64 gid,
+                                                i64 stage_cap) {
+    const unsigned long long tag = (unsigned long long)(step_state[0] + 1) & 0xFFFFFFFFull;
+    const unsigned long long e = (unsigned long long)stage_of[gid];
+    if ((e >> 32) != tag) return -1;
+    const unsigned int idx = (unsigned int)(e & 0xFFFFFFFFull);
+    return (idx < (unsigned int)stage_cap) ? (i64)idx : -1;
+}
+
+__device__ __forceinline__ void ibp_finish_step(i64* step_state) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned long long ticket = atomicAdd((unsigned long long*)&step_state[3], 1ULL);
+        if (ticket == (unsigned long long)gridDim.x - 1) {  // the last block of the lookup
+            const i64 gen = step_state[0];
+            step_state[1 + ((gen + 1) & 1)] = 0;  // the next step's claim counter (last used two steps ago)
+            step_state[3] = 0;
+            __threadfence();
+            step_state[0] = gen + 1;
+        }
+    }
+}
+
+extern "C" __global__ void ibp_lookup_claim(IBP_LOOKUP_PARAMS, i64* __restrict__ stage_gid) {
+    const i64 gen = step_state[0];
+    const unsigned long long tag = (unsigned long long)(gen + 1) & 0xFFFFFFFFull;
+    unsigned long long* counter = (unsigned long long*)&step_state[1 + (gen & 1)];
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n_bags; j += stride) {
+        int t;
+        i64 s, start, end;
+        bool bad_offsets;
+        ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
+                      start, end, bad_offsets);
+        const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
+        const i64 base = table_base != nullptr ? table_base[t] : 0;
+        for (i64 p = start; p < end; ++p) {
+            const i64 id = ids[p];
+            if (id < 0 || id >= limit) continue;  // reported by the lookup
+            const i64 gid = id + base;
+            if (freq != nullptr) atomicAdd(&freq[gid], 1);
+            if (index_mode == IBP_INDEX_SLOTS) {
+                if (reinterpret_cast<const int*>(table_values)[gid] >= 0) continue;
+            } else if (ibp_index_find(index_mode, table_keys, table_values, capacity, max_probes, gid) !=
+                       IBP_EMPTY_ENTRY) {
+                continue;
+            }
+            unsigned long long* slot = (unsigned long long*)&stage_of[gid];
+            unsigned long long old = *((volatile unsigned long long*)slot);
+            if ((old >> 32) == tag) continue;  // claimed already in this step
+            const unsigned long long claim = (tag << 32) | IBP_STAGE_CLAIMING;
+            if (atomicCAS(slot, old, claim) != old) continue;  // another thread claimed it first
+            const unsigned long long idx = atomicAdd(counter, 1ULL);
+            if (idx < (unsigned long long)stage_cap) {
+                stage_gid[idx] = gid;
+                *slot = (tag << 32) | idx;
+            } else {
+                *slot = (tag << 32) | IBP_STAGE_FULL;
+            }
+        }
+    }
+}
+
+// STAGE: warp per claimed row, host -> decoded row in the staging buffer (device memory).
+template <int C>
+__device__ void ibp_lookup_stage_impl(const i64* __restrict__ stage_gid, const i64* step_state, i64 stage_cap,
+                                      unsigned char* __restrict__ staging, i64 host_base,
+                                      const i64* __restrict__ host_offsets, i64 host_stride,
+                                      const int* __restrict__ host_lengths, int row_bytes, int n_chunks,
+                                      const u64* __restrict__ mask, const u64* __restrict__ bitval,
+                                      u64* __restrict__ counters) {
+    __shared__ uint4 sring[IBP_WARPS_PER_BLOCK][IBP_RING_VEC];
+    const int lane = threadIdx.x & 31;
+    uint4* ring = sring[threadIdx.x >> 5];
+    const i64 gen = step_state[0];
+    i64 n = step_state[1 + (gen & 1)];
+    if (n > stage_cap) n = stage_cap;
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 host_bytes = 0;
+    for (i64 k = warp; k < n; k += nwarps) {
+        const i64 gid = stage_gid[k];
+        const unsigned char* src =
+            reinterpret_cast<const unsigned char*>(host_base + (host_offsets != nullptr ? host_offsets[gid] : gid * host_stride));
+        int len = host_lengths != nullptr ? host_lengths[gid] : row_bytes;
+        const bool comp = len < row_bytes;
+        if (!comp) len = row_bytes;
+        ibp_decode_row<C>(src, len, comp, staging + k * (i64)row_bytes, row_bytes, n_chunks, mask, bitval, ring, lane);
+        host_bytes += (u64)len;
+    }
+    if (lane == 0 && counters != nullptr && host_bytes != 0) atomicAdd(&counters[IBP_COUNTER_HOST_BYTES], host_bytes);
+}
+
+#define IBP_LOOKUP_STAGE(C)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK) ibp_lookup_stage_c##C(               \
+        const i64* stage_gid, const i64* step_state, i64 stage_cap, unsigned char* staging, i64 host_base,      \
+        const i64* host_offsets, i64 host_stride, const int* host_lengths, int row_bytes, int n_chunks,         \
+        const u64* mask, const u64* bitval, u64* counters) {                                                    \
+        ibp_lookup_stage_impl<C>(stage_gid, step_state, stage_cap, staging, host_base, host_offsets, host_stride, \
+                                 host_lengths, row_bytes, n_chunks, mask, bitval, counters);                    \
+    }
+IBP_FOR_EACH_C(IBP_LOOKUP_STAGE)
+
+// Where a row is read by the lookup: its slab entry on a hit, else its staging row (claimed this step), else the
+// host store. Host bytes of staged rows were counted by STAGE; a staged row counts as a miss with 0 host bytes here.
+__device__ __forceinline__ IbpRowSource ibp_lookup_source(i64 gid, int index_mode, const i64* table_keys,
+                                                          const i64* table_values, i64 capacity, int max_probes,
+                                                          const i64* slab_bases, i64 host_base,
+                                                          const i64* host_offsets, i64 host_stride,
+                                                          const int* host_lengths, int row_bytes,
+                                                          const i64* stage_of, const i64* step_state,
+                                                          const unsigned char* staging, i64 stage_cap,
+                                                          bool& staged) {
+    IbpRowSource r = ibp_row_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                    host_base, host_offsets, host_stride, host_lengths, row_bytes);
+    staged = false;
+    if (!r.hit && staging != nullptr) {
+        const i64 k = ibp_stage_lookup(stage_of, step_state, gid, stage_cap);
+        if (k >= 0) {
+            r.src = staging + k * (i64)row_bytes;
+            r.len = row_bytes;
+            r.comp = false;
+            staged = true;
+        }
+    }
+    return r;
+}
 
 // ROWS: one id per bag, decoded straight into its output row. Warp per bag, 8 warps per block.
 template <int C>
@@ -196,19 +337,22 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
             continue;
         }
         const i64 gid = id + (table_base != nullptr ? table_base[t] : 0);
-        IbpRowSource r = ibp_row_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
-                                        host_base, host_offsets, host_stride, host_lengths, row_bytes);
+        bool staged;
+        IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                           host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
+                                           step_state, staging, stage_cap, staged);
         ibp_decode_row<C>(r.src, r.len, r.comp, dst, row_bytes, n_chunks, mask, bitval, ring, lane);
         requests += 1;
         if (r.hit) {
             hits += 1;
             slab_bytes += (u64)r.len;
-        } else {
+        } else if (!staged) {
             host_bytes += (u64)r.len;
         }
-        if (freq != nullptr && lane == 0) atomicAdd(&freq[gid], 1);
+        if (freq != nullptr && staging == nullptr && lane == 0) atomicAdd(&freq[gid], 1);
     }
     ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+    if (staging != nullptr) ibp_finish_step(step_state);
 }
 
 // SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * IBP_POOL_PER_LANE elements.
@@ -246,8 +390,10 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
                 continue;
             }
             const i64 gid = id + base;
-            IbpRowSource r = ibp_row_source(gid, index_mode, table_keys, table_values, capacity, max_probes,
-                                            slab_bases, host_base, host_offsets, host_stride, host_lengths, row_bytes);
+            bool staged;
+            IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes,
+                                               slab_bases, host_base, host_offsets, host_stride, host_lengths,
+                                               row_bytes, stage_of, step_state, staging, stage_cap, staged);
             ibp_decode_row<C>(r.src, r.len, r.comp, rowbuf, row_bytes, n_chunks, mask, bitval, ring, lane);
             __syncwarp();
             const float w = psw != nullptr ? psw[p] : 1.0f;
@@ -271,10 +417,10 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
             if (r.hit) {
                 hits += 1;
                 slab_bytes += (u64)r.len;
-            } else {
+            } else if (!staged) {
                 host_bytes += (u64)r.len;
             }
-            if (freq != nullptr && lane == 0) atomicAdd(&freq[gid], 1);
+            if (freq != nullptr && staging == nullptr && lane == 0) atomicAdd(&freq[gid], 1);
         }
         unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
 #pragma unroll
@@ -288,12 +434,14 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
         }
     }
     ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+    if (staging != nullptr) ibp_finish_step(step_state);
 }
 
 #define IBP_LOOKUP_ARGS                                                                                           \
     ids, n_ids, bag_offsets, bag_size, n_bags, include_last, n_tables, per_table, sample_major, table_base,        \
         table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
-        host_offsets, host_stride, host_lengths, row_bytes, n_chunks, mask, bitval, counters, err, freq
+        host_offsets, host_stride, host_lengths, row_bytes, n_chunks, mask, bitval, counters, err, freq, stage_of, \
+        step_state, staging, stage_cap
 
 #define IBP_LOOKUP(C)                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                      \

@@ -19,7 +19,7 @@ from .bitpack import sm_count
 from .hashmap import IndexArgs
 from .tables import KernelTables
 
-__all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "RowSource", "BagLayout", "lookup_rows", "lookup_pool",
+__all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "RowSource", "BagLayout", "Staging", "lookup_rows", "lookup_pool",
            "POOL_MAX_ROW_BYTES", "POOL_MAX_ELEMS", "pool_supported"]
 
 _SRC = "lookup.cu"
@@ -93,15 +93,42 @@ class BagLayout:
 _ONE_TABLE = BagLayout()
 
 
+@dataclass(frozen=True)
+class Staging:
+    """Device buffers of the in-step miss deduplication (see lookup.cu): ``stage_of`` int64 [n_rows] (zeros at
+    first), ``step_state`` int64 [4] (zeros at first), ``stage_gid`` int64 [cap], ``rows`` uint8 [cap * row_bytes +
+    16]. Every missed row is read from host memory once per lookup step, however many bags ask for it."""
+
+    stage_of: torch.Tensor
+    step_state: torch.Tensor
+    stage_gid: torch.Tensor
+    rows: torch.Tensor
+    cap: int
+
+    @classmethod
+    def allocate(cls, n_rows: int, row_bytes: int, stage_bytes: int, device: torch.device) -> "Staging":
+        cap = max(1, min(stage_bytes // row_bytes, 0xFFFFFFF0))
+        return cls(torch.zeros(n_rows, dtype=torch.int64, device=device),
+                   torch.zeros(4, dtype=torch.int64, device=device),
+                   torch.empty(cap, dtype=torch.int64, device=device),
+                   torch.empty(cap * row_bytes + 16, dtype=torch.uint8, device=device), cap)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.stage_of, self.step_state, self.stage_gid, self.rows))
+
+
 def _ptr(t: Optional[torch.Tensor]) -> np.uint64:
     return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
 
 
 def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
                  include_last: bool, layout: Optional[BagLayout], out: torch.Tensor, src: RowSource, tables: KernelTables,
-                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor]) -> tuple:
+                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor],
+                 staging: Optional[Staging]) -> tuple:
     idx = src.index
     layout = layout if layout is not None else _ONE_TABLE
+    st = staging
     return (
         _ptr(ids), np.int64(ids.numel()), _ptr(bag_offsets), np.int32(bag_size), np.int64(n_bags),
         np.int32(int(include_last)), np.int32(layout.n_tables), np.int64(layout.per_table),
@@ -109,7 +136,22 @@ def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_siz
         _ptr(out), np.int32(int(idx.mode)), _ptr(idx.table_keys), _ptr(idx.table_values), np.int64(idx.capacity),
         np.int32(idx.max_probes), _ptr(src.slab_bases), np.int64(src.host_base), _ptr(src.host_offsets),
         np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes), np.int32(tables.n_chunks),
-        _ptr(tables.mask), _ptr(tables.bitval), _ptr(counters), np.uint64(err_ptr), _ptr(freq))
+        _ptr(tables.mask), _ptr(tables.bitval), _ptr(counters), np.uint64(err_ptr), _ptr(freq),
+        _ptr(st.stage_of if st else None), _ptr(st.step_state if st else None), _ptr(st.rows if st else None),
+        np.int64(st.cap if st else 0))
+
+
+def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
+           staging: Staging) -> None:
+    """CLAIM (thread per bag) then STAGE (warp per claimed row): the unique misses of this step, read once."""
+    threads = 256
+    grid = max(1, min(-(-n_bags // threads), sm_count(dev) * 8))
+    launch(_SRC, "ibp_lookup_claim", dev, grid, threads, args + (_ptr(staging.stage_gid),))
+    stage_args = (_ptr(staging.stage_gid), _ptr(staging.step_state), np.int64(staging.cap), _ptr(staging.rows),
+                  np.int64(src.host_base), _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths),
+                  np.int32(tables.row_bytes), np.int32(tables.n_chunks), _ptr(tables.mask), _ptr(tables.bitval),
+                  _ptr(counters))
+    launch(_SRC, f"ibp_lookup_stage_c{tables.chunk_bytes}", dev, sm_count(dev) * 8, 32 * _ROWS_WARPS, stage_args)
 
 
 def _check(ids: torch.Tensor, out: torch.Tensor, tables: KernelTables, err_ptr: int) -> int:
@@ -122,21 +164,25 @@ def _check(ids: torch.Tensor, out: torch.Tensor, tables: KernelTables, err_ptr: 
 
 def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: KernelTables,
                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor] = None,
-                layout: Optional[BagLayout] = None) -> None:
-    """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``."""
+                layout: Optional[BagLayout] = None, staging: Optional[Staging] = None) -> None:
+    """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``.
+    With ``staging``: three launches that read every missed row from host memory once (else one launch)."""
     dev = _check(ids, out, tables, err_ptr)
     n = ids.numel()
     if n == 0:
         return
     grid = max(1, min(-(-n // _ROWS_WARPS), sm_count(dev) * 16))
-    args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq)
+    args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq, staging)
+    if staging is not None:
+        _stage(args, n, dev, src, tables, counters, staging)
     launch(_SRC, f"ibp_lookup_rows_c{tables.chunk_bytes}", dev, grid, 32 * _ROWS_WARPS, args)
 
 
 def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
                 include_last: bool, op: PoolOp, elem: ElemType, per_sample_weights: Optional[torch.Tensor],
                 out: torch.Tensor, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
-                err_ptr: int, freq: Optional[torch.Tensor] = None, layout: Optional[BagLayout] = None) -> None:
+                err_ptr: int, freq: Optional[torch.Tensor] = None, layout: Optional[BagLayout] = None,
+                staging: Optional[Staging] = None) -> None:
     """Pool each bag (``bag_offsets`` as torch.nn.functional.embedding_bag takes them, or fixed ``bag_size``)
     into its output row; see lookup.cu for the exact arithmetic."""
     dev = _check(ids, out, tables, err_ptr)
@@ -149,6 +195,9 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
     if n_bags == 0:
         return
     grid = max(1, min(-(-n_bags // _POOL_WARPS), sm_count(dev) * 32))
-    args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + _common_args(
-        ids, bag_offsets, bag_size, n_bags, include_last, layout, out, src, tables, counters, err_ptr, freq)
+    common = _common_args(ids, bag_offsets, bag_size, n_bags, include_last, layout, out, src, tables, counters,
+                          err_ptr, freq, staging)
+    if staging is not None:
+        _stage(common, n_bags, dev, src, tables, counters, staging)
+    args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + common
     launch(_SRC, f"ibp_lookup_pool_c{tables.chunk_bytes}", dev, grid, 32 * _POOL_WARPS, args)

@@ -399,10 +399,10 @@ class CachedRowManager:
                     self._last_op = torch.cuda.Event()
                 self._last_op.record(torch.cuda.current_stream(self.device))
 
-    def fused_lookup(self, refresh_every: int) -> "FusedLookup":
-        """The one-launch inference lookup over this cache and its host store (built on first use)."""
+    def fused_lookup(self, refresh_every: int, stage_bytes: int = 0) -> "FusedLookup":
+        """The fused inference lookup over this cache and its host store (built on first use)."""
         if self.fused is None:
-            self.fused = FusedLookup(self, refresh_every)
+            self.fused = FusedLookup(self, refresh_every, stage_bytes)
         return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
@@ -750,9 +750,14 @@ class FusedLookup:
     counted per row (``freq``). The cache follows the traffic by a refresh on a schedule (after 16, 32, 64, ...
     lookups, then every ``refresh_every``): the most requested rows are made resident through the manager's own
     admission path (one sync then). Requires rows of the pooling kernel's size (``lookup.pool_supported``).
+
+    With ``stage_bytes`` > 0 a lookup is three launches instead of one: the step's distinct missed rows are claimed,
+    read from host memory once each and decoded into a staging buffer of that many bytes in device memory, and the
+    pooling reads them from there (rows beyond the buffer are still read zero-copy). Duplicate misses within a step
+    (many at large batches and bags) then cost no PCIe traffic; still no host sync.
     """
 
-    def __init__(self, mgr: "CachedRowManager", refresh_every: int) -> None:
+    def __init__(self, mgr: "CachedRowManager", refresh_every: int, stage_bytes: int = 0) -> None:
         from ..kernels.hashmap import IndexArgs
         from ..kernels.lookup import SLOTS_INDEX
 
@@ -773,6 +778,11 @@ class FusedLookup:
         self.calls = 0
         self.refreshes = 0
         self._next_refresh = 16
+        self.staging = None
+        if stage_bytes > 0:
+            from ..kernels.lookup import Staging
+
+            self.staging = Staging.allocate(mgr.num_embeddings, mgr.store.row_bytes, int(stage_bytes), dev)
 
     def pending_error(self) -> "tuple[int, int] | None":
         """``(kind, where)`` of a bad input seen by a recent lookup, or None; clears the report. kind 1: an id
@@ -809,7 +819,7 @@ class FusedLookup:
         elem = ElemType.of(mgr.store.dtype)
         out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
         lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, elem, psw, out_u8, self._source(), self._tables,
-                    self.counters, self.err.data_ptr(), self.freq, layout)
+                    self.counters, self.err.data_ptr(), self.freq, layout, self.staging)
         self.calls += 1
         if self.calls >= self._next_refresh and not torch.cuda.is_current_stream_capturing():
             self.refresh()
@@ -830,6 +840,7 @@ class FusedLookup:
     def stats(self) -> dict[str, Any]:
         requests, hits, host_bytes, slab_bytes = (int(v) for v in self.counters.tolist())
         return {"fused_lookups": requests, "fused_hits": hits, "fused_hit_rate": hits / max(requests, 1),
+                "fused_staging_bytes": self.staging.nbytes if self.staging is not None else 0,
                 "fused_host_bytes": host_bytes, "fused_raw_host_bytes": (requests - hits) * self.mgr.store.row_bytes,
                 "fused_calls": self.calls, "fused_refreshes": self.refreshes}
 

@@ -196,6 +196,7 @@ class _CachedBagBase(nn.Module):
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
+        stage_bytes: int = 64 << 20,
     ) -> None:
         if validate not in ("eager", "lazy"):
             raise ValueError(f"validate must be 'eager' or 'lazy', got {validate!r}")
@@ -246,6 +247,7 @@ class _CachedBagBase(nn.Module):
 
         self.validate = validate
         self.refresh_every = refresh_every
+        self.stage_bytes = int(stage_bytes)
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
                                 and store.fetch is FetchPath.ZERO_COPY
                                 and pool_supported(store.dtype, store.row_bytes))
@@ -355,7 +357,7 @@ class _CachedBagBase(nn.Module):
             self._raise_pending()
         mgr = self.cache_weight_mgr
         with mgr.exclusive():
-            mgr.fused_lookup(self.refresh_every).pool(ids.reshape(-1), offs, bag_size, n_bags,
+            mgr.fused_lookup(self.refresh_every, self.stage_bytes).pool(ids.reshape(-1), offs, bag_size, n_bags,
                                                       self.include_last_offset, self.mode, psw, out, layout)
 
     # -- Colossal-AI API --------------------------------------------------------------------------
@@ -432,7 +434,12 @@ class CachedEmbeddingBag(_CachedBagBase):
     rest IBP-compressed in host memory. Arguments as Colossal-AI 0.5's ``CachedEmbeddingBag``; the
     keyword-only ones: ``compress`` (IBP host table, default on), ``threshold`` / ``chunk_bytes`` (codec fit,
     "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
-    its value at the last fit; None never refits), ``fetch`` ("zero_copy" or "host_gather", CUDA only).
+    its value at the last fit; None never refits), ``fetch`` ("zero_copy" or "host_gather", CUDA only),
+    ``fused_inference`` (inference forwards on CUDA as one fused lookup, see ``_embedding_cache.FusedLookup``),
+    ``refresh_every`` (lookups between two count-driven cache refreshes of the fused path), ``validate``
+    ("lazy": ids are checked in the kernel with no host sync and a bad one raises at the next forward or at
+    ``check_errors()``; "eager": checked before the lookup, one sync), ``stage_bytes`` (device buffer that lets a
+    fused lookup read each missed row from host memory once per step; 0 = read every miss zero-copy).
     """
 
     def __init__(
@@ -464,6 +471,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
+        stage_bytes: int = 64 << 20,
     ) -> None:
         super().__init__()
         self.buffer_size = buffer_size
@@ -471,7 +479,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         self._setup(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
                     _weight, mode, include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio,
                     evict_strategy, compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference,
-                    refresh_every, validate)
+                    refresh_every, validate, stage_bytes)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None,
@@ -558,6 +566,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
+        stage_bytes: int = 64 << 20,
     ) -> None:
         super().__init__()
         sizes = [int(n) for n in num_embeddings_per_table]
@@ -579,7 +588,8 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
             ids_freq_mapping = torch.cat([torch.as_tensor(f).reshape(-1) for f in ids_freq_mapping])
         self._setup(sum(sizes), embedding_dim, None, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, mode,
                     include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio, evict_strategy,
-                    compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference, refresh_every, validate)
+                    compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference, refresh_every, validate,
+                    stage_bytes)
         starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
         self.register_buffer("table_offsets", starts.to(self.device), persistent=False)
         self.register_buffer("table_sizes", torch.tensor(sizes, dtype=torch.int64, device=self.device),

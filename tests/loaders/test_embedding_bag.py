@@ -821,3 +821,31 @@ def test_fused_lazy_errors_and_threads(minilm: torch.Tensor) -> None:
         th.join()
     assert bad == []
     m.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage_bytes", [0, 2048, 64 << 20], ids=["no-staging", "staging-overflows", "staging"])
+def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: int) -> None:
+    """Staged lookups stay exact when the buffer holds all misses, some (the rest zero-copy), or none; with a
+    buffer that holds them all, host bytes per step drop to one read per distinct missed row."""
+    w = _fused_table(minilm, torch.float32)
+    m = make(w, "cuda", mode="sum", cache_ratio=0.02, stage_bytes=stage_bytes)
+    ref = reference(w, "cuda", mode="sum")
+    gen = torch.Generator().manual_seed(31)
+    with torch.no_grad():
+        for step in range(12):
+            ids, offsets = random_bags(gen, w.shape[0], 256, max_len=12, hot=40)
+            assert_bitwise(m(ids.cuda(), offsets.cuda()), ref(ids.cuda(), offsets.cuda()), f"step {step}")
+        before = m.stats()
+        ids = torch.cat([torch.arange(1000, 1100)] * 5)  # 100 distinct cold rows, each asked 5 times
+        offsets = torch.arange(0, 500, 5)
+        assert_bitwise(m(ids.cuda(), offsets.cuda()), ref(ids.cuda(), offsets.cuda()))
+        after = m.stats()
+    read = after["fused_host_bytes"] - before["fused_host_bytes"]
+    stored = m.cache_weight_mgr.store.lengths[1000:1100].sum().item()
+    resident = (m.cache_weight_mgr.slot_of[1000:1100] >= 0).sum().item()
+    if stage_bytes == 64 << 20:
+        assert read <= stored and resident < 100  # each missed row once
+    elif stage_bytes == 0:
+        assert read > stored  # every one of the 5 requests of a missed row crossed PCIe
+    m.check_errors()
