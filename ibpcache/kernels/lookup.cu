@@ -171,7 +171,7 @@ __device__ __forceinline__ void ibp_report_bad_offsets(volatile int* err, i64 ba
         int max_probes, const i64 *slab_bases, i64 host_base, const i64 *host_offsets, i64 host_stride,         \
         const int *host_lengths, int row_bytes, int n_chunks, const u64 *mask, const u64 *bitval,              \
         u64 *counters, int *err, int *freq, i64 *stage_of, i64 *step_state, const unsigned char *staging,       \
-        i64 stage_cap
+        i64 stage_cap, const i64 *bag_order
 
 // ---- in-step deduplication of misses (optional: staging == nullptr turns it off) --------------------------
 // A step with staging is three launches: CLAIM (thread per bag: every missed row claims a staging index once,
@@ -213,7 +213,8 @@ extern "C" __global__ void ibp_lookup_claim(IBP_LOOKUP_PARAMS, i64* __restrict__
     const unsigned long long tag = (unsigned long long)(gen + 1) & 0xFFFFFFFFull;
     unsigned long long* counter = (unsigned long long*)&step_state[1 + (gen & 1)];
     const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n_bags; j += stride) {
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n_bags; k += stride) {
+        const i64 j = bag_order != nullptr ? bag_order[k] : k;
         int t;
         i64 s, start, end;
         bool bad_offsets;
@@ -322,7 +323,8 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
     const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
     const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
     u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
-    for (i64 j = warp; j < n_bags; j += nwarps) {
+    for (i64 k = warp; k < n_bags; k += nwarps) {
+        const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
         int t;
         i64 s, start, end;
         bool bad_offsets;
@@ -370,7 +372,8 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
     const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
     const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
     u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
-    for (i64 j = warp; j < n_bags; j += nwarps) {
+    for (i64 k = warp; k < n_bags; k += nwarps) {
+        const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
         int t;
         i64 s, start, end;
         bool bad_offsets;
@@ -441,7 +444,7 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
     ids, n_ids, bag_offsets, bag_size, n_bags, include_last, n_tables, per_table, sample_major, table_base,        \
         table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
         host_offsets, host_stride, host_lengths, row_bytes, n_chunks, mask, bitval, counters, err, freq, stage_of, \
-        step_state, staging, stage_cap
+        step_state, staging, stage_cap, bag_order
 
 #define IBP_LOOKUP(C)                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                      \

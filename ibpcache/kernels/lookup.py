@@ -125,7 +125,7 @@ def _ptr(t: Optional[torch.Tensor]) -> np.uint64:
 def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
                  include_last: bool, layout: Optional[BagLayout], out: torch.Tensor, src: RowSource, tables: KernelTables,
                  counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor],
-                 staging: Optional[Staging]) -> tuple:
+                 staging: Optional[Staging], bag_order: Optional[torch.Tensor] = None) -> tuple:
     idx = src.index
     layout = layout if layout is not None else _ONE_TABLE
     st = staging
@@ -138,7 +138,7 @@ def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_siz
         np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes), np.int32(tables.n_chunks),
         _ptr(tables.mask), _ptr(tables.bitval), _ptr(counters), np.uint64(err_ptr), _ptr(freq),
         _ptr(st.stage_of if st else None), _ptr(st.step_state if st else None), _ptr(st.rows if st else None),
-        np.int64(st.cap if st else 0))
+        np.int64(st.cap if st else 0), _ptr(bag_order))
 
 
 def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
@@ -182,9 +182,10 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
                 include_last: bool, op: PoolOp, elem: ElemType, per_sample_weights: Optional[torch.Tensor],
                 out: torch.Tensor, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
                 err_ptr: int, freq: Optional[torch.Tensor] = None, layout: Optional[BagLayout] = None,
-                staging: Optional[Staging] = None) -> None:
+                staging: Optional[Staging] = None, bag_order: Optional[torch.Tensor] = None) -> None:
     """Pool each bag (``bag_offsets`` as torch.nn.functional.embedding_bag takes them, or fixed ``bag_size``)
-    into its output row; see lookup.cu for the exact arithmetic."""
+    into its output row; see lookup.cu for the exact arithmetic. ``bag_order`` (int64 [n_bags], a permutation) is
+    the order in which warps take bags (e.g. sorted by row id, so host rows are read in address order)."""
     dev = _check(ids, out, tables, err_ptr)
     assert op is not PoolOp.ROWS
     assert tables.row_bytes <= POOL_MAX_ROW_BYTES
@@ -195,8 +196,10 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
     if n_bags == 0:
         return
     grid = max(1, min(-(-n_bags // _POOL_WARPS), sm_count(dev) * 32))
+    if bag_order is not None:
+        assert bag_order.dtype == torch.int64 and bag_order.numel() == n_bags and bag_order.is_contiguous()
     common = _common_args(ids, bag_offsets, bag_size, n_bags, include_last, layout, out, src, tables, counters,
-                          err_ptr, freq, staging)
+                          err_ptr, freq, staging, bag_order)
     if staging is not None:
         _stage(common, n_bags, dev, src, tables, counters, staging)
     args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + common

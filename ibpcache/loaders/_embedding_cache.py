@@ -740,6 +740,64 @@ class CachedRowManager:
             print(f"{k}: {v}")
 
 
+class OrderPlanner:
+    """Chooses, per size class of one-id-per-bag lookups (powers of two of the bag count), whether to take bags in
+    row order (an argsort first) or as given, from timings on this machine: the first ``trials`` lookups of a size
+    class alternate the two orders, timed with CUDA events that are read only once they have completed (never a
+    sync), then the faster median wins for good. Sorting pays when many misses are read from a large pinned table
+    (address-ordered reads); for small batches the sort costs more than it saves."""
+
+    def __init__(self, trials: int = 6) -> None:
+        self.trials = trials
+        self._times: dict[int, dict[bool, list[float]]] = {}
+        self._pending: list[tuple[int, bool, Any, Any]] = []
+        self._choice: dict[int, bool] = {}
+
+    @staticmethod
+    def _bucket(n: int) -> int:
+        return max(n, 1).bit_length()
+
+    def calibrating(self, n: int) -> bool:
+        return self._bucket(n) not in self._choice
+
+    def choose(self, n: int, capturing: bool = False) -> bool:
+        """Sort this lookup? Decided sizes keep their choice; while calibrating, alternate (unsorted if captured)."""
+        b = self._bucket(n)
+        self._collect()
+        if b in self._choice:
+            return self._choice[b]
+        if capturing:
+            return False
+        runs = self._times.setdefault(b, {False: [], True: []})
+        pending = sum(1 for pb, *_ in self._pending if pb == b)
+        done = len(runs[False]) + len(runs[True])
+        if done >= 2 * self.trials:
+            self._choice[b] = float(np.median(runs[True])) < float(np.median(runs[False]))
+            return self._choice[b]
+        return (done + pending) % 2 == 1
+
+    def record(self, n: int, sort: bool, start: Any, end: Any) -> None:
+        self._pending.append((self._bucket(n), sort, start, end))
+
+    def _collect(self) -> None:
+        keep = []
+        for b, sort, start, end in self._pending:
+            if end.query():
+                self._times.setdefault(b, {False: [], True: []})[sort].append(start.elapsed_time(end))
+            else:
+                keep.append((b, sort, start, end))
+        self._pending = keep
+
+    def plan(self) -> dict[str, str]:
+        """For stats(): the order chosen per size class ("sorted" / "as given" / "calibrating")."""
+        self._collect()
+        out = {}
+        for b in sorted(set(self._times) | set(self._choice)):
+            label = f"{1 << (b - 1)}-{(1 << b) - 1} bags"
+            out[label] = ("sorted" if self._choice[b] else "as given") if b in self._choice else "calibrating"
+        return out
+
+
 class FusedLookup:
     """Inference lookups of a :class:`CachedRowManager` in ONE kernel launch (``kernels/lookup.cu``).
 
@@ -778,6 +836,7 @@ class FusedLookup:
         self.calls = 0
         self.refreshes = 0
         self._next_refresh = 16
+        self.planner = OrderPlanner()
         self.staging = None
         if stage_bytes > 0:
             from ..kernels.lookup import Staging
@@ -818,8 +877,22 @@ class FusedLookup:
         op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
         elem = ElemType.of(mgr.store.dtype)
         out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
+        single = bag_size == 1 and offsets is None and n_bags > 1
+        capturing = torch.cuda.is_current_stream_capturing()
+        sort = single and self.planner.choose(n_bags, capturing)
+        timed = single and not capturing and self.planner.calibrating(n_bags)
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        # one id per bag: taking bags in row order reads misses from host memory in address order (random order
+        # thrashes the I/O address translation of a multi-GB pinned table; FBGEMM sorts its misses too)
+        order = torch.argsort(ids) if sort else None
         lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, elem, psw, out_u8, self._source(), self._tables,
-                    self.counters, self.err.data_ptr(), self.freq, layout, self.staging)
+                    self.counters, self.err.data_ptr(), self.freq, layout, self.staging, order)
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.planner.record(n_bags, sort, start, end)
         self.calls += 1
         if self.calls >= self._next_refresh and not torch.cuda.is_current_stream_capturing():
             self.refresh()
@@ -842,7 +915,7 @@ class FusedLookup:
         return {"fused_lookups": requests, "fused_hits": hits, "fused_hit_rate": hits / max(requests, 1),
                 "fused_staging_bytes": self.staging.nbytes if self.staging is not None else 0,
                 "fused_host_bytes": host_bytes, "fused_raw_host_bytes": (requests - hits) * self.mgr.store.row_bytes,
-                "fused_calls": self.calls, "fused_refreshes": self.refreshes}
+                "fused_calls": self.calls, "fused_refreshes": self.refreshes, "fused_order_plan": self.planner.plan()}
 
 
 def _set_rows(param: torch.nn.Parameter, data: torch.Tensor) -> None:

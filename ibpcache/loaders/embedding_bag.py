@@ -196,7 +196,7 @@ class _CachedBagBase(nn.Module):
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
-        stage_bytes: int = 64 << 20,
+        stage_bytes: int = 0,
     ) -> None:
         if validate not in ("eager", "lazy"):
             raise ValueError(f"validate must be 'eager' or 'lazy', got {validate!r}")
@@ -439,7 +439,8 @@ class CachedEmbeddingBag(_CachedBagBase):
     ``refresh_every`` (lookups between two count-driven cache refreshes of the fused path), ``validate``
     ("lazy": ids are checked in the kernel with no host sync and a bad one raises at the next forward or at
     ``check_errors()``; "eager": checked before the lookup, one sync), ``stage_bytes`` (device buffer that lets a
-    fused lookup read each missed row from host memory once per step; 0 = read every miss zero-copy).
+    fused lookup read each missed row from host memory once per step; 0, the default, reads every miss
+    zero-copy: on Zipf 1.05 DLRM traffic misses repeat little within a step and staging measured slower).
     """
 
     def __init__(
@@ -471,7 +472,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
-        stage_bytes: int = 64 << 20,
+        stage_bytes: int = 0,
     ) -> None:
         super().__init__()
         self.buffer_size = buffer_size
@@ -566,7 +567,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
-        stage_bytes: int = 64 << 20,
+        stage_bytes: int = 0,
     ) -> None:
         super().__init__()
         sizes = [int(n) for n in num_embeddings_per_table]

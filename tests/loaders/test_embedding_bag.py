@@ -849,3 +849,35 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
     elif stage_bytes == 0:
         assert read > stored  # every one of the 5 requests of a missed row crossed PCIe
     m.check_errors()
+
+
+def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
+    """The fused lookup's order planner (CPU test with stand-in events): per size class it alternates the two
+    orders while calibrating, ignores timings that have not completed, then keeps the faster one."""
+    from ibpcache.loaders._embedding_cache import OrderPlanner
+
+    class Ev:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def query(self) -> bool:
+            return self.done
+
+        def elapsed_time(self, end: "Ev") -> float:
+            return end.ms
+
+    planner = OrderPlanner(trials=3)
+    seen = []
+    for k in range(6):
+        sort = planner.choose(5000)
+        seen.append(sort)
+        end = Ev(True)
+        end.ms = 1.0 if sort else 2.0  # sorting is faster at this size
+        planner.record(5000, sort, Ev(True), end)
+    assert seen == [False, True, False, True, False, True]
+    stuck = Ev(False)
+    planner.record(300, False, Ev(True), stuck)  # another size class, still running on the device
+    assert planner.choose(5000) is True and planner.choose(6000) is True  # same power-of-two class
+    assert planner.choose(300) is True and planner.calibrating(300)  # the pending one counts as taken
+    assert planner.plan()["4096-8191 bags"] == "sorted"
+    assert planner.choose(5000, capturing=True) is True and planner.choose(100, capturing=True) is False
