@@ -763,7 +763,8 @@ class OrderPlanner:
     def choose(self, n: int, capturing: bool = False) -> bool:
         """Sort this lookup? Decided sizes keep their choice; while calibrating, alternate (unsorted if captured)."""
         b = self._bucket(n)
-        self._collect()
+        if not capturing:  # querying events is not allowed while a stream is being captured
+            self._collect()
         if b in self._choice:
             return self._choice[b]
         if capturing:
