@@ -208,12 +208,16 @@ __device__ __forceinline__ void ibp_finish_step(i64* step_state) {
     }
 }
 
+// Warp per bag: lanes take the bag's ids 32 at a time; one counter atomic per warp per round (warp-aggregated), so
+// the claim counter is no hotspot even when a step has millions of misses.
 extern "C" __global__ void ibp_lookup_claim(IBP_LOOKUP_PARAMS, i64* __restrict__ stage_gid) {
     const i64 gen = step_state[0];
     const unsigned long long tag = (unsigned long long)(gen + 1) & 0xFFFFFFFFull;
     unsigned long long* counter = (unsigned long long*)&step_state[1 + (gen & 1)];
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < n_bags; k += stride) {
+    const int lane = threadIdx.x & 31;
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    for (i64 k = warp; k < n_bags; k += nwarps) {
         const i64 j = bag_order != nullptr ? bag_order[k] : k;
         int t;
         i64 s, start, end;
@@ -222,28 +226,46 @@ extern "C" __global__ void ibp_lookup_claim(IBP_LOOKUP_PARAMS, i64* __restrict__
                       start, end, bad_offsets);
         const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
         const i64 base = table_base != nullptr ? table_base[t] : 0;
-        for (i64 p = start; p < end; ++p) {
-            const i64 id = ids[p];
-            if (id < 0 || id >= limit) continue;  // reported by the lookup
-            const i64 gid = id + base;
-            if (freq != nullptr) atomicAdd(&freq[gid], 1);
-            if (index_mode == IBP_INDEX_SLOTS) {
-                if (reinterpret_cast<const int*>(table_values)[gid] >= 0) continue;
-            } else if (ibp_index_find(index_mode, table_keys, table_values, capacity, max_probes, gid) !=
-                       IBP_EMPTY_ENTRY) {
-                continue;
+        for (i64 p0 = start; p0 < end; p0 += 32) {  // uniform trip count across the warp
+            const i64 p = p0 + lane;
+            bool claimed = false;
+            i64 gid = -1;
+            unsigned long long* slot = nullptr;
+            if (p < end) {
+                const i64 id = ids[p];
+                if (id >= 0 && id < limit) {  // bad ids are reported by the lookup
+                    gid = id + base;
+                    if (freq != nullptr) atomicAdd(&freq[gid], 1);
+                    bool hit;
+                    if (index_mode == IBP_INDEX_SLOTS) {
+                        hit = reinterpret_cast<const int*>(table_values)[gid] >= 0;
+                    } else {
+                        hit = ibp_index_find(index_mode, table_keys, table_values, capacity, max_probes, gid) !=
+                              IBP_EMPTY_ENTRY;
+                    }
+                    if (!hit) {
+                        slot = (unsigned long long*)&stage_of[gid];
+                        const unsigned long long old = *((volatile unsigned long long*)slot);
+                        if ((old >> 32) != tag) {
+                            const unsigned long long claim = (tag << 32) | IBP_STAGE_CLAIMING;
+                            claimed = atomicCAS(slot, old, claim) == old;
+                        }
+                    }
+                }
             }
-            unsigned long long* slot = (unsigned long long*)&stage_of[gid];
-            unsigned long long old = *((volatile unsigned long long*)slot);
-            if ((old >> 32) == tag) continue;  // claimed already in this step
-            const unsigned long long claim = (tag << 32) | IBP_STAGE_CLAIMING;
-            if (atomicCAS(slot, old, claim) != old) continue;  // another thread claimed it first
-            const unsigned long long idx = atomicAdd(counter, 1ULL);
-            if (idx < (unsigned long long)stage_cap) {
-                stage_gid[idx] = gid;
-                *slot = (tag << 32) | idx;
-            } else {
-                *slot = (tag << 32) | IBP_STAGE_FULL;
+            const unsigned int mask = __ballot_sync(IBP_FULL, claimed);
+            if (mask == 0) continue;
+            unsigned long long first = 0;
+            if (lane == __ffs(mask) - 1) first = atomicAdd(counter, (unsigned long long)__popc(mask));
+            first = __shfl_sync(IBP_FULL, first, __ffs(mask) - 1);
+            if (claimed) {
+                const unsigned long long idx = first + __popc(mask & ((1u << lane) - 1u));
+                if (idx < (unsigned long long)stage_cap) {
+                    stage_gid[idx] = gid;
+                    *slot = (tag << 32) | idx;
+                } else {
+                    *slot = (tag << 32) | IBP_STAGE_FULL;
+                }
             }
         }
     }

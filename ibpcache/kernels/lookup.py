@@ -143,10 +143,9 @@ def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_siz
 
 def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
            staging: Staging) -> None:
-    """CLAIM (thread per bag) then STAGE (warp per claimed row): the unique misses of this step, read once."""
-    threads = 256
-    grid = max(1, min(-(-n_bags // threads), sm_count(dev) * 8))
-    launch(_SRC, "ibp_lookup_claim", dev, grid, threads, args + (_ptr(staging.stage_gid),))
+    """CLAIM (warp per bag) then STAGE (warp per claimed row): the unique misses of this step, read once."""
+    grid = max(1, min(-(-n_bags // _ROWS_WARPS), sm_count(dev) * 16))
+    launch(_SRC, "ibp_lookup_claim", dev, grid, 32 * _ROWS_WARPS, args + (_ptr(staging.stage_gid),))
     stage_args = (_ptr(staging.stage_gid), _ptr(staging.step_state), np.int64(staging.cap), _ptr(staging.rows),
                   np.int64(src.host_base), _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths),
                   np.int32(tables.row_bytes), np.int32(tables.n_chunks), _ptr(tables.mask), _ptr(tables.bitval),

@@ -740,62 +740,83 @@ class CachedRowManager:
             print(f"{k}: {v}")
 
 
-class OrderPlanner:
-    """Chooses, per size class of one-id-per-bag lookups (powers of two of the bag count), whether to take bags in
-    row order (an argsort first) or as given, from timings on this machine: the first ``trials`` lookups of a size
-    class alternate the two orders, timed with CUDA events that are read only once they have completed (never a
-    sync), then the faster median wins for good. Sorting pays when many misses are read from a large pinned table
-    (address-ordered reads); for small batches the sort costs more than it saves."""
+class PathPlanner:
+    """Picks between two ways of running a fused lookup, per kind of lookup and size class (powers of two of the
+    bag count), from timings on this machine: the first ``trials`` lookups of a class alternate the two, timed with
+    CUDA events read only once they have completed (never a sync), then the faster median wins for good.
+
+    Kinds: ``"single"`` (one id per bag): take bags in row order (an argsort first; address-ordered host reads pay
+    off when many misses come from a large pinned table) or as given. ``"multi"`` (bags of several ids, only when a
+    staging buffer exists): read each missed row once into staging (CLAIM + STAGE) or every miss zero-copy.
+    """
+
+    LABELS = {"single": ("as given", "sorted"), "multi": ("zero-copy", "staged")}
 
     def __init__(self, trials: int = 6) -> None:
         self.trials = trials
-        self._times: dict[int, dict[bool, list[float]]] = {}
-        self._pending: list[tuple[int, bool, Any, Any]] = []
-        self._choice: dict[int, bool] = {}
+        self._times: dict[tuple[str, int], dict[bool, list[float]]] = {}
+        self._pending: list[tuple[tuple[str, int], bool, Any, Any]] = []
+        self._choice: dict[tuple[str, int], bool] = {}
+        self._fixed: dict[str, bool] = {}
 
     @staticmethod
-    def _bucket(n: int) -> int:
-        return max(n, 1).bit_length()
+    def _key(kind: str, n: int) -> tuple[str, int]:
+        return kind, max(n, 1).bit_length()
 
-    def calibrating(self, n: int) -> bool:
-        return self._bucket(n) not in self._choice
+    def fix(self, kind: str, second: "bool | None") -> None:
+        """Pin a kind of lookup to one way for every size (``None`` lets the timings decide again)."""
+        if kind not in self.LABELS:
+            raise ValueError(f"kind must be one of {sorted(self.LABELS)}, got {kind!r}")
+        if second is None:
+            self._fixed.pop(kind, None)
+        else:
+            self._fixed[kind] = bool(second)
 
-    def choose(self, n: int, capturing: bool = False) -> bool:
-        """Sort this lookup? Decided sizes keep their choice; while calibrating, alternate (unsorted if captured)."""
-        b = self._bucket(n)
+    def calibrating(self, n: int, kind: str = "single") -> bool:
+        return kind not in self._fixed and self._key(kind, n) not in self._choice
+
+    def choose(self, n: int, capturing: bool = False, kind: str = "single") -> bool:
+        """The second way (sorted / staged)? Decided classes keep their choice; while calibrating, alternate (the
+        first way while a CUDA graph is being captured)."""
+        if kind in self._fixed:
+            return self._fixed[kind]
+        key = self._key(kind, n)
         if not capturing:  # querying events is not allowed while a stream is being captured
             self._collect()
-        if b in self._choice:
-            return self._choice[b]
+        if key in self._choice:
+            return self._choice[key]
         if capturing:
             return False
-        runs = self._times.setdefault(b, {False: [], True: []})
-        pending = sum(1 for pb, *_ in self._pending if pb == b)
+        runs = self._times.setdefault(key, {False: [], True: []})
+        pending = sum(1 for k, *_ in self._pending if k == key)
         done = len(runs[False]) + len(runs[True])
         if done >= 2 * self.trials:
-            self._choice[b] = float(np.median(runs[True])) < float(np.median(runs[False]))
-            return self._choice[b]
+            self._choice[key] = float(np.median(runs[True])) < float(np.median(runs[False]))
+            return self._choice[key]
         return (done + pending) % 2 == 1
 
-    def record(self, n: int, sort: bool, start: Any, end: Any) -> None:
-        self._pending.append((self._bucket(n), sort, start, end))
+    def record(self, n: int, second: bool, start: Any, end: Any, kind: str = "single") -> None:
+        self._pending.append((self._key(kind, n), second, start, end))
 
     def _collect(self) -> None:
         keep = []
-        for b, sort, start, end in self._pending:
+        for key, second, start, end in self._pending:
             if end.query():
-                self._times.setdefault(b, {False: [], True: []})[sort].append(start.elapsed_time(end))
+                self._times.setdefault(key, {False: [], True: []})[second].append(start.elapsed_time(end))
             else:
-                keep.append((b, sort, start, end))
+                keep.append((key, second, start, end))
         self._pending = keep
 
     def plan(self) -> dict[str, str]:
-        """For stats(): the order chosen per size class ("sorted" / "as given" / "calibrating")."""
+        """For stats(): the way chosen per kind and size class (or "calibrating")."""
         self._collect()
         out = {}
-        for b in sorted(set(self._times) | set(self._choice)):
-            label = f"{1 << (b - 1)}-{(1 << b) - 1} bags"
-            out[label] = ("sorted" if self._choice[b] else "as given") if b in self._choice else "calibrating"
+        for kind, b in sorted(set(self._times) | set(self._choice)):
+            label = f"{kind} {1 << (b - 1)}-{(1 << b) - 1} bags"
+            choice = self._choice.get((kind, b))
+            out[label] = "calibrating" if choice is None else self.LABELS[kind][int(choice)]
+        for kind, second in self._fixed.items():
+            out[f"{kind} (fixed)"] = self.LABELS[kind][int(second)]
         return out
 
 
@@ -810,10 +831,12 @@ class FusedLookup:
     lookups, then every ``refresh_every``): the most requested rows are made resident through the manager's own
     admission path (one sync then). Requires rows of the pooling kernel's size (``lookup.pool_supported``).
 
-    With ``stage_bytes`` > 0 a lookup is three launches instead of one: the step's distinct missed rows are claimed,
-    read from host memory once each and decoded into a staging buffer of that many bytes in device memory, and the
-    pooling reads them from there (rows beyond the buffer are still read zero-copy). Duplicate misses within a step
-    (many at large batches and bags) then cost no PCIe traffic; still no host sync.
+    With ``stage_bytes`` > 0 a lookup of multi-id bags may be three launches instead of one: the step's distinct
+    missed rows are claimed, read from host memory once each and decoded into a staging buffer of that many bytes in
+    device memory, and the pooling reads them from there (rows beyond the buffer are still read zero-copy); the
+    :class:`PathPlanner` times both ways per size class and keeps the faster. Duplicate misses within a step (many
+    at large batches and bags) then cost no PCIe traffic; still no host sync. It costs 8 bytes per table row of
+    device memory (the per-step claim tags), which is why it is opt-in.
     """
 
     def __init__(self, mgr: "CachedRowManager", refresh_every: int, stage_bytes: int = 0) -> None:
@@ -837,7 +860,7 @@ class FusedLookup:
         self.calls = 0
         self.refreshes = 0
         self._next_refresh = 16
-        self.planner = OrderPlanner()
+        self.planner = PathPlanner()
         self.staging = None
         if stage_bytes > 0:
             from ..kernels.lookup import Staging
@@ -878,22 +901,24 @@ class FusedLookup:
         op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
         elem = ElemType.of(mgr.store.dtype)
         out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
-        single = bag_size == 1 and offsets is None and n_bags > 1
+        kind = "single" if bag_size == 1 and offsets is None else "multi"
         capturing = torch.cuda.is_current_stream_capturing()
-        sort = single and self.planner.choose(n_bags, capturing)
-        timed = single and not capturing and self.planner.calibrating(n_bags)
+        planned = n_bags > 1 and (kind == "single" or self.staging is not None)
+        second = planned and self.planner.choose(n_bags, capturing, kind)
+        timed = planned and not capturing and self.planner.calibrating(n_bags, kind)
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         # one id per bag: taking bags in row order reads misses from host memory in address order (random order
         # thrashes the I/O address translation of a multi-GB pinned table; FBGEMM sorts its misses too)
-        order = torch.argsort(ids) if sort else None
+        order = torch.argsort(ids) if second and kind == "single" else None
+        staging = self.staging if second and kind == "multi" else None
         lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, elem, psw, out_u8, self._source(), self._tables,
-                    self.counters, self.err.data_ptr(), self.freq, layout, self.staging, order)
+                    self.counters, self.err.data_ptr(), self.freq, layout, staging, order)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.planner.record(n_bags, sort, start, end)
+            self.planner.record(n_bags, second, start, end, kind)
         self.calls += 1
         if self.calls >= self._next_refresh and not torch.cuda.is_current_stream_capturing():
             self.refresh()
@@ -916,7 +941,7 @@ class FusedLookup:
         return {"fused_lookups": requests, "fused_hits": hits, "fused_hit_rate": hits / max(requests, 1),
                 "fused_staging_bytes": self.staging.nbytes if self.staging is not None else 0,
                 "fused_host_bytes": host_bytes, "fused_raw_host_bytes": (requests - hits) * self.mgr.store.row_bytes,
-                "fused_calls": self.calls, "fused_refreshes": self.refreshes, "fused_order_plan": self.planner.plan()}
+                "fused_calls": self.calls, "fused_refreshes": self.refreshes, "fused_plan": self.planner.plan()}
 
 
 def _set_rows(param: torch.nn.Parameter, data: torch.Tensor) -> None:

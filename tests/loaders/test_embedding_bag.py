@@ -830,6 +830,7 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
     buffer that holds them all, host bytes per step drop to one read per distinct missed row."""
     w = _fused_table(minilm, torch.float32)
     m = make(w, "cuda", mode="sum", cache_ratio=0.02, stage_bytes=stage_bytes)
+    m.cache_weight_mgr.fused_lookup(m.refresh_every, stage_bytes).planner.fix("multi", stage_bytes > 0)
     ref = reference(w, "cuda", mode="sum")
     gen = torch.Generator().manual_seed(31)
     with torch.no_grad():
@@ -852,9 +853,9 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
 
 
 def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
-    """The fused lookup's order planner (CPU test with stand-in events): per size class it alternates the two
-    orders while calibrating, ignores timings that have not completed, then keeps the faster one."""
-    from ibpcache.loaders._embedding_cache import OrderPlanner
+    """The fused lookup's path planner (CPU test with stand-in events): per size class it alternates the two
+    ways while calibrating, ignores timings that have not completed, then keeps the faster one."""
+    from ibpcache.loaders._embedding_cache import PathPlanner as OrderPlanner
 
     class Ev:
         def __init__(self, done: bool) -> None:
@@ -879,5 +880,10 @@ def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
     planner.record(300, False, Ev(True), stuck)  # another size class, still running on the device
     assert planner.choose(5000) is True and planner.choose(6000) is True  # same power-of-two class
     assert planner.choose(300) is True and planner.calibrating(300)  # the pending one counts as taken
-    assert planner.plan()["4096-8191 bags"] == "sorted"
+    assert planner.plan()["single 4096-8191 bags"] == "sorted"
+    assert planner.choose(5000, kind="multi") is False and planner.calibrating(5000, kind="multi")  # its own class
     assert planner.choose(5000, capturing=True) is True and planner.choose(100, capturing=True) is False
+    planner.fix("single", False)
+    assert planner.choose(5000) is False and not planner.calibrating(77) and planner.plan()["single (fixed)"] == "as given"
+    with pytest.raises(ValueError):
+        planner.fix("other", True)
