@@ -15,6 +15,8 @@ Methods (one module over all tables each, so one lookup call per step):
   ibpcache       TableBatchedCachedEmbeddingBag as a user gets it: IBP-compressed pinned host table, fused
                  one-launch inference lookups (lazy id checks, no host sync), cache refreshed from lookup counts
   ibpcache_raw   the same with compress=False (raw host rows through the same kernel)
+  ibpcache_staged  ibpcache with a 64 MiB staging buffer (opt-in): multi-id bags may read each missed row once
+                 per step (the path planner times both ways per size class and keeps the faster)
 
 Every step is timed alone with CUDA events (device idle before it; the latency a serving step sees), medians over
 ``--iters`` steps after ``--warmup`` steps (capped by ``--max-seconds-per-point``). Every method's output is checked
@@ -44,8 +46,9 @@ from ibpcache import datasets
 from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
-METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "ibpcache", "ibpcache_raw")
-OURS = {"ibpcache": dict(compress=True), "ibpcache_raw": dict(compress=False)}
+METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "ibpcache", "ibpcache_raw", "ibpcache_staged")
+OURS = {"ibpcache": dict(compress=True), "ibpcache_raw": dict(compress=False),
+        "ibpcache_staged": dict(compress=True, stage_bytes=64 << 20)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,7 +203,8 @@ class Method:
         if "fused_hits" in st:
             return {"hits": float(st["fused_hits"]), "misses": float(st["fused_lookups"] - st["fused_hits"]),
                     "host_bytes": float(st["fused_host_bytes"]), "raw_host_bytes": float(st["fused_raw_host_bytes"]),
-                    "refreshes": float(st["fused_refreshes"]), "host_ratio": st["host_ratio"]}
+                    "refreshes": float(st["fused_refreshes"]), "host_ratio": st["host_ratio"],
+                    "plan": st.get("fused_plan")}
         return {"hits": float(st["hits"]), "misses": float(st["misses"]), "host_ratio": st["host_ratio"]}
 
 
@@ -277,6 +281,7 @@ def run_point(method: Method, ids: ZipfIds, table_dev: torch.Tensor, batch: int,
             res["transfer_ratio"] = d["raw_host_bytes"] / max(d["host_bytes"], 1.0)
             res["refreshes_during_timing"] = d["refreshes"]
         res["host_ratio"] = after.get("host_ratio")
+        res["plan"] = after.get("plan")
     return res
 
 
@@ -314,7 +319,8 @@ def plot(records: list[dict[str, Any]]):
     panels = sorted({(r["row_bytes"], r["bag"]) for r in records})
     ratios = sorted({r["cache_ratio"] for r in records})
     fig, axes = plt.subplots(len(panels), len(ratios), figsize=(5.5 * len(ratios), 3.8 * len(panels)), squeeze=False)
-    styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "ibpcache": "o-", "ibpcache_raw": "o--"}
+    styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "ibpcache": "o-", "ibpcache_raw": "o--",
+              "ibpcache_staged": "d-."}
     for i, (rb, bag) in enumerate(panels):
         for j, c in enumerate(ratios):
             ax = axes[i][j]
