@@ -560,7 +560,8 @@ class KVOffloadManager:
         # The side stream reads tensors that a later append on the current stream may replace (growth):
         # keep them alive until take() has made the current stream wait for the event.
         live = st.kv.live_tensors()
-        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev, refs=(token_idx, *live))
+        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev,
+                              refs=(token_idx, st.row0, *live))
 
     def _prefetch_cpu_gather(self, st: _LayerState, idx: "torch.Tensor | None", extra: int,
                              out: tuple[torch.Tensor, torch.Tensor], main: torch.cuda.Stream) -> _Pending:
