@@ -14,7 +14,9 @@ The cache is only a translator: storage, transfer and compression are the manage
 
 from __future__ import annotations
 
-import inspect
+import functools
+import logging
+import warnings
 import weakref
 from typing import Any
 
@@ -28,22 +30,37 @@ __all__ = ["IBPOffloadedCache", "IBPOffloadedLayer"]
 
 MODES = ("dense", "sparse")
 
-_LEGACY_CROP = "max_length" in inspect.signature(DynamicLayer.crop).parameters
-"""transformers <= 5.17-ish: ``crop(max_length)`` keeps ``max_length`` tokens (negative: removes that many);
-later: ``crop(tokens_to_remove)`` takes only n <= 0 and removes -n. We follow the installed ``DynamicLayer``."""
+@functools.lru_cache(maxsize=1)
+def _positive_crop_keeps() -> bool:
+    """How the installed ``DynamicLayer.crop`` reads a positive argument: True when it is the length to keep
+    (transformers <= 5.17, deprecated there with a warning), False when it is refused (5.18 on). Asked of a
+    two-token DynamicLayer once, since the parameter was renamed before the meaning changed."""
+    layer = DynamicLayer()
+    x = torch.zeros((1, 1, 2, 1))
+    layer.update(x, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        level = logging.getLogger("transformers").level
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            layer.crop(1)
+        except ValueError:
+            return False
+        finally:
+            logging.getLogger("transformers").setLevel(level)
+    return layer.get_seq_length() == 1
 
 
 def crop_target(seq_length: int, arg: int) -> int:
-    """Tokens left after ``crop(arg)`` on ``seq_length`` stored tokens, in the installed transformers' convention."""
+    """Tokens left after ``crop(arg)`` on ``seq_length`` stored tokens, in the installed transformers' convention:
+    ``-n`` removes n tokens, 0 nothing; a positive n keeps n tokens (transformers <= 5.17) or raises (later)."""
     if isinstance(arg, bool) or not isinstance(arg, int):
         raise TypeError(f"crop: expected an int, got {arg!r}")
-    if arg < 0:
+    if arg <= 0:
         return max(0, seq_length + arg)
-    if _LEGACY_CROP:
+    if _positive_crop_keeps():
         return min(seq_length, arg)
-    if arg > 0:
-        raise ValueError(f"Calling `crop` with a positive value (`{arg}`) is not supported: pass -n to remove n tokens")
-    return seq_length
+    raise ValueError(f"Calling `crop` with a positive value (`{arg}`) is not supported: pass -n to remove n tokens")
 
 
 class IBPOffloadedLayer(CacheLayerMixin):
