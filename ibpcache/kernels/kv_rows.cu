@@ -75,13 +75,15 @@ extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)
 
 // Fetch: for r = bh * k + j in [0, BH * k), token t = idx[r] (idx null: t = j) is decoded into row bh * width + j
 // of k_out / v_out ([B, H, width, D] buffers). Indices are trusted (checked by the caller). `read_bytes`
-// (nullable): += stored bytes read.
+// (nullable): += stored bytes read. `row0` (nullable, int64 [>= T, B] with B = bh_count / heads): the slot of
+// (t, b, h = 0) after beam reorders / batch selections, which only rewrite this table; (t, b, h) is then at
+// row0[t * B + b] + h instead of t * BH + bh (null: the identity layout).
 extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)
     ibp_kv_fetch(const long long* idx, long long k, int bh_count, long long width, long long spc, int row_bytes,
                  const long long* k_table, const long long* v_table, const int* k_len, const int* v_len,
                  const u64* k_mask, const u64* k_bitval, int k_c, int k_nchunks, const u64* v_mask,
                  const u64* v_bitval, int v_c, int v_nchunks, unsigned char* k_out, unsigned char* v_out,
-                 unsigned long long* read_bytes) {
+                 unsigned long long* read_bytes, const long long* row0, int heads) {
     __shared__ uint4 sring[IBP_WARPS_PER_BLOCK][IBP_RING_VEC];
     int lane = threadIdx.x & 31;
     uint4* ring = sring[threadIdx.x >> 5];
@@ -94,7 +96,13 @@ extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)
         long long bh = r / k;
         long long j = r - bh * k;
         long long t = idx != nullptr ? idx[r] : j;
-        long long slot = t * bh_count + bh;
+        long long slot;
+        if (row0 != nullptr) {
+            long long b = bh / heads;
+            slot = row0[t * (bh_count / heads) + b] + (bh - b * heads);
+        } else {
+            slot = t * bh_count + bh;
+        }
         const unsigned char* src = ibp_kv_slot(is_v ? v_table : k_table, slot, spc, row_bytes);
         const int* len = is_v ? v_len : k_len;
         int L = len != nullptr ? len[slot] : row_bytes;

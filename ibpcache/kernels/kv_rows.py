@@ -99,11 +99,14 @@ def kv_append(keys: torch.Tensor, values: torch.Tensor, slot0: int, slots_per_ch
 
 
 def kv_fetch(idx: "torch.Tensor | None", n: int, out_k: torch.Tensor, out_v: torch.Tensor, slots_per_chunk: int,
-             k: KvSide, v: KvSide, read: "torch.Tensor | None" = None) -> None:
+             k: KvSide, v: KvSide, read: "torch.Tensor | None" = None, row0: "torch.Tensor | None" = None,
+             heads: int = 1) -> None:
     """Decode tokens into ``out_k``/``out_v`` ([B, H, width, D], contiguous): row ``(b, h, j)`` gets token
     ``idx[b, h, j]`` (``idx`` int64 [B, H, n], trusted) or token ``j`` (``idx`` None), for j < n.
 
-    ``read`` (int64 [1] on the GPU, optional) accumulates the stored bytes read.
+    ``read`` (int64 [1] on the GPU, optional) accumulates the stored bytes read. ``row0`` (contiguous int64
+    [>= T, B] on the GPU, optional, trusted): slot of (token t, batch b, head 0), the table beam reorders and batch
+    selections rewrite (``heads`` = H then); None means slot ``t * B * H + b * H + h``.
     """
     b, h, width, d = out_k.shape
     if (out_v.shape != out_k.shape or not (out_k.is_contiguous() and out_v.is_contiguous()) or n > width
@@ -114,6 +117,10 @@ def kv_fetch(idx: "torch.Tensor | None", n: int, out_k: torch.Tensor, out_v: tor
                             or idx.device != out_k.device):
         raise ValueError(f"idx: expected a contiguous int64 tensor of shape {(b, h, n)}, got {idx.dtype} "
                          f"{tuple(idx.shape)}")
+    if row0 is not None and (row0.dtype != torch.int64 or row0.dim() != 2 or row0.shape[1] != b or heads != h
+                             or not row0.is_contiguous() or row0.device != out_k.device):
+        raise ValueError(f"row0: expected a contiguous int64 [T, {b}] tensor on {out_k.device} and heads={h}, got "
+                         f"{row0.dtype} {tuple(row0.shape)} on {row0.device}, heads={heads}")
     m = b * h * n
     if m == 0:
         return
@@ -121,4 +128,4 @@ def kv_fetch(idx: "torch.Tensor | None", n: int, out_k: torch.Tensor, out_v: tor
     launch(_SRC, "ibp_kv_fetch", dev, warp_grid(2 * m, dev), _THREADS, (
         _ptr(idx), np.int64(n), np.int32(b * h), np.int64(width), np.int64(slots_per_chunk),
         np.int32(d * out_k.element_size()), _ptr(k.table), _ptr(v.table), _ptr(k.lengths), _ptr(v.lengths),
-        *k.codec_args(), *v.codec_args(), _ptr(out_k), _ptr(out_v), _ptr(read)))
+        *k.codec_args(), *v.codec_args(), _ptr(out_k), _ptr(out_v), _ptr(read), _ptr(row0), np.int32(heads)))

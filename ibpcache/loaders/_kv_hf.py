@@ -14,11 +14,14 @@ The cache is only a translator: storage, transfer and compression are the manage
 
 from __future__ import annotations
 
+import functools
+import logging
+import warnings
 import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ._kv_select import PartialKeySelector, SelectionConfig, gather_mask, project_query, valid_from_mask
 from .kv import KVOffloadManager
@@ -27,13 +30,45 @@ __all__ = ["IBPOffloadedCache", "IBPOffloadedLayer"]
 
 MODES = ("dense", "sparse")
 
+@functools.lru_cache(maxsize=1)
+def _positive_crop_keeps() -> bool:
+    """How the installed ``DynamicLayer.crop`` reads a positive argument: True when it is the length to keep
+    (transformers <= 5.17, deprecated there with a warning), False when it is refused (5.18 on). Asked of a
+    two-token DynamicLayer once, since the parameter was renamed before the meaning changed."""
+    layer = DynamicLayer()
+    x = torch.zeros((1, 1, 2, 1))
+    layer.update(x, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        level = logging.getLogger("transformers").level
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            layer.crop(1)
+        except ValueError:
+            return False
+        finally:
+            logging.getLogger("transformers").setLevel(level)
+    return layer.get_seq_length() == 1
+
+
+def crop_target(seq_length: int, arg: int) -> int:
+    """Tokens left after ``crop(arg)`` on ``seq_length`` stored tokens, in the installed transformers' convention:
+    ``-n`` removes n tokens, 0 nothing; a positive n keeps n tokens (transformers <= 5.17) or raises (later)."""
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        raise TypeError(f"crop: expected an int, got {arg!r}")
+    if arg <= 0:
+        return max(0, seq_length + arg)
+    if _positive_crop_keeps():
+        return min(seq_length, arg)
+    raise ValueError(f"Calling `crop` with a positive value (`{arg}`) is not supported: pass -n to remove n tokens")
+
 
 class IBPOffloadedLayer(CacheLayerMixin):
     """One decoder layer's view of the shared manager (transformers calls ``update`` once per forward)."""
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # crop restores exactly the earlier state (rows are never rewritten in place)
 
     def __init__(self, owner: "IBPOffloadedCache", layer_idx: int) -> None:
         super().__init__()
@@ -70,22 +105,24 @@ class IBPOffloadedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
 
-    def _unsupported(self, what: str) -> None:
-        if self.get_seq_length() > 0:
-            raise NotImplementedError(f"IBPOffloadedCache does not support {what} (greedy/sampling decoding only)")
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._unsupported("beam search (reorder_cache)")
+        """This layer only (``IBPOffloadedCache.reorder_cache`` does all layers at once)."""
+        self._owner._reorder(beam_idx, self.layer_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
-            self._unsupported("crop (assisted decoding)")
+        """This layer only, in the installed transformers' ``crop`` convention (see :func:`crop_target`)."""
+        self._owner._crop(crop_target(self.get_seq_length(), tokens_to_remove), self.layer_idx)
+
+    def _whole_cache(self, what: str) -> None:
+        if self.get_seq_length() > 0:
+            raise NotImplementedError(f"{what} changes the batch size of the store all layers share: call it on the "
+                                      "IBPOffloadedCache, not on one layer")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._unsupported("batch_repeat_interleave on a filled cache")
+        self._whole_cache("batch_repeat_interleave")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._unsupported("batch_select_indices on a filled cache")
+        self._whole_cache("batch_select_indices")
 
 
 def _decoder_layers(model: torch.nn.Module) -> "torch.nn.ModuleList":
@@ -264,9 +301,68 @@ class IBPOffloadedCache(Cache):
         if self.manager.seq_length(j) > 0:
             self.manager.prefetch(j, None, extra_tokens=1)
 
+    # -- decoding strategies: beam search, assisted decoding, batch selection ---------------------------------
+    # The manager rewrites its per-token slot tables (a device gather of [T, B] ints): no stored row is
+    # decoded, re-encoded or moved, and nothing waits for the GPU.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: batch row b continues the sequence of row ``beam_idx[b]`` (every layer)."""
+        self._reorder(beam_idx, None)
+
+    def _reorder(self, beam_idx: torch.Tensor, layer: "int | None") -> None:
+        if self.manager is None:
+            return
+        self.manager.reorder(beam_idx, layer)
+        if self.selector is not None:
+            self.selector.select_batch(beam_idx.to(self.manager.device), layer)
+        self._after_change(layer)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Assisted decoding: drop the rejected draft tokens (installed transformers' ``crop`` convention)."""
+        self._crop(crop_target(self.get_seq_length(), tokens_to_remove), None)
+
+    def _crop(self, n_tokens: int, layer: "int | None") -> None:
+        if self.manager is None:
+            return
+        self.manager.crop(n_tokens, layer)
+        if self.selector is not None:
+            self.selector.crop(n_tokens, layer)
+        self._after_change(layer)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times (e.g. expanding a prefilled prompt into beams)."""
+        if self.manager is None:
+            return
+        self.manager.repeat_batch(repeats)
+        if self.selector is not None:
+            self.selector.repeat_batch(repeats)
+        self._after_change(None)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices``."""
+        if self.manager is None:
+            return
+        self.manager.select_batch(indices)
+        if self.selector is not None:
+            self.selector.select_batch(indices.to(self.manager.device))
+        self._after_change(None)
+
+    def _after_change(self, layer: "int | None") -> None:
+        """Selections made for the old order are void; restart layer 0's prefetch (dense, GPU) in the new one."""
+        self._selection.clear()
+        if layer is None or layer == self.num_layers - 1:
+            self._prefetch_next(self.num_layers - 1)
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences in the cache (-1 before the first update), like transformers' ``Cache.batch_size``."""
+        return -1 if self.manager is None else self.manager.batch_size
+
     def reset(self) -> None:
+        """Forget everything; the next update may bring another batch size (a fresh manager is made then)."""
         if self.manager is not None:
             self.manager.reset()
+            self.manager.close()
+            self.manager = None
         if self.selector is not None:
             self.selector.reset()
         self._selection.clear()

@@ -201,6 +201,23 @@ class PartialKeySelector:
         self._len[layer] = t
         self._scores_counted(layer, query[:, :, -1:, :], None)
 
+    def select_batch(self, indices: torch.Tensor, layer: "int | None" = None) -> None:
+        """Beam reorder / batch selection: the partial keys of batch row ``b`` become those of ``indices[b]``
+        (GPU-resident, like InfiniGen's; one gather per layer, no sync). ``layer`` None: every layer."""
+        for i, keys in enumerate(self._keys):
+            if keys is not None and layer in (None, i):
+                self._keys[i] = keys.index_select(0, indices.to(keys.device))
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every batch row's partial keys ``repeats`` times (``repeat_interleave`` on the batch)."""
+        for layer, keys in enumerate(self._keys):
+            if keys is not None:
+                self._keys[layer] = keys.repeat_interleave(repeats, dim=0)
+
+    def crop(self, n_tokens: int, layer: "int | None" = None) -> None:
+        """Forget the partial keys of tokens ``>= n_tokens`` (assisted decoding rejected them)."""
+        self._len = [min(n, n_tokens) if layer in (None, i) else n for i, n in enumerate(self._len)]
+
     def _columns(self, x: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
         """x[..., dims[h]] per KV head: [B, Hkv, n, D] -> [B, Hkv, n, r]."""
         b, h, n, _ = x.shape

@@ -149,11 +149,13 @@ class ZeroCopyKV:
         kv_append(keys, values, slot0, self.slots_per_chunk, *self._sides, written=written, into=into)
 
     def read(self, idx: "torch.Tensor | None", n: int, out_k: torch.Tensor, out_v: torch.Tensor,
-             read: "torch.Tensor | None" = None) -> None:
+             read: "torch.Tensor | None" = None, row0: "torch.Tensor | None" = None) -> None:
         """Decode ``n`` tokens per (batch, head) into ``out_k``/``out_v`` [B, H, >= n, D]: the tokens ``idx``
-        [B, H, n] names (trusted), or tokens ``0..n-1`` (``idx`` None). One launch, no sync."""
+        [B, H, n] names (trusted), or tokens ``0..n-1`` (``idx`` None). ``row0`` (int64 [>= n, B], optional): slot
+        of each (token, batch)'s head 0 after beam reorders (see the manager). One launch, no sync."""
         if n and self._sides is not None:
-            kv_fetch(idx, n, out_k, out_v, self.slots_per_chunk, *self._sides, read=read)
+            kv_fetch(idx, n, out_k, out_v, self.slots_per_chunk, *self._sides, read=read, row0=row0,
+                     heads=out_k.shape[1])
 
     def stored_bytes(self, n_slots: int) -> int:
         """K plus V bytes that slots ``[0, n_slots)`` occupy once compressed (synchronises)."""

@@ -82,6 +82,11 @@ class _LayerState:
     fit_s: float = 0.0
     pending: "_Pending | None" = None
     written: list = field(default_factory=list)
+    # Physical layout. segments: (first token, its first slot, slots per token), one per batch size the layer
+    # has been written with (the first covers token 0). row0: None while slot (t, b, h) = t * B * H + b * H + h;
+    # after a beam reorder or batch selection, int64 [capacity, B] on the manager's device: the slot of (t, b, 0).
+    segments: list = field(default_factory=list)
+    row0: "torch.Tensor | None" = None
 
 
 class KVOffloadManager:
@@ -311,13 +316,30 @@ class KVOffloadManager:
             self._fit_layers([(st, keys, values)])
         elif layer == 0:
             self.decode_steps += 1
-        self._write(st, keys, values, st.n_tokens * self.rows_per_token, into)
+        self._write(st, keys, values, st.n_tokens, into)
         st.n_tokens += n
 
-    def _write(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, slot0: int,
+    @staticmethod
+    def _slot_of_token(st: _LayerState, t: int) -> int:
+        """Physical slot of (token ``t``, batch 0, head 0) as written (``t`` = the tokens stored: the end)."""
+        for t0, s0, width in reversed(st.segments):
+            if t >= t0:
+                return s0 + (t - t0) * width
+        return 0
+
+    def _write(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, t0: int,
                into: "tuple[torch.Tensor, torch.Tensor] | None") -> None:
-        """Store [B, H, n, D] keys/values at the slots of tokens ``slot0 / (B * H)`` onwards."""
+        """Store [B, H, n, D] keys/values as tokens ``t0 .. t0 + n - 1``, after the slots of tokens ``< t0``.
+
+        Slots of tokens cropped away are reused; a batch size other than the previous tokens' starts a segment."""
         n = keys.shape[2]
+        slot0 = self._slot_of_token(st, t0)
+        while st.segments and st.segments[-1][0] >= t0:
+            st.segments.pop()
+        if not st.segments or st.segments[-1][2] != self.rows_per_token:
+            st.segments.append((t0, slot0, self.rows_per_token))
+        if st.row0 is not None:
+            self._fill_row0(st, t0, n, slot0)
         need = slot0 + n * self.rows_per_token
         reserve = max(need, self.reserve_tokens * self.rows_per_token)
         if st.kv is not None:
@@ -403,9 +425,15 @@ class KVOffloadManager:
             self._bh_cache[device] = bh
         return bh
 
-    def _slots(self, idx: torch.Tensor) -> torch.Tensor:
-        """[B, H, k] token indices -> flat slot ids ``(t * B + b) * H + h`` in [B, H, k] order (one kernel)."""
-        return torch.add(self._bh(idx.device), idx, alpha=self.rows_per_token).reshape(-1)
+    def _slots(self, st: _LayerState, idx: torch.Tensor) -> torch.Tensor:
+        """[B, H, k] token indices -> flat slot ids in [B, H, k] order: ``(t * B + b) * H + h`` (one kernel), or
+        ``row0[t, b] + h`` after a beam reorder / batch selection."""
+        if st.row0 is None:
+            return torch.add(self._bh(idx.device), idx, alpha=self.rows_per_token).reshape(-1)
+        row0 = st.row0.to(idx.device)
+        b = torch.arange(self.batch_size, device=idx.device).view(-1, 1, 1)
+        h = torch.arange(self.num_kv_heads, device=idx.device).view(1, -1, 1)
+        return (row0.view(-1)[idx * self.batch_size + b] + h).reshape(-1)
 
     def _alloc(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.batch_size, self.num_kv_heads, n, self.head_dim)
@@ -428,10 +456,12 @@ class KVOffloadManager:
             if idx is not None and idx.dtype != torch.int64:
                 idx = idx.to(torch.int64)
             st.kv.read(idx if idx is None or idx.is_contiguous() else idx.contiguous(),
-                       st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], self._dev_read)
+                       st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], self._dev_read, st.row0)
             return
         width = out[0].shape[2]
         t = st.n_tokens
+        if idx is None and st.row0 is not None:  # every token, through the slot table
+            idx = torch.arange(t, device=self.device).view(1, 1, t).expand(self.batch_size, self.num_kv_heads, t)
         if idx is None:
             if isinstance(st.k_store, CpuGatherStore):
                 for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
@@ -445,7 +475,7 @@ class KVOffloadManager:
             out_rows = (self._bh(self.device).view(1, -1) * width
                         + torch.arange(t, device=self.device).view(-1, 1)).reshape(-1)
         else:
-            slots = self._slots(idx)
+            slots = self._slots(st, idx)
             out_rows = self._out_rows(idx.shape[-1], width)
         for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
             out_u8 = dst.view(-1, self.head_dim).view(torch.uint8)
@@ -530,7 +560,8 @@ class KVOffloadManager:
         # The side stream reads tensors that a later append on the current stream may replace (growth):
         # keep them alive until take() has made the current stream wait for the event.
         live = st.kv.live_tensors()
-        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev, refs=(token_idx, *live))
+        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev,
+                              refs=(token_idx, st.row0, *live))
 
     def _prefetch_cpu_gather(self, st: _LayerState, idx: "torch.Tensor | None", extra: int,
                              out: tuple[torch.Tensor, torch.Tensor], main: torch.cuda.Stream) -> _Pending:
@@ -538,7 +569,7 @@ class KVOffloadManager:
         slots_host = None
         refs: tuple = (idx,)
         if idx is not None:
-            slots = self._slots(idx)
+            slots = self._slots(st, idx)
             slots_host = torch.empty(slots.shape, dtype=torch.int64, pin_memory=True)
             slots_host.copy_(slots, non_blocking=True)
             refs = (idx, slots, slots_host)
@@ -607,6 +638,94 @@ class KVOffloadManager:
             p, st.pending = st.pending, None
             self._retire_pending(p)
 
+    # -- beam search, batch selection, crop ---------------------------------------------------------
+    # These rewrite the per-token slot table (``_LayerState.row0``), never the stored rows: a beam reorder is a
+    # gather of [T, B] slot ids on the device (no host sync, no decode, no re-encode); rows that no beam refers
+    # to any more stay where they are until a crop lets new tokens reuse their slots.
+    def _fill_row0(self, st: _LayerState, t0: int, n: int, slot0: int) -> None:
+        """Give tokens ``t0 .. t0 + n - 1``, written from ``slot0`` on, identity entries in the slot table."""
+        cap = st.row0.shape[0]
+        if t0 + n > cap:
+            grown = torch.empty((max(t0 + n, 2 * cap), self.batch_size), dtype=torch.int64, device=self.device)
+            grown[:t0].copy_(st.row0[:t0])
+            st.row0 = grown
+        t = torch.arange(n, device=self.device).view(-1, 1) * self.rows_per_token
+        b = torch.arange(self.batch_size, device=self.device).view(1, -1) * self.num_kv_heads
+        st.row0[t0 : t0 + n] = t + b + slot0
+
+    def _table(self, st: _LayerState) -> torch.Tensor:
+        """The layer's slot table (built from its segments at the first reorder or selection)."""
+        if st.row0 is None:
+            t = st.n_tokens
+            st.row0 = torch.empty((max(2 * t, 16), self.batch_size), dtype=torch.int64, device=self.device)
+            ends = [seg[0] for seg in st.segments[1:]] + [t]
+            for (t0, s0, width), t1 in zip(st.segments, ends):
+                n = max(0, min(t1, t) - t0)
+                if n and width != self.rows_per_token:
+                    raise RuntimeError(f"tokens stored with {width} rows per token but no slot table")
+                if n:
+                    self._fill_row0(st, t0, n, s0)
+        return st.row0
+
+    def _layers_for(self, layer: "int | None") -> "list[_LayerState]":
+        self._flush_pending()
+        states = self._layers if layer is None else [self._state(layer)]
+        for st in states:
+            self._retire(st)  # a prefetch started before the change read the old order
+        return states
+
+    def _check_batch_index(self, index: object, name: str) -> torch.Tensor:
+        if not isinstance(index, torch.Tensor) or index.dim() != 1:
+            raise TypeError(f"{name}: expected a 1-D integer torch.Tensor, got {index!r:.80}")
+        if index.dtype == torch.bool:
+            if index.numel() != self.batch_size:
+                raise ValueError(f"{name}: a boolean mask needs {self.batch_size} entries, got {index.numel()}")
+            index = index.nonzero().view(-1)  # a mask's size is data-dependent: this one syncs
+        elif index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"{name}: expected an integer tensor, got {index.dtype}")
+        return index.to(device=self.device, dtype=torch.int64, non_blocking=True)
+
+    def reorder(self, beam_idx: torch.Tensor, layer: "int | None" = None) -> None:
+        """Beam search: batch row ``b`` continues old row ``beam_idx[b]`` (``beam_idx`` [B], values trusted).
+
+        Rewrites the slot table of ``layer`` (None: every layer) with one gather on the device; the stored
+        rows are not touched and nothing waits for the device."""
+        beam_idx = self._check_batch_index(beam_idx, "beam_idx")
+        if beam_idx.numel() != self.batch_size:
+            raise ValueError(f"beam_idx: expected {self.batch_size} entries (the batch size), got {beam_idx.numel()}")
+        for st in self._layers_for(layer):
+            if st.n_tokens:
+                st.row0 = self._table(st).index_select(1, beam_idx)  # a new tensor: pending readers keep the old
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (in that order; repeats allowed) of every layer: a new batch size."""
+        indices = self._check_batch_index(indices, "indices")
+        self._set_batch([self._table(st).index_select(1, indices) if st.n_tokens else None
+                         for st in self._layers_for(None)], indices.numel())
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``repeat_interleave`` on the batch dimension)."""
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"repeats: expected a positive int, got {repeats!r}")
+        self._set_batch([self._table(st).repeat_interleave(repeats, dim=1) if st.n_tokens else None
+                         for st in self._layers_for(None)], self.batch_size * repeats)
+
+    def _set_batch(self, tables: "list[torch.Tensor | None]", batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError("a batch selection must keep at least one row")
+        for st, table in zip(self._layers, tables):
+            st.row0 = table
+        self.batch_size = batch_size
+        self.rows_per_token = batch_size * self.num_kv_heads
+        self._bh_cache.clear()
+
+    def crop(self, n_tokens: int, layer: "int | None" = None) -> None:
+        """Keep the first ``n_tokens`` tokens of ``layer`` (None: every layer); their slots are reused."""
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 0:
+            raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
+        for st in self._layers_for(layer):
+            st.n_tokens = min(st.n_tokens, n_tokens)
+
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Memory and traffic so far. Synchronises the device (reads GPU counters and timing events).
@@ -629,8 +748,8 @@ class KVOffloadManager:
             written += int(self._dev_written)
         stored = raw = host = gpu = 0
         for st in self._layers:
-            n_slots = st.n_tokens * self.rows_per_token
-            raw += 2 * n_slots * self.row_bytes
+            n_slots = self._slot_of_token(st, st.n_tokens)  # physical slots in use (rows beams dropped included)
+            raw += 2 * st.n_tokens * self.rows_per_token * self.row_bytes
             stores = (st.kv,) if st.kv is not None else (st.k_store, st.v_store) if st.k_store is not None else ()
             for store in stores:
                 stored += store.stored_bytes(n_slots)
