@@ -14,6 +14,7 @@ from .fit import DEFAULT_THRESHOLDS, fit_rows_many, sample_rows
 from .format import CHUNK_SIZES, FileKind, Layout, RowGeometry, dtype_to_name, name_to_dtype, read_container, write_container
 from .kernels.backends import backend_for
 from .kernels import bitpack_cpu as cpu
+from .kernels.tables import KernelTables
 
 if TYPE_CHECKING:
     from .compressed import CompressedRows
@@ -64,6 +65,7 @@ class Codec:
         self.fitted_rows = int(fitted_rows)
         self.scores = dict(scores or {})
         self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kernel_tables: dict[str, KernelTables] = {}
 
     # -- geometry ---------------------------------------------------------------------------------
     @property
@@ -97,6 +99,22 @@ class Codec:
             b = torch.from_numpy(self.bitval.view(np.int64).copy()).to(dev)
             self._device_tables[key] = (m, b)
         return self._device_tables[key]
+
+    def kernel_tables(self, device: "str | torch.device") -> KernelTables:
+        """What a kernel launch on ``device`` needs (mask/bitval there + geometry), built once per device.
+
+        The launchers in ``ibpcache.kernels`` take this plain record rather than the codec, so the kernels
+        never import the codec layer.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        key = str(dev)
+        if key not in self._kernel_tables:
+            mask, bitval = self.device_tables(dev)
+            self._kernel_tables[key] = KernelTables(mask=mask, bitval=bitval, chunk_bytes=self.chunk_bytes,
+                                                    n_chunks=self.n_chunks, row_bytes=self.row_bytes)
+        return self._kernel_tables[key]
 
     # -- fit --------------------------------------------------------------------------------------
     @classmethod
@@ -193,7 +211,7 @@ class Codec:
         if rows.is_cuda:
             from .kernels.bitpack import size_rows
 
-            return size_rows(rows, self)
+            return size_rows(rows, self.kernel_tables(rows.device))
         return torch.from_numpy(cpu.size_rows_cpu(rows.numpy(), self.mask, self.bitval, self.chunk_bytes))
 
     def encode_rows_at(self, rows_u8: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
@@ -243,7 +261,9 @@ class Codec:
         if run_dev.type == "cuda":
             from .kernels.bitpack import compress_rows_gpu
 
-            data, lengths = compress_rows_gpu(rows, self, layout, pin, _FIT_BATCH_BYTES)
+            gpu = rows.device if rows.is_cuda else run_dev
+            data, lengths = compress_rows_gpu(rows, self.kernel_tables(gpu), layout is Layout.PACKED, pin,
+                                              _FIT_BATCH_BYTES)
         else:
             data, lengths = _compress_rows_cpu(rows, self, layout, pin)
         return CompressedRows(self, data, lengths, layout=layout, origin=str(x.device.type))

@@ -167,7 +167,9 @@ class CompressedRows:
         if dev.type == "cuda":
             from .kernels.bitpack import gather_rows
 
-            gather_rows(self, ids, out_u8)
+            meta = self.device_meta(out_u8.device)
+            gather_rows(self.host_data_for_gpu(), meta.get("offsets"), meta["lengths"], meta["flags"], self.n_rows,
+                        ids, out_u8, self.codec.kernel_tables(out_u8.device))
         else:
             idx = ids.numpy()
             self.codec.decode_rows_at(self.data.numpy(), self.offsets.numpy()[idx], self.lengths.numpy()[idx],

@@ -329,7 +329,8 @@ class FeatureCache:
         from ..kernels.bitpack import decode_descriptors
 
         ws = self._ws
-        decode_descriptors(out_u8, ws["src"][:b], ws["len"][:b], ws["comp"][:b], None, codec=self._decode_codec)
+        decode_descriptors(out_u8, ws["src"][:b], ws["len"][:b], ws["comp"][:b], None,
+                           self._decode_codec.kernel_tables(out_u8.device))
 
     def _fetch_cpu(self, ids: torch.Tensor, out_u8: torch.Tensor) -> torch.Tensor:
         """CPU: look ids up, decode hits from the slab and misses from the host store."""
@@ -402,7 +403,7 @@ class FeatureCache:
             stage = torch.empty((k, self.row_bytes), dtype=torch.uint8, device=self.device)
             dst = stage.data_ptr() + torch.arange(k, dtype=torch.int64, device=self.device) * self.row_bytes
             got = torch.empty(k, dtype=torch.int32, device=self.device)
-            encode_into(rows_u8.contiguous(), dst, got, codec)
+            encode_into(rows_u8.contiguous(), dst, got, codec.kernel_tables(self.device))
             self.slot_view[slots] = stage[:, : self.slot_bytes]
         else:
             offsets = (slots * self.slot_bytes).numpy()
