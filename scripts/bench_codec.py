@@ -6,7 +6,7 @@ For each real data set scaled up by resampling real rows ("SU", >= --gb GB, rows
       ibp        fused gather + decode, reading compressed rows zero-copy from pinned host memory
       raw_zc     (a) the same warp-per-row zero-copy gather of uncompressed rows
       cpu_bulk   (b) CPU index_select into a pinned buffer + one bulk copy (Colossal-AI / InfiniGen)
-      nvcomp_*   (c) nvCOMP codecs, one chunk per row (ibpcache.testing.nvcomp_baseline)
+      nvcomp_*   (c) nvCOMP codecs, one chunk per row (scripts/lib/nvcomp_baseline.py)
       ideal      (d) the batch's compressed bytes at the pinned memcpy bandwidth measured in this run
   * the paper's Figure 7 sweep: rows of 256 B / 1 KB / 4 KB with synthetic masks saving 10..90%.
 Every output is verified against the source rows. Writes bench_codec.json / .png (and fig7) under --out.
@@ -15,11 +15,17 @@ Every output is verified against the source rows. Writes bench_codec.json / .png
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: scripts.lib / examples import from it
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 from ibpcache import Codec, datasets
 from ibpcache.kernels.bitpack import gather_raw, gather_rows
@@ -141,7 +147,7 @@ def bench_dataset(name: str, args, bw: float) -> list[dict]:
     # (c) nvCOMP, one chunk per row
     if not args.no_nvcomp:
         try:
-            from ibpcache.testing.nvcomp_baseline import available, nvcomp_row_codec_bench
+            from scripts.lib.nvcomp_baseline import available, nvcomp_row_codec_bench
 
             ok, why = available()
             if ok:

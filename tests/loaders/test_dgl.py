@@ -249,7 +249,7 @@ def test_import_error_names_the_extra(mod: Any, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_training_losses_identical_with_and_without_ibpcache(dgl: Any, cora: Any) -> None:
-    from ibpcache import gnn
+    from examples.gnn import pipeline as gnn
 
     ds = gnn.load_gnn_dataset("cora")
     g = gnn.build_graph(ds)
@@ -268,7 +268,7 @@ def test_training_losses_identical_with_and_without_ibpcache(dgl: Any, cora: Any
 
 @pytest.mark.gpu
 def test_gpu_every_mode_bit_identical_and_same_losses(dgl: Any, cora: Any) -> None:
-    from ibpcache import gnn
+    from examples.gnn import pipeline as gnn
 
     ds = gnn.load_gnn_dataset("cora")
     g = gnn.build_graph(ds)
