@@ -134,6 +134,8 @@ class Codec:
         (``thresholds``, default T/N = 0.70..0.95) and chunk size in {1, 2, 4, 8}, and the smallest total
         wins. ``threshold``/``chunk_bytes`` pin one value instead of "auto". ``sample`` fits on a
         fraction (float) or a count (int) of randomly chosen rows (paper Table 5: 10% loses ~nothing).
+        A non-contiguous ``x`` (a slice, a transpose) is accepted: the rows fitted on (the sample, if any) are
+        copied once into a transient contiguous tensor.
         """
         return cls.fit_many([x], threshold, chunk_bytes, sample, thresholds=thresholds, seed=seed)[0]
 
@@ -160,14 +162,20 @@ class Codec:
             raise ValueError(f"chunk_bytes: expected {len(xs)} values, got {len(chunk_list)}")
         rows_list, sizes_list = [], []
         for x, chunk in zip(xs, chunk_list):
-            x = check_rows(x)
+            idx = None
+            if isinstance(x, torch.Tensor) and x.dim() >= 1 and not x.is_contiguous():
+                # gather the sample first: a strided x is then copied only for the sampled rows
+                idx = sample_rows(x.shape[0], sample, seed)
+                x = x[torch.from_numpy(idx).to(x.device)] if idx is not None else x
+            x = check_rows(x)  # copies a strided x once (transient; the fit reads every row anyway)
             dtype_to_name(x.dtype)
             if x.shape[0] == 0:
                 raise ValueError("cannot fit a codec on zero rows")
             rows = as_row_bytes(x)
-            idx = sample_rows(rows.shape[0], sample, seed)
-            if idx is not None:
-                rows = rows[torch.from_numpy(idx).to(rows.device)]
+            if idx is None:
+                idx = sample_rows(rows.shape[0], sample, seed)
+                if idx is not None:
+                    rows = rows[torch.from_numpy(idx).to(rows.device)]
             rows_list.append(rows)
             sizes_list.append(cls._fit_sizes_arg(chunk))
         if len({r.device for r in rows_list}) != 1:
@@ -250,7 +258,8 @@ class Codec:
 
         Runs on the GPU when ``x`` is a CUDA tensor or ``device='cuda'`` (CPU rows then stream to the GPU
         in pieces, so datasets larger than GPU memory work), otherwise with the Numba CPU encoder. Both
-        produce identical bytes.
+        produce identical bytes. A non-contiguous ``x`` (a slice, a transpose) is copied once with
+        ``.contiguous()`` before encoding; the copy is transient, the result is a new buffer either way.
         """
         from .compressed import CompressedRows
 
