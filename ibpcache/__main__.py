@@ -239,8 +239,9 @@ def run_demo(cfg: Any) -> int:
     for policy in task.policies:
         cache = FeatureCache(x, budget_bytes=task.budget, hotness=degree if policy == "static" else None,
                              policy=str(policy), device=device, codec=codec)
-        cache.fetch(batches[0]); sync()  # noqa: E702 - warm-up: first launches compile / JIT
-        cache.stats_.reset()
+        cache.fetch(batches[0])  # warm-up: the first fetch compiles kernels (CUDA) or JITs decoders (Numba)
+        sync()
+        cache.reset_stats()
         seconds, bad = _serve(cache, x_u8, batches, sync)
         st = cache.stats()
         records.append({
