@@ -206,6 +206,7 @@ def test_single_row_and_shapes() -> None:
 
 # -- errors -----------------------------------------------------------------------------------------------
 def test_bad_inputs_raise_clear_errors() -> None:
+    x = torch.zeros(8, 16)
     with pytest.raises(TypeError, match="torch.Tensor"):
         Codec.fit(np.zeros((4, 4)))
     with pytest.raises(ValueError, match="zero rows"):
