@@ -270,7 +270,8 @@ class Codec:
         if run_dev.type == "cuda":
             from .kernels.bitpack import compress_rows_gpu
 
-            gpu = rows.device if rows.is_cuda else run_dev
+            # the GPU compress_rows_gpu streams through: the rows' own, or the current one for CPU rows
+            gpu = rows.device if rows.is_cuda else torch.device("cuda", torch.cuda.current_device())
             data, lengths = compress_rows_gpu(rows, self.kernel_tables(gpu), layout is Layout.PACKED, pin,
                                               _FIT_BATCH_BYTES)
         else:
