@@ -6,20 +6,26 @@ import torch
 
 from .errors import InvalidIdsError
 
-__all__ = ["check_rows", "check_ids", "as_row_bytes", "resolve_device"]
+__all__ = ["check_rows", "check_ids", "as_row_bytes", "resolve_device", "OUT_CONTIGUOUS_WHY"]
+
+OUT_CONTIGUOUS_WHY = ("kernels write rows straight into out, and a strided out would need a hidden full copy "
+                      "back after every fetch; pass a contiguous tensor, e.g. torch.empty(...)")
 
 
 def check_rows(x: object, name: str = "x") -> torch.Tensor:
-    """A row tensor must be a contiguous torch.Tensor with at least one dimension (rows first)."""
+    """A row tensor: a torch.Tensor with at least one dimension (rows first), returned contiguous.
+
+    A non-contiguous tensor (a column slice, a transposed matrix) is copied once with ``.contiguous()``. Every
+    caller is a construction path (fit, compress, building a store) that reads all rows into new buffers anyway,
+    so the copy is transient (freed when construction ends) and never happens on a fetch.
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1:
         raise ValueError(f"{name}: expected a tensor of shape [N, ...], got a 0-d tensor")
-    if not x.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous() first), got strides {x.stride()}")
     if x.is_complex():
         raise TypeError(f"{name}: dtype {x.dtype} is not supported")
-    return x
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def as_row_bytes(x: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,10 @@ from .fit import DEFAULT_THRESHOLDS, fit_rows_many, sample_rows
 from .format import CHUNK_SIZES, FileKind, Layout, RowGeometry, dtype_to_name, name_to_dtype, read_container, write_container
 from .kernels.backends import backend_for
 from .kernels import bitpack_cpu as cpu
+from .kernels.tables import KernelTables
 
 if TYPE_CHECKING:
     from .compressed import CompressedRows
-    from .kernels.tables import KernelTables
 
 __all__ = ["Codec"]
 
@@ -65,6 +65,7 @@ class Codec:
         self.fitted_rows = int(fitted_rows)
         self.scores = dict(scores or {})
         self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kernel_tables: dict[str, KernelTables] = {}
 
     # -- geometry ---------------------------------------------------------------------------------
     @property
@@ -99,12 +100,21 @@ class Codec:
             self._device_tables[key] = (m, b)
         return self._device_tables[key]
 
-    def kernel_tables(self, device: "str | torch.device") -> "KernelTables":
-        """The plain tables a kernel launch takes (``kernels.tables.KernelTables``) on ``device``."""
-        from .kernels.tables import KernelTables
+    def kernel_tables(self, device: "str | torch.device") -> KernelTables:
+        """What a kernel launch on ``device`` needs (mask/bitval there + geometry), built once per device.
 
-        mask, bitval = self.device_tables(device)
-        return KernelTables(mask, bitval, self.chunk_bytes, self.n_chunks, self.row_bytes)
+        The launchers in ``ibpcache.kernels`` take this plain record rather than the codec, so the kernels
+        never import the codec layer.
+        """
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        key = str(dev)
+        if key not in self._kernel_tables:
+            mask, bitval = self.device_tables(dev)
+            self._kernel_tables[key] = KernelTables(mask=mask, bitval=bitval, chunk_bytes=self.chunk_bytes,
+                                                    n_chunks=self.n_chunks, row_bytes=self.row_bytes)
+        return self._kernel_tables[key]
 
     # -- fit --------------------------------------------------------------------------------------
     @classmethod
@@ -124,6 +134,8 @@ class Codec:
         (``thresholds``, default T/N = 0.70..0.95) and chunk size in {1, 2, 4, 8}, and the smallest total
         wins. ``threshold``/``chunk_bytes`` pin one value instead of "auto". ``sample`` fits on a
         fraction (float) or a count (int) of randomly chosen rows (paper Table 5: 10% loses ~nothing).
+        A non-contiguous ``x`` (a slice, a transpose) is accepted: the rows fitted on (the sample, if any) are
+        copied once into a transient contiguous tensor.
         """
         return cls.fit_many([x], threshold, chunk_bytes, sample, thresholds=thresholds, seed=seed)[0]
 
@@ -150,14 +162,20 @@ class Codec:
             raise ValueError(f"chunk_bytes: expected {len(xs)} values, got {len(chunk_list)}")
         rows_list, sizes_list = [], []
         for x, chunk in zip(xs, chunk_list):
-            x = check_rows(x)
+            idx = None
+            if isinstance(x, torch.Tensor) and x.dim() >= 1 and not x.is_contiguous():
+                # gather the sample first: a strided x is then copied only for the sampled rows
+                idx = sample_rows(x.shape[0], sample, seed)
+                x = x[torch.from_numpy(idx).to(x.device)] if idx is not None else x
+            x = check_rows(x)  # copies a strided x once (transient; the fit reads every row anyway)
             dtype_to_name(x.dtype)
             if x.shape[0] == 0:
                 raise ValueError("cannot fit a codec on zero rows")
             rows = as_row_bytes(x)
-            idx = sample_rows(rows.shape[0], sample, seed)
-            if idx is not None:
-                rows = rows[torch.from_numpy(idx).to(rows.device)]
+            if idx is None:
+                idx = sample_rows(rows.shape[0], sample, seed)
+                if idx is not None:
+                    rows = rows[torch.from_numpy(idx).to(rows.device)]
             rows_list.append(rows)
             sizes_list.append(cls._fit_sizes_arg(chunk))
         if len({r.device for r in rows_list}) != 1:
@@ -201,7 +219,7 @@ class Codec:
         if rows.is_cuda:
             from .kernels.bitpack import size_rows
 
-            return size_rows(rows, self)
+            return size_rows(rows, self.kernel_tables(rows.device))
         return torch.from_numpy(cpu.size_rows_cpu(rows.numpy(), self.mask, self.bitval, self.chunk_bytes))
 
     def encode_rows_at(self, rows_u8: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
@@ -240,7 +258,8 @@ class Codec:
 
         Runs on the GPU when ``x`` is a CUDA tensor or ``device='cuda'`` (CPU rows then stream to the GPU
         in pieces, so datasets larger than GPU memory work), otherwise with the Numba CPU encoder. Both
-        produce identical bytes.
+        produce identical bytes. A non-contiguous ``x`` (a slice, a transpose) is copied once with
+        ``.contiguous()`` before encoding; the copy is transient, the result is a new buffer either way.
         """
         from .compressed import CompressedRows
 
@@ -251,7 +270,10 @@ class Codec:
         if run_dev.type == "cuda":
             from .kernels.bitpack import compress_rows_gpu
 
-            data, lengths = compress_rows_gpu(rows, self, layout, pin, _FIT_BATCH_BYTES)
+            # the GPU compress_rows_gpu streams through: the rows' own, or the current one for CPU rows
+            gpu = rows.device if rows.is_cuda else torch.device("cuda", torch.cuda.current_device())
+            data, lengths = compress_rows_gpu(rows, self.kernel_tables(gpu), layout is Layout.PACKED, pin,
+                                              _FIT_BATCH_BYTES)
         else:
             data, lengths = _compress_rows_cpu(rows, self, layout, pin)
         return CompressedRows(self, data, lengths, layout=layout, origin=str(x.device.type))

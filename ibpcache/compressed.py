@@ -7,12 +7,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._validation import check_ids, resolve_device
+from ._validation import OUT_CONTIGUOUS_WHY, check_ids, resolve_device
 from .codec import Codec
 from .errors import FormatError
 from .format import FileKind, Layout, read_container, write_container
 
 __all__ = ["CompressedRows"]
+
+
+def _contiguous_bytes(data: torch.Tensor) -> torch.Tensor:
+    """A strided ``data`` copied once into a fresh buffer (pinned if it was) with the 16 spare bytes decoders
+    may read past the end; construction-time only, the GPU kernels then read the copy by address."""
+    pin = data.device.type == "cpu" and data.is_pinned()
+    buf = torch.empty(data.numel() + 16, dtype=data.dtype, device=data.device, pin_memory=pin)
+    buf[data.numel():].zero_()
+    buf = buf[: data.numel()]
+    buf.copy_(data.reshape(-1))
+    return buf.view(data.shape)
 
 
 def _flags_from_lengths(lengths: torch.Tensor, row_bytes: int) -> torch.Tensor:
@@ -24,7 +35,8 @@ def _flags_from_lengths(lengths: torch.Tensor, row_bytes: int) -> torch.Tensor:
 class CompressedRows:
     """Every row of a dataset compressed with one ``Codec``.
 
-    ``data`` (uint8, host; pinned when CUDA exists) holds the stored rows: in the ``inplace`` layout
+    ``data`` (uint8, host; pinned when CUDA exists; a strided tensor is copied once into a fresh buffer at
+    construction) holds the stored rows: in the ``inplace`` layout
     row i at ``i * row_bytes``, in the ``packed`` layout back to back at ``offsets[i]``. ``lengths`` (int32)
     gives each row's stored bytes (``row_bytes`` for a raw row) so reads are bounded, and ``flags`` is
     the paper's 1-bit-per-row "is compressed" bitmask.
@@ -34,6 +46,8 @@ class CompressedRows:
                  origin: str = "cpu") -> None:
         self.codec = codec
         self.layout = Layout.from_str(layout)
+        if isinstance(data, torch.Tensor) and not data.is_contiguous():
+            data = _contiguous_bytes(data)
         self.data = data
         self.lengths = lengths.to(torch.int32).contiguous()
         n = self.lengths.numel()
@@ -155,7 +169,7 @@ class CompressedRows:
         if out.device != dev and not (out.device.type == dev.type == "cuda"):
             raise ValueError(f"out: expected device {dev}, got {out.device}")
         if not out.is_contiguous():
-            raise ValueError("out: expected a contiguous tensor")
+            raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()} ({OUT_CONTIGUOUS_WHY})")
         return out
 
     def _gather_valid(self, ids: torch.Tensor, dev: torch.device, out: "torch.Tensor | None") -> torch.Tensor:
@@ -167,7 +181,9 @@ class CompressedRows:
         if dev.type == "cuda":
             from .kernels.bitpack import gather_rows
 
-            gather_rows(self, ids, out_u8)
+            meta = self.device_meta(out_u8.device)
+            gather_rows(self.host_data_for_gpu(), meta.get("offsets"), meta["lengths"], meta["flags"], self.n_rows,
+                        ids, out_u8, self.codec.kernel_tables(out_u8.device))
         else:
             idx = ids.numpy()
             self.codec.decode_rows_at(self.data.numpy(), self.offsets.numpy()[idx], self.lengths.numpy()[idx],

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .errors import FormatError
+from .kernels.layout import GROUP_CHUNKS  # defined with the kernels, which may not import this module
 
 __all__ = [
     "FORMAT_VERSION",
@@ -36,8 +37,6 @@ __all__ = [
 FORMAT_VERSION = 1
 """Bumped whenever the bit layout or the container changes; readers refuse other versions."""
 
-GROUP_CHUNKS = 32
-"""Chunks per group: one warp decodes one group per iteration, its participation bits lead the group."""
 
 CHUNK_SIZES = (1, 2, 4, 8)
 MAGIC = b"IBPCACHE"

@@ -6,7 +6,7 @@ For each real data set scaled up by resampling real rows ("SU", >= --gb GB, rows
       ibp        fused gather + decode, reading compressed rows zero-copy from pinned host memory
       raw_zc     (a) the same warp-per-row zero-copy gather of uncompressed rows
       cpu_bulk   (b) CPU index_select into a pinned buffer + one bulk copy (Colossal-AI / InfiniGen)
-      nvcomp_*   (c) nvCOMP codecs, one chunk per row (ibpcache.testing.nvcomp_baseline)
+      nvcomp_*   (c) nvCOMP codecs, one chunk per row (scripts/lib/nvcomp_baseline.py)
       ideal      (d) the batch's compressed bytes at the pinned memcpy bandwidth measured in this run
   * the paper's Figure 7 sweep: rows of 256 B / 1 KB / 4 KB with synthetic masks saving 10..90%.
 Every output is verified against the source rows. Writes bench_codec.json / .png (and fig7) under --out.
@@ -15,11 +15,17 @@ Every output is verified against the source rows. Writes bench_codec.json / .png
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: scripts.lib / examples import from it
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 from ibpcache import Codec, datasets
 from ibpcache.kernels.bitpack import gather_raw, gather_rows
@@ -46,6 +52,13 @@ class Rotating:
         b = self.batches[self.i % len(self.batches)]
         self.i += 1
         return b
+
+
+def _gather(packed, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """The fused gather + decode kernel on ``packed``'s buffers (ids already validated: kernel time only)."""
+    meta = packed.device_meta(out.device)
+    gather_rows(packed.host_data_for_gpu(), meta.get("offsets"), meta["lengths"], meta["flags"], packed.n_rows,
+                ids, out, packed.codec.kernel_tables(out.device))
 
 
 def time_fetch(fn, rot: Rotating, warmup: int, iters: int) -> dict:
@@ -103,8 +116,8 @@ def bench_dataset(name: str, args, bw: float) -> list[dict]:
     rot = Rotating(batches)
     # ibp: fused gather + decode from pinned host (ids already validated: kernel time only)
     out_view = out
-    t = time_fetch(lambda ids: gather_rows(packed, ids, out_view), rot, args.warmup, args.iters)
-    gather_rows(packed, batches[0], out)
+    t = time_fetch(lambda ids: _gather(packed, ids, out_view), rot, args.warmup, args.iters)
+    _gather(packed, batches[0], out)
     add("ibp", t, verify(batches[0]))
     t = time_fetch(lambda ids: packed.gather(ids, device="cuda", out=su.new_empty((args.batch, *su.shape[1:]),
                                                                                   device="cuda")),
@@ -134,7 +147,7 @@ def bench_dataset(name: str, args, bw: float) -> list[dict]:
     # (c) nvCOMP, one chunk per row
     if not args.no_nvcomp:
         try:
-            from ibpcache.testing.nvcomp_baseline import available, nvcomp_row_codec_bench
+            from scripts.lib.nvcomp_baseline import available, nvcomp_row_codec_bench
 
             ok, why = available()
             if ok:
@@ -185,8 +198,8 @@ def fig7(args, bw: float) -> list[dict]:
             torch.cuda.empty_cache()
             batches = [torch.randint(0, n, (args.batch,), device="cuda", generator=g) for _ in range(4)]
             out = torch.empty(args.batch, rb, dtype=torch.uint8, device="cuda")
-            t = time_fetch(lambda ids: gather_rows(packed, ids, out), Rotating(batches), args.warmup, args.iters)
-            gather_rows(packed, batches[0], out)
+            t = time_fetch(lambda ids: _gather(packed, ids, out), Rotating(batches), args.warmup, args.iters)
+            _gather(packed, batches[0], out)
             ok = bool(torch.equal(out.cpu(), host_rows.view(torch.uint8).reshape(n, rb)[batches[0].cpu()]))
             comp = float(packed.lengths[batches[0].cpu()].sum())
             ideal_ms = comp / (bw * 1e9) * 1e3

@@ -31,13 +31,19 @@ import argparse
 import glob
 import os
 import statistics
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: scripts.lib / examples import from it
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
@@ -57,7 +63,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
     """(model on cuda, tokenizer or None, source label)."""
-    from ibpcache.models import ModelNotFoundError, load_smollm2, smollm2_like_config
+    from scripts.lib.models import ModelNotFoundError, load_smollm2, smollm2_like_config
 
     try:
         model, tok = load_smollm2(torch.float32, args.device, gguf=args.gguf, model_dir=args.model_dir)

@@ -69,11 +69,12 @@ def main() -> int:
                 rows = x.view(torch.uint8).reshape(x.shape[0], -1)
                 out = torch.empty(257, codec.row_bytes, dtype=torch.uint8, device="cuda")
                 decode_descriptors(out, (p.offsets[ids.cpu()] + p.data.data_ptr()).cuda(), p.lengths[ids.cpu()].cuda(),
-                                   p.is_compressed()[ids.cpu()].cuda(), None, codec)
+                                   p.is_compressed()[ids.cpu()].cuda(), None, codec.kernel_tables("cuda"))
                 ok &= torch.equal(out.cpu(), rows[ids.cpu()])
             dst = torch.zeros(x.shape[0] * codec.row_bytes, dtype=torch.uint8, device="cuda")
             lens = torch.empty(x.shape[0], dtype=torch.int32, device="cuda")
-            encode_into(rows.cuda(), torch.arange(x.shape[0], device="cuda") * codec.row_bytes + dst.data_ptr(), lens, codec)
+            encode_into(rows.cuda(), torch.arange(x.shape[0], device="cuda") * codec.row_bytes + dst.data_ptr(), lens,
+                        codec.kernel_tables("cuda"))
         flat = x.view(torch.uint8).reshape(-1).pin_memory()
         out = torch.empty(257, rows.shape[1], dtype=torch.uint8, device="cuda")
         gather_raw(flat, ids, out, x.shape[0])

@@ -9,11 +9,18 @@ ibpcache is imported inside fixtures only, so a half-written module fails its ow
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The repository root, so tests can import the benchmark helpers (scripts.lib) and examples (examples.gnn) that
+# are not part of the installed package.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 try:  # Numba's first compile can take seconds; a per-example deadline would make property tests flaky.
     from hypothesis import settings

@@ -74,7 +74,8 @@ def test_descriptor_decode_mixes_device_and_host_sources(real_rows) -> None:
     src = (base + host.offsets[ids]).cuda()
     out = torch.full((2000, codec.row_bytes), 0xAB, dtype=torch.uint8, device="cuda")
     perm = torch.randperm(2000).cuda()
-    decode_descriptors(out, src, host.lengths[ids].cuda(), host.is_compressed()[ids].cuda(), perm, codec)
+    decode_descriptors(out, src, host.lengths[ids].cuda(), host.is_compressed()[ids].cuda(), perm,
+                       codec.kernel_tables("cuda"))
     expect = torch.empty_like(out)
     expect[perm] = raw(x)[ids].reshape(2000, -1).cuda()
     assert torch.equal(out, expect)
@@ -89,7 +90,7 @@ def test_encode_into_pinned_host_without_sync(real_rows) -> None:
     slots = torch.zeros(4096 * codec.row_bytes, dtype=torch.uint8, pin_memory=True)
     ptrs = torch.arange(4096, device="cuda") * codec.row_bytes + slots.data_ptr()
     lengths = torch.empty(4096, dtype=torch.int32, device="cuda")
-    encode_into(rows, ptrs, lengths, codec)
+    encode_into(rows, ptrs, lengths, codec.kernel_tables("cuda"))
     torch.cuda.synchronize()
     ref = codec.compress(x, pin=False)
     assert torch.equal(lengths.cpu(), ref.lengths)

@@ -26,7 +26,8 @@ _PROBE = textwrap.dedent(
     for name in targets:
         importlib.import_module(name)
     import torch
-    heavy = ("cupy", "cupyx", "dgl", "transformers", "colossalai", "matplotlib", "nvidia.nvcomp", "hydra")
+    heavy = ("cupy", "cupyx", "dgl", "transformers", "torch_geometric", "colossalai", "matplotlib", "nvidia.nvcomp",
+             "hydra", "omegaconf")
     loaded = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy))
     compiled = []
     for mod_name, mod in list(sys.modules.items()):
@@ -59,9 +60,13 @@ def _probe(targets: list[str]) -> dict:
         ["ibpcache"],
         ["ibpcache", "ibpcache.cache", "ibpcache.loaders"],
         ["ibpcache.datasets", "ibpcache.testing"],
+        ["ibpcache.testing.timing"],
+        ["ibpcache.kernels.bitpack", "ibpcache.kernels.tables", "ibpcache.kernels._build"],
+        ["ibpcache.loaders.dgl", "ibpcache.loaders.kv", "ibpcache.loaders.embedding_bag"],
         ["*"],
     ],
-    ids=["package", "cache+loaders", "datasets+testing", "every-public-module"],
+    ids=["package", "cache+loaders", "datasets+testing", "timing", "kernels", "framework-adapters",
+         "every-public-module"],
 )
 def test_import_is_lean(targets: list[str]) -> None:
     report = _probe(targets)

@@ -24,6 +24,18 @@ from typing import NamedTuple
 import torch
 
 from ..errors import CapacityError
+from ..kernels.layout import (  # the kernels' copy is the definition: kernels may not import the cache
+    COMPRESSED_SHIFT,
+    EMPTY_ENTRY,
+    EMPTY_KEY,
+    LENGTH_BITS,
+    LENGTH_SHIFT,
+    OFFSET_BITS,
+    OFFSET_SHIFT,
+    SLAB_BITS,
+    SLAB_SHIFT,
+    TOMBSTONE_KEY,
+)
 
 __all__ = [
     "OFFSET_SHIFT",
@@ -53,33 +65,16 @@ __all__ = [
     "check_row_length",
 ]
 
-OFFSET_SHIFT = 0
-OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 MAX_SLAB_BYTES = 1 << OFFSET_BITS
 """A slab may hold at most 2**40 bytes (1 TB): every row must end at or before this byte."""
 
-SLAB_SHIFT = 40
-SLAB_BITS = 3
 SLAB_MASK = (1 << SLAB_BITS) - 1
 MAX_SLABS = 1 << SLAB_BITS
 
-COMPRESSED_SHIFT = 43
-
-LENGTH_SHIFT = 44
-LENGTH_BITS = 20
 LENGTH_MASK = (1 << LENGTH_BITS) - 1
 MAX_ROW_LENGTH = LENGTH_MASK
 """Largest stored row the entry can describe: 2**20 - 1 bytes."""
-
-EMPTY_ENTRY = -1
-"""Value meaning "id not cached" (all 64 bits set)."""
-
-EMPTY_KEY = -1
-"""Hash table key of a never-used bucket (row ids are >= 0)."""
-
-TOMBSTONE_KEY = -2
-"""Hash table key of a bucket whose id was erased: lookups probe past it, inserts may reuse it."""
 
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)

@@ -94,7 +94,9 @@ class FeatureCache:
 
     Args:
         rows: ``[N, ...]`` tensor of any dtype (kept in host memory; pinned on CUDA), or a
-            :class:`CompressedRows` (then its codec is used and rows stay compressed on the host).
+            :class:`CompressedRows` (then its codec is used and rows stay compressed on the host). A
+            non-contiguous tensor (a slice, a transpose) is copied once with ``.contiguous()`` during
+            construction, which copies every row into the cache and host store anyway; fetches never copy it.
         budget_bytes: cache slab size, as int bytes, or as a float fraction in (0, 1] of the raw feature
             bytes (``0.01`` = 1% of ``N * row_bytes``). The slab never exceeds it. Index and per-row
             tables are metadata outside the budget and are reported by :meth:`stats`.
@@ -137,7 +139,7 @@ class FeatureCache:
         self.policy_kind = PolicyKind.from_str(policy)
         self.compress_cache = bool(compress_cache)
         self.compress_host = bool(compress_host)
-        self._describe_rows(rows)
+        rows = self._describe_rows(rows)
         self.budget_bytes = resolve_budget(budget_bytes, self.n_rows * self.row_bytes)
         self.codec = self._resolve_codec(rows, codec)
         self._decode_codec = self.codec if self.codec is not None else identity_codec(
@@ -168,15 +170,17 @@ class FeatureCache:
     # construction
     # ------------------------------------------------------------------------------------------------
 
-    def _describe_rows(self, rows: "torch.Tensor | CompressedRows") -> None:
+    def _describe_rows(self, rows: "torch.Tensor | CompressedRows") -> "torch.Tensor | CompressedRows":
+        """Record the rows' geometry; returns them contiguous (a strided tensor is copied once, here, so the
+        codec fit, the host store and the slab fill below all read the same transient copy)."""
         if isinstance(rows, CompressedRows):
             self.n_rows, self.row_bytes = rows.n_rows, rows.row_bytes
             self.dtype, self.row_shape = rows.dtype, tuple(rows.codec.row_shape)
         elif isinstance(rows, torch.Tensor):
             if rows.dim() < 1:
                 raise ValueError("rows: expected a tensor of shape [N, ...], got a 0-d tensor")
-            if not rows.is_contiguous():
-                raise ValueError(f"rows: expected a contiguous tensor, got strides {rows.stride()}")
+            if not rows.is_contiguous():  # construction copies every row into the slab / host store anyway
+                rows = rows.contiguous()
             self.n_rows = int(rows.shape[0])
             self.dtype, self.row_shape = rows.dtype, tuple(rows.shape[1:])
             self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * rows.element_size()
@@ -187,6 +191,7 @@ class FeatureCache:
         if self.n_rows == 0:
             raise ValueError("rows: expected at least one row")
         check_row_length(self.row_bytes)
+        return rows
 
     def _resolve_codec(self, rows: "torch.Tensor | CompressedRows", codec: "Codec | str | None") -> Codec | None:
         if isinstance(rows, CompressedRows):
@@ -413,7 +418,8 @@ class FeatureCache:
         from ..kernels.bitpack import decode_descriptors
 
         ws = self._ws
-        decode_descriptors(out_u8, ws["src"][:b], ws["len"][:b], ws["comp"][:b], None, codec=self._decode_codec)
+        decode_descriptors(out_u8, ws["src"][:b], ws["len"][:b], ws["comp"][:b], None,
+                           self._decode_codec.kernel_tables(out_u8.device))
 
     def _fetch_cpu(self, ids: torch.Tensor, out_u8: torch.Tensor) -> torch.Tensor:
         """CPU: look ids up, decode hits from the slab and misses from the host store."""
@@ -486,7 +492,7 @@ class FeatureCache:
             stage = torch.empty((k, self.row_bytes), dtype=torch.uint8, device=self.device)
             dst = stage.data_ptr() + torch.arange(k, dtype=torch.int64, device=self.device) * self.row_bytes
             got = torch.empty(k, dtype=torch.int32, device=self.device)
-            encode_into(rows_u8.contiguous(), dst, got, codec)
+            encode_into(rows_u8.contiguous(), dst, got, codec.kernel_tables(self.device))
             self.slot_view[slots] = stage[:, : self.slot_bytes]
         else:
             offsets = (slots * self.slot_bytes).numpy()

@@ -24,7 +24,11 @@ __all__ = ["HostStore"]
 
 
 class HostStore:
-    """Rows of one dataset in host memory, compressed or raw, plus the tables a fetch needs to read them."""
+    """Rows of one dataset in host memory, compressed or raw, plus the tables a fetch needs to read them.
+
+    ``rows`` may be non-contiguous (a slice, a transpose): it is copied once with ``.contiguous()`` while the
+    store is built, which copies or compresses every row into its own buffer anyway.
+    """
 
     def __init__(self, rows: "torch.Tensor | CompressedRows", *, codec: Codec | None, compress: bool,
                  device: torch.device, layout: "str | Layout" = Layout.INPLACE) -> None:

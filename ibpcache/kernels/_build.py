@@ -17,11 +17,66 @@ from pathlib import Path
 
 from ..errors import KernelBuildError
 
-__all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options"]
+__all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy",
+           "cupy_install_hint", "check_cupy_cuda_major"]
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
 kernel_options: tuple[str, ...] = ("-std=c++17",)
+
+
+def cupy_install_hint(torch_cuda: "str | None") -> str:
+    """The install command that gives CuPy for torch's CUDA (``torch.version.cuda``, e.g. "12.4")."""
+    major = torch_cuda.split(".")[0] if torch_cuda else None
+    if major in ("12", "13"):
+        return f'pip install "ibpcache[cuda{major}]"'
+    return (f"install the CuPy wheel for CUDA {torch_cuda} (cupy-cuda<major>x); ibpcache's extras cover CUDA 12 "
+            '("ibpcache[cuda12]") and 13 ("ibpcache[cuda13]")')
+
+
+def check_cupy_cuda_major(torch_cuda: "str | None", cupy_major: "int | None") -> None:
+    """Raise KernelBuildError when CuPy was built for another CUDA major than torch (two runtimes, one process)."""
+    if not torch_cuda or cupy_major is None:
+        return
+    torch_major = int(torch_cuda.split(".")[0])
+    if cupy_major != torch_major:
+        raise KernelBuildError(
+            f"CuPy is built for CUDA {cupy_major} but torch for CUDA {torch_cuda}: the kernels would run on a "
+            f"second CUDA runtime. Replace it: pip uninstall -y cupy-cuda{cupy_major}x && "
+            f"{cupy_install_hint(torch_cuda)}")
+
+
+def _cupy_cuda_major(cupy: object) -> "int | None":
+    """CUDA major CuPy was built for: from its wheel's name (cupy-cuda12x), else from its runtime version."""
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get("cupy", []):
+        name = dist.lower()
+        if name.startswith("cupy-cuda") and name.endswith("x") and name[9:-1].isdigit():
+            return int(name[9:-1])
+    try:
+        return int(cupy.cuda.runtime.runtimeGetVersion()) // 1000  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - unknown build: let the first compile report what is wrong
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def import_cupy():
+    """CuPy, checked once: installed, and built for torch's CUDA major. The only place ibpcache imports CuPy.
+
+    CuPy is an extra (``[cuda12]`` / ``[cuda13]``) because its wheels are per CUDA major; the CPU path never
+    calls this. Raises :class:`KernelBuildError` naming the extra to install.
+    """
+    import torch
+
+    try:
+        import cupy
+    except ImportError as exc:
+        raise KernelBuildError(
+            f"the CUDA kernels need CuPy, which is not installed (torch is built for CUDA {torch.version.cuda}): "
+            f"{cupy_install_hint(torch.version.cuda)}") from exc
+    check_cupy_cuda_major(torch.version.cuda, _cupy_cuda_major(cupy))
+    return cupy
 
 
 def source_path(name: str) -> Path:
@@ -54,7 +109,7 @@ def source_text(name: str, _seen: "tuple[str, ...]" = ()) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _module(name: str, device_id: int, options: tuple[str, ...]):
-    import cupy
+    cupy = import_cupy()
 
     code = source_text(name)
     with cupy.cuda.Device(device_id):
@@ -70,7 +125,7 @@ def _module(name: str, device_id: int, options: tuple[str, ...]):
 def _function(name: str, symbol: str, device_id: int, options: tuple[str, ...]):
     with _LOCK:
         mod = _module(name, device_id, options)
-    import cupy
+    cupy = import_cupy()
 
     with cupy.cuda.Device(device_id):
         try:
@@ -119,7 +174,7 @@ def launch(source_file: str, symbol: str, device_id: int, grid: "int | tuple[int
     if torch.cuda.current_device() == device_id:
         fn(grid_t, (block,), args, stream=stream)
         return
-    import cupy
+    cupy = import_cupy()
 
     with cupy.cuda.Device(device_id):
         fn(grid_t, (block,), args, stream=stream)

@@ -8,17 +8,11 @@ Workspaces (the error word) are cached per device, so the fetch path does no cud
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-from ..format import Layout
 from ._build import launch
-
-if TYPE_CHECKING:
-    from ..codec import Codec
-    from ..compressed import CompressedRows
+from .tables import KernelTables
 
 __all__ = [
     "GpuBackend",
@@ -135,21 +129,31 @@ class GpuBackend:
         return out
 
 
-def size_rows(rows: torch.Tensor, codec: "Codec") -> torch.Tensor:
+def _check_tables(tables: KernelTables, device: torch.device, row_bytes: int, name: str) -> None:
+    """The tables must sit on the launch device and describe rows of the width being launched on."""
+    if tables.mask.device != device:
+        raise ValueError(f"tables: mask/bitval are on {tables.mask.device}, the launch is on {device} "
+                         f"(use codec.kernel_tables({str(device)!r}))")
+    if row_bytes != tables.row_bytes:
+        raise ValueError(f"{name}: expected {tables.row_bytes}-byte rows, got {row_bytes}")
+
+
+def size_rows(rows: torch.Tensor, tables: KernelTables) -> torch.Tensor:
     """int32 [N] stored bytes per row, computed on the GPU (no sync)."""
     _check_u8_rows(rows, "rows")
     n, rb = rows.shape
+    _check_tables(tables, rows.device, rb, "rows")
     dev = _dev_id(rows)
-    mask, bitval = codec.device_tables(rows.device)
     lengths = torch.empty(n, dtype=torch.int32, device=rows.device)
     if n:
-        _launch(f"ibp_size_c{codec.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
-                (_ptr(rows), np.int64(n), np.int32(rb), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval),
-                 _ptr(lengths)))
+        _launch(f"ibp_size_c{tables.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
+                (_ptr(rows), np.int64(n), np.int32(rb), np.int32(tables.n_chunks), _ptr(tables.mask),
+                 _ptr(tables.bitval), _ptr(lengths)))
     return lengths
 
 
-def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torch.Tensor, codec: "Codec") -> None:
+def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torch.Tensor,
+                tables: KernelTables) -> None:
     """Compress each row straight to ``dst_ptrs[m]`` (device memory, or pinned host memory via UVA).
 
     Each destination needs room for ``row_bytes``; ``lengths_out[m] < row_bytes`` iff row m was
@@ -157,8 +161,7 @@ def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torc
     """
     _check_u8_rows(rows_u8, "rows_u8")
     n, rb = rows_u8.shape
-    if rb != codec.row_bytes:
-        raise ValueError(f"rows_u8: expected {codec.row_bytes}-byte rows, got {rb}")
+    _check_tables(tables, rows_u8.device, rb, "rows_u8")
     for name, t, dt in (("dst_ptrs", dst_ptrs, torch.int64), ("lengths_out", lengths_out, torch.int32)):
         if t.dtype != dt or t.shape != (n,) or not t.is_cuda or not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
@@ -166,22 +169,20 @@ def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torc
     if n == 0:
         return
     dev = _dev_id(rows_u8)
-    mask, bitval = codec.device_tables(rows_u8.device)
-    _launch(f"ibp_encode_c{codec.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
-            (_ptr(rows_u8), np.int64(n), np.int32(rb), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval),
-             _ptr(dst_ptrs), _ptr(lengths_out)))
+    _launch(f"ibp_encode_c{tables.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
+            (_ptr(rows_u8), np.int64(n), np.int32(rb), np.int32(tables.n_chunks), _ptr(tables.mask),
+             _ptr(tables.bitval), _ptr(dst_ptrs), _ptr(lengths_out)))
 
 
 def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: torch.Tensor, compressed: torch.Tensor,
-                       out_rows: "torch.Tensor | None", codec: "Codec") -> None:
+                       out_rows: "torch.Tensor | None", tables: KernelTables) -> None:
     """Decode M rows, row m from absolute address ``src_ptrs[m]`` into ``out_u8[out_rows[m]]`` (or ``[m]``).
 
     Sources may mix device memory (slab hits) and pinned host memory (misses): one launch serves both.
     """
     _check_u8_rows(out_u8, "out_u8")
     m = src_ptrs.numel()
-    if out_u8.shape[1] != codec.row_bytes:
-        raise ValueError(f"out_u8: expected {codec.row_bytes}-byte rows, got {out_u8.shape[1]}")
+    _check_tables(tables, out_u8.device, out_u8.shape[1], "out_u8")
     if m == 0:
         return
     for name, t, dt in (("src_ptrs", src_ptrs, torch.int64), ("lengths", lengths, torch.int32),
@@ -192,25 +193,31 @@ def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: to
     if out_rows is not None and (out_rows.dtype != torch.int64 or out_rows.numel() != m or not out_rows.is_cuda):
         raise ValueError(f"out_rows: expected a CUDA int64 tensor of {m} elements")
     dev = _dev_id(out_u8)
-    mask, bitval = codec.device_tables(out_u8.device)
-    _launch(f"ibp_decode_desc_c{codec.chunk_bytes}", dev, warp_grid(m, dev), _THREADS,
+    _launch(f"ibp_decode_desc_c{tables.chunk_bytes}", dev, warp_grid(m, dev), _THREADS,
             (_ptr(src_ptrs), _ptr(lengths), _ptr(compressed), _ptr(out_rows), _ptr(out_u8), np.int64(m),
-             np.int32(codec.row_bytes), np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval)))
+             np.int32(tables.row_bytes), np.int32(tables.n_chunks), _ptr(tables.mask), _ptr(tables.bitval)))
 
 
-def gather_rows(packed: "CompressedRows", ids: torch.Tensor, out_u8: torch.Tensor) -> None:
-    """Fused gather + decode of ``packed`` rows ``ids`` (already range-checked) into ``out_u8``."""
+def gather_rows(base: torch.Tensor, offsets: "torch.Tensor | None", lengths: torch.Tensor, flags: torch.Tensor,
+                n_rows: int, ids: torch.Tensor, out_u8: torch.Tensor, tables: KernelTables) -> None:
+    """Fused gather + decode of stored rows ``ids`` (already range-checked) into ``out_u8``.
+
+    ``base`` is the stored bytes (pinned host memory read through UVA, or device memory); ``offsets`` (int64
+    [n_rows], or None for the in-place layout where row i starts at ``i * row_bytes``), ``lengths`` (int32
+    [n_rows]) and ``flags`` (uint8 bitmap, bit i % 8 of byte i // 8 = row i compressed) live on the launch device.
+    ``CompressedRows.gather`` passes its own buffers; the kernels never see a ``CompressedRows``.
+    """
+    _check_u8_rows(out_u8, "out_u8")
+    _check_tables(tables, out_u8.device, out_u8.shape[1], "out_u8")
     dev = _dev_id(out_u8)
-    base = packed.host_data_for_gpu()
-    meta = packed.device_meta(out_u8.device)
-    codec = packed.codec
-    mask, bitval = codec.device_tables(out_u8.device)
     err = _err_word(dev)
     n = ids.numel()
-    _launch(f"ibp_gather_c{codec.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
-            (_ptr(ids), np.int64(n), _ptr(base), _ptr(meta.get("offsets")), _ptr(meta["lengths"]),
-             _ptr(meta["flags"]), np.int64(packed.n_rows), _ptr(out_u8), np.int32(codec.row_bytes),
-             np.int32(codec.n_chunks), _ptr(mask), _ptr(bitval), _ptr(err)))
+    if n == 0:
+        return
+    _launch(f"ibp_gather_c{tables.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
+            (_ptr(ids), np.int64(n), _ptr(base), _ptr(offsets), _ptr(lengths),
+             _ptr(flags), np.int64(n_rows), _ptr(out_u8), np.int32(tables.row_bytes),
+             np.int32(tables.n_chunks), _ptr(tables.mask), _ptr(tables.bitval), _ptr(err)))
 
 
 def gather_raw(base: torch.Tensor, ids: torch.Tensor, out_u8: torch.Tensor, n_rows: int) -> None:
@@ -225,9 +232,12 @@ def gather_raw(base: torch.Tensor, ids: torch.Tensor, out_u8: torch.Tensor, n_ro
              _ptr(_err_word(dev))))
 
 
-def compress_rows_gpu(rows: torch.Tensor, codec: "Codec", layout: Layout, pin: bool,
+def compress_rows_gpu(rows: torch.Tensor, tables: KernelTables, packed: bool, pin: bool,
                       batch_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress on the GPU into host memory; CPU rows stream through the GPU in ``batch_bytes`` pieces.
+
+    ``packed`` picks the host layout: rows back to back (True) or row i at ``i * row_bytes`` (False, in place).
+    ``tables`` must be on the GPU the rows stream through (the rows' device, or the current one for CPU rows).
 
     Returns ``(data, lengths)`` on the host. With ``pin`` the encoder writes straight into pinned host
     memory (zero-copy); otherwise it encodes into a device buffer that is copied out per batch.
@@ -243,9 +253,9 @@ def compress_rows_gpu(rows: torch.Tensor, codec: "Codec", layout: Layout, pin: b
             yield a, b, (chunk if chunk.is_cuda else chunk.to(dev, non_blocking=chunk.is_pinned()))
 
     lengths = torch.empty(n, dtype=torch.int32, device=dev)
-    if layout is Layout.PACKED:
+    if packed:
         for a, b, chunk in batches():
-            lengths[a:b] = size_rows(chunk, codec)
+            lengths[a:b] = size_rows(chunk, tables)
         offsets = torch.cumsum(lengths.to(torch.int64), 0) - lengths.to(torch.int64)
         total = int(lengths.sum(dtype=torch.int64)) if n else 0
     else:
@@ -254,13 +264,13 @@ def compress_rows_gpu(rows: torch.Tensor, codec: "Codec", layout: Layout, pin: b
     data = torch.zeros(total + 16, dtype=torch.uint8, pin_memory=pin)[:total]  # 16 spare: aligned reads
     if pin:
         for a, b, chunk in batches():
-            encode_into(chunk, offsets[a:b] + data.data_ptr(), lengths[a:b], codec)
+            encode_into(chunk, offsets[a:b] + data.data_ptr(), lengths[a:b], tables)
     else:
         for a, b, chunk in batches():
-            lo = int(offsets[a]) if layout is Layout.PACKED else a * rb
-            hi = (int(offsets[b - 1]) + int(lengths[b - 1])) if layout is Layout.PACKED else b * rb
+            lo = int(offsets[a]) if packed else a * rb
+            hi = (int(offsets[b - 1]) + int(lengths[b - 1])) if packed else b * rb
             stage = torch.zeros(hi - lo, dtype=torch.uint8, device=dev)
-            encode_into(chunk, offsets[a:b] - lo + stage.data_ptr(), lengths[a:b], codec)
+            encode_into(chunk, offsets[a:b] - lo + stage.data_ptr(), lengths[a:b], tables)
             data[lo:hi].copy_(stage)
     torch.cuda.current_stream(dev).synchronize()
     return data, lengths.cpu()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from ..format import GROUP_CHUNKS
+from .layout import GROUP_CHUNKS
 
 __all__ = [
     "bitcount_cpu",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..cache.entry import EMPTY_ENTRY, EMPTY_KEY, TOMBSTONE_KEY
+from .layout import EMPTY_ENTRY, EMPTY_KEY, TOMBSTONE_KEY
 from .hashmap import IndexMode, Status
 
 __all__ = ["hash_key_cpu", "hashmap_insert_cpu", "hashmap_erase_cpu", "hashmap_lookup_cpu"]

@@ -1,4 +1,9 @@
-"""Plain codec tables handed to the kernels, so that kernels never import the codec (arrows: kernels <- codec)."""
+"""The codec tables a kernel launch needs, as plain tensors and ints.
+
+Launchers take a :class:`KernelTables` instead of a ``Codec`` so that ``ibpcache.kernels`` never imports the
+codec layer (the arrows run kernels <- codec <- cache <- loaders). ``Codec.kernel_tables(device)`` builds one
+per device and caches it, so a launch pays no upload.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ __all__ = ["KernelTables"]
 
 @dataclass(frozen=True)
 class KernelTables:
-    """What a decode/encode launch needs of a codec, on the launch device.
+    """mask/bitval on the launch device plus the row geometry the kernels are specialised on.
 
-    ``mask``/``bitval``: int64 ``[n_chunks]`` holding the uint64 bit patterns of each chunk position.
+    ``mask`` and ``bitval`` are int64 ``[n_chunks]`` tensors holding the codec's uint64 bit patterns (only the
+    low ``chunk_bytes * 8`` bits of each are used); ``chunk_bytes`` picks the kernel instantiation.
     """
 
     mask: torch.Tensor
@@ -21,3 +27,21 @@ class KernelTables:
     chunk_bytes: int
     n_chunks: int
     row_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("mask", "bitval"):
+            t = getattr(self, name)
+            if t.dtype != torch.int64 or t.shape != (self.n_chunks,) or not t.is_contiguous():
+                raise ValueError(f"KernelTables.{name}: expected a contiguous int64 tensor of shape "
+                                 f"({self.n_chunks},), got {t.dtype} {tuple(t.shape)}")
+        if self.mask.device != self.bitval.device:
+            raise ValueError(f"KernelTables: mask on {self.mask.device} but bitval on {self.bitval.device}")
+        if self.chunk_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"KernelTables.chunk_bytes: expected 1, 2, 4 or 8, got {self.chunk_bytes}")
+        if self.n_chunks * self.chunk_bytes < self.row_bytes or self.row_bytes < 1:
+            raise ValueError(f"KernelTables: {self.n_chunks} chunks of {self.chunk_bytes} B cannot hold "
+                             f"{self.row_bytes}-byte rows")
+
+    @property
+    def device(self) -> torch.device:
+        return self.mask.device

@@ -198,7 +198,8 @@ class HostRowStore:
 
             lens = self._lengths_dev.index_select(0, ids)
             src = ids * self.row_bytes + self.data.data_ptr()
-            decode_descriptors(out_u8, src, lens, (lens < self.row_bytes).to(torch.uint8), out_rows, self.codec)
+            decode_descriptors(out_u8, src, lens, (lens < self.row_bytes).to(torch.uint8), out_rows,
+                               self.codec.kernel_tables(out_u8.device))
             self.bytes_read += lens.sum(dtype=torch.int64)
             return
         if self.device.type == "cuda":  # host gather: CPU decodes into pinned staging, one H2D copy
@@ -234,7 +235,7 @@ class HostRowStore:
 
             lens = torch.empty(ids.numel(), dtype=torch.int32, device=self.device)
             dst = ids * self.row_bytes + self.data.data_ptr()
-            encode_into(rows_u8.contiguous(), dst, lens, self.codec)
+            encode_into(rows_u8.contiguous(), dst, lens, self.codec.kernel_tables(self.device))
             self._lengths_dev.index_copy_(0, ids, lens)
             return
         if self.device.type == "cuda":

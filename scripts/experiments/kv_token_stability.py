@@ -16,10 +16,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root: scripts.lib
 from bench_llm import stdlib_prompts  # noqa: E402
 
 from ibpcache.loaders.kv import IBPOffloadedCache  # noqa: E402
-from ibpcache.models import load_smollm2  # noqa: E402
+from scripts.lib.models import load_smollm2  # noqa: E402
 
 
 def first_diff(a: torch.Tensor, b: torch.Tensor) -> "int | None":

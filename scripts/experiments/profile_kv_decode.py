@@ -60,6 +60,7 @@ def launch_cost(n: int = 2000) -> dict:
     from ibpcache.loaders._kv_store import identity_codec
 
     codec = identity_codec(128, torch.float16, (64,))
+    tables = codec.kernel_tables("cuda")
     src = torch.zeros(256, dtype=torch.uint8, device="cuda")
     ptrs = torch.full((1,), src.data_ptr(), dtype=torch.int64, device="cuda")
     lengths = torch.full((1,), 128, dtype=torch.int32, device="cuda")
@@ -68,7 +69,7 @@ def launch_cost(n: int = 2000) -> dict:
     a = torch.zeros(64, device="cuda")
     res = {}
     for name, fn in (("torch_add", lambda: torch.add(a, 1.0)),
-                     ("ibp_decode_descriptors", lambda: decode_descriptors(out, ptrs, lengths, flags, None, codec))):
+                     ("ibp_decode_descriptors", lambda: decode_descriptors(out, ptrs, lengths, flags, None, tables))):
         for _ in range(50):
             fn()
         torch.cuda.synchronize()

@@ -374,7 +374,7 @@ def test_dense_layer_returns_what_dynamic_layer_returns(compress: bool) -> None:
 
 
 def test_find_smollm2_errors(tmp_path: Any) -> None:
-    from ibpcache.models import ModelNotFoundError, find_smollm2
+    from scripts.lib.models import ModelNotFoundError, find_smollm2
 
     with pytest.raises(ModelNotFoundError, match="not found"):
         find_smollm2(gguf=tmp_path / "missing.gguf")
@@ -386,7 +386,7 @@ def test_find_smollm2_errors(tmp_path: Any) -> None:
 def smollm2() -> Any:
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from ibpcache.models import ModelNotFoundError, load_smollm2
+    from scripts.lib.models import ModelNotFoundError, load_smollm2
 
     try:
         model, tok = load_smollm2(torch.float32, "cpu")
@@ -688,7 +688,7 @@ def test_bench_llm_quick_smoke(tmp_path: Any) -> None:
 
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    from ibpcache.models import ModelNotFoundError, find_smollm2
+    from scripts.lib.models import ModelNotFoundError, find_smollm2
 
     try:
         find_smollm2()

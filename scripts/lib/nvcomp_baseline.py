@@ -23,8 +23,9 @@ API facts this relies on (read from the ``nvidia_nvcomp_cu13-6.0.0.12`` wheel's 
 * ``Codec.decompression_config(Codec.compression_config([sizes]))`` is "fully sync-free" at decode time; the
   BatchArray-parsing overload synchronises once when built. We try them in that order and fall back to no config.
 
-Importing this module does not import nvCOMP or touch CUDA (the lean-import test checks every public module).
-Run ``python -m ibpcache.testing.nvcomp_baseline`` on a GPU machine for a small smoke test.
+Importing this module does not import nvCOMP or touch CUDA. It is benchmark code, kept out of the installed
+package (``scripts/lib``); ``scripts/bench_codec.py`` imports it.
+Run ``python -m scripts.lib.nvcomp_baseline`` on a GPU machine for a small smoke test.
 """
 
 from __future__ import annotations
@@ -801,7 +802,7 @@ def _bench_with_fallback(env: _Env, algo: str, bitstream: str, rows: torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# smoke test (GPU): python -m ibpcache.testing.nvcomp_baseline
+# smoke test (GPU): python -m scripts.lib.nvcomp_baseline
 
 
 def _structured_rows(n: int, row_bytes: int, seed: int = 0) -> torch.Tensor:

