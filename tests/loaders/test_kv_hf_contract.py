@@ -55,7 +55,7 @@ MODES = ["dense", "sparse"]
 # -- the model: all knowledge of where SmolLM2 comes from is in this one helper --------------------------------
 def _load_smollm2(attn: str) -> Any:
     pytest.importorskip("gguf")
-    from ibpcache.models import ModelNotFoundError, load_smollm2
+    from scripts.lib.models import ModelNotFoundError, load_smollm2
 
     try:
         return load_smollm2(torch.float32, "cpu", attn_implementation=attn)
