@@ -54,6 +54,8 @@ def _positive_crop_keeps() -> bool:
 def crop_target(seq_length: int, arg: int) -> int:
     """Tokens left after ``crop(arg)`` on ``seq_length`` stored tokens, in the installed transformers' convention:
     ``-n`` removes n tokens, 0 nothing; a positive n keeps n tokens (transformers <= 5.17) or raises (later)."""
+    if isinstance(arg, torch.Tensor) and arg.dim() == 0 and not arg.is_floating_point() and arg.dtype != torch.bool:
+        arg = int(arg)  # transformers 5.17's prompt-lookup decoding passes a 0-d tensor (reading it syncs once)
     if isinstance(arg, bool) or not isinstance(arg, int):
         raise TypeError(f"crop: expected an int, got {arg!r}")
     if arg <= 0:

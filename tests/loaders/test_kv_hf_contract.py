@@ -253,7 +253,10 @@ def test_cache_api_matches_dynamic_cache(compress: bool, device: str = "cpu", tr
     ibp.reset()
     dyn.reset()
     assert ibp.get_seq_length() == 0
-    batch[0] = 2  # a new request with another batch size reuses the cache object
+    # A new request with another batch size reuses our cache object. transformers <= 5.17's DynamicCache.reset keeps
+    # its lazily-initialised tensors (and so the old batch size), so the reference for this part is a new one.
+    dyn = DynamicCache(config=cfg)
+    batch[0] = 2
     update(4)
     check()
     _close(ibp)
@@ -282,6 +285,11 @@ def test_crop_follows_installed_convention() -> None:
     assert ibp.is_croppable
     with pytest.raises(TypeError):
         ibp.crop(1.5)
+    with pytest.raises(TypeError):
+        ibp.crop(torch.tensor(1.0))
+    before = ibp.get_seq_length()
+    ibp.crop(torch.tensor(0))  # transformers 5.17's prompt lookup passes a 0-d integer tensor: 0 removes nothing
+    assert ibp.get_seq_length() == before
     with pytest.raises(ValueError, match="beam_idx"):
         ibp.reorder_cache(torch.tensor([0, 0]))  # batch of 1
 
