@@ -6,7 +6,8 @@ read) plus its per-row lengths and 1-bit "is compressed" flags on the GPU. With 
 raw rows: lengths are ``row_bytes`` and every flag is 0, so no per-row tables exist at all.
 
 On CUDA the bytes are pinned and the fetch kernels read them zero-copy through unified virtual addressing
-(the pinned buffer's address is valid on the GPU).
+(the pinned buffer's address is valid on the GPU). An attached shared store (``CompressedRows.attach``) is used
+as is: never copied, only page-locked in place, and checked for replacement on every fetch.
 """
 
 from __future__ import annotations
@@ -126,11 +127,15 @@ class HostStore:
 
     def host_args(self) -> HostArgs:
         """What the probe kernel needs to address a miss (the base is valid on the GPU through UVA)."""
+        if self.packed is not None:
+            self.packed.check_shared()  # an attached store that was replaced raises here, before any read
         return HostArgs(base=int(self.data.data_ptr()), offsets=self.offsets_dev, stride=self.row_bytes,
                         lengths=self.lengths_dev, row_bytes=self.row_bytes, flags=self.flags_dev)
 
     def cpu_descriptors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(offsets int64, lengths int32, compressed uint8) of rows ``ids`` for ``decode_rows_cpu``."""
+        if self.packed is not None:
+            self.packed.check_shared()
         if self.offsets_cpu is not None:
             offsets = self.offsets_cpu.numpy()[ids]
         else:
