@@ -267,6 +267,7 @@ class FeatureCache:
         ``out``: optional preallocated ``[len(ids), *row_shape]`` tensor of the rows' dtype on the device.
         """
         ids = check_ids(ids, self.n_rows, self.device)
+        self.host.check_live()  # an attached shared store that was replaced raises before any read
         b = int(ids.numel())
         out = self._check_out(out, b)
         if b == 0:

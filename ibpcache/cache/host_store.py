@@ -125,17 +125,21 @@ class HostStore:
 
     # -- reads ------------------------------------------------------------------------------------
 
+    def check_live(self) -> None:
+        """Raise StaleStoreError if the rows are an attached shared store that was replaced or stopped.
+
+        A few loads from the segment header; FeatureCache.fetch calls it first, so a fetch never mixes a
+        replaced store's rows (slab hits) with nothing to tell the caller."""
+        if self.packed is not None:
+            self.packed.check_shared()
+
     def host_args(self) -> HostArgs:
         """What the probe kernel needs to address a miss (the base is valid on the GPU through UVA)."""
-        if self.packed is not None:
-            self.packed.check_shared()  # an attached store that was replaced raises here, before any read
         return HostArgs(base=int(self.data.data_ptr()), offsets=self.offsets_dev, stride=self.row_bytes,
                         lengths=self.lengths_dev, row_bytes=self.row_bytes, flags=self.flags_dev)
 
     def cpu_descriptors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(offsets int64, lengths int32, compressed uint8) of rows ``ids`` for ``decode_rows_cpu``."""
-        if self.packed is not None:
-            self.packed.check_shared()
         if self.offsets_cpu is not None:
             offsets = self.offsets_cpu.numpy()[ids]
         else:
