@@ -56,3 +56,29 @@ def test_two_gloo_ranks_fetch_exact_rows(real_rows: Any, tmp_path: Path) -> None
     assert int(rs[1]["sent"]) == served[1] * row_bytes
     assert 0 < int(rs[0]["sent"]) < served[0] * row_bytes
     assert int(rs[0]["received"]) + int(rs[1]["received"]) == int(rs[0]["sent"]) + int(rs[1]["sent"])
+
+
+def test_single_rank_serves_an_attached_shared_store(real_rows: Any, tmp_path: Path) -> None:
+    import os as _os
+    import secrets
+
+    import torch.distributed as dist
+
+    from ibpcache import Codec, CompressedRows
+    from ibpcache.cache.distributed import DistributedRows, PartitionBook
+
+    table = real_rows("pubmed")
+    name = f"test-dist-{_os.getpid()}-{secrets.token_hex(3)}"
+    seg = Codec.fit(table).compress(table, layout="inplace", pin=False).share(name)
+    store = dist.FileStore(str(tmp_path / "pg"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        rows = DistributedRows(CompressedRows.attach(name), PartitionBook.contiguous(table.shape[0], 1))
+        ids = torch.randint(0, table.shape[0], (5000,), generator=torch.Generator().manual_seed(5))
+        assert torch.equal(rows.fetch(ids).view(torch.uint8), table[ids].view(torch.uint8))
+        with pytest.raises(ValueError, match="partition book"):
+            DistributedRows(table, PartitionBook.contiguous(table.shape[0], 2))
+    finally:
+        dist.destroy_process_group()
+        seg.unlink()
+        seg.close()
