@@ -102,7 +102,9 @@ def client(args: argparse.Namespace) -> None:
 
 # -- parent -------------------------------------------------------------------------------------------------
 
-def _spawn(args: argparse.Namespace, mode: str, name: str, n: int) -> list[dict[str, Any]]:
+def _spawn(args: argparse.Namespace, mode: str, name: str, n: int,
+           host_pid: "int | None") -> tuple[list[dict[str, Any]], "dict[str, int] | None"]:
+    """Start n clients, wait for their reports, read every process's memory while all are alive."""
     cmd = [sys.executable, __file__, "--client", mode, "--name", name, "--dataset", args.dataset,
            "--raw-gb", str(args.raw_gb), "--device", args.device, "--layout", args.layout,
            "--budget", str(args.budget)]
@@ -116,13 +118,14 @@ def _spawn(args: argparse.Namespace, mode: str, name: str, n: int) -> list[dict[
             reports.append(json.loads(line))
         for rep in reports:
             rep["mem"] = _memory(rep["pid"])
+        host_mem = _memory(host_pid) if host_pid is not None else None  # with the clients still attached
     finally:
         for p in procs:
             if p.stdin:
                 p.stdin.close()
         for p in procs:
             p.wait(timeout=120)
-    return reports
+    return reports, host_mem
 
 
 def _start_host(store_file: Path, name: str, workdir: Path) -> tuple[subprocess.Popen, dict]:
@@ -204,7 +207,7 @@ def main(argv: "list[str] | None" = None) -> int:
     try:
         for n in counts:
             for mode in ("shared", "own"):
-                reps = _spawn(args, mode, name, n)
+                reps, hm = _spawn(args, mode, name, n, host.pid if mode == "shared" else None)
                 if any(r["digest"] != expected for r in reps):
                     raise RuntimeError(f"{mode} clients returned rows that differ from the source rows")
                 rec = {"mode": mode, "clients": n,
@@ -214,7 +217,7 @@ def main(argv: "list[str] | None" = None) -> int:
                        "clients_pss_anon_bytes": sum(r["mem"].get("pss_anon", 0) for r in reps),
                        "clients_detail": reps}
                 if mode == "shared":  # the host's mapping is part of the node's footprint
-                    hm = _memory(host.pid)
+                    assert hm is not None
                     rec["host_mem"] = hm
                     rec["total_pss_bytes"] += hm["pss"]
                     rec["total_rss_bytes"] += hm["rss"]
