@@ -10,6 +10,7 @@ import torch
 from ._validation import OUT_CONTIGUOUS_WHY, check_ids, resolve_device
 from .codec import Codec
 from .errors import FormatError
+from . import _shm
 from .format import FileKind, Layout, read_container, write_container
 
 __all__ = ["CompressedRows"]
@@ -30,6 +31,24 @@ def _flags_from_lengths(lengths: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """1 bit per row (LSB-first within each byte): set when the row is stored compressed."""
     bits = (lengths.numpy() < row_bytes).astype(np.uint8)
     return torch.from_numpy(np.packbits(bits, bitorder="little"))
+
+
+def _readonly_tensor(arr: np.ndarray) -> torch.Tensor:
+    """A CPU tensor viewing a read-only numpy array (shared memory) without copying it.
+
+    torch has no read-only tensors; it warns once about that, which we silence because the mapping itself
+    is ``PROT_READ``: a write cannot land in the shared store.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if arr.size == 0:
+            return torch.from_numpy(arr.copy())
+        return torch.frombuffer(arr, dtype=_TORCH_DTYPES[arr.dtype.str[1:]]).reshape(arr.shape)
+
+
+_TORCH_DTYPES = {"u1": torch.uint8, "i4": torch.int32, "i8": torch.int64}
 
 
 class CompressedRows:
@@ -68,6 +87,7 @@ class CompressedRows:
             raise FormatError(f"row lengths must lie in [1, {rb}]")
         self.origin = origin
         self._device_meta: dict[str, dict[str, torch.Tensor]] = {}
+        self.shared: "_shm.Segment | None" = None  # set by attach(): the read-only segment the bytes live in
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -136,16 +156,89 @@ class CompressedRows:
         return self._device_meta[key]
 
     def host_data_for_gpu(self) -> torch.Tensor:
-        """The stored bytes, pinned so GPU warps can read them zero-copy (pins a copy once if needed)."""
+        """The stored bytes, pinned so GPU warps can read them zero-copy (pins a copy once if needed).
+
+        An attached shared store is never copied: its read-only mapping is page-locked in place
+        (``cudaHostRegister``, mapped + read-only), once per process.
+        """
+        if self.shared is not None:
+            if not self.shared._registered:
+                base = int(np.frombuffer(self.shared.mm, dtype=np.uint8, count=1).ctypes.data)
+                _shm.register_host(base, self.shared.nbytes)
+                self.shared._registered.append(base)
+            return self.data
         if not self.data.is_pinned():
             self.data = self.data.pin_memory()
         return self.data
+
+    # -- shared memory ----------------------------------------------------------------------------
+    def share(self, name: str, *, replace: bool = True) -> "_shm.Segment":
+        """Publish these rows in POSIX shared memory as store ``name`` (mode 0600) and return its handle.
+
+        Other processes of this user then :meth:`attach` it with no copy. Keep the handle alive as long as
+        the store should exist; ``handle.unlink()`` retires and removes it (readers raise StaleStoreError on
+        their next use). Re-sharing under the same name publishes a new generation and retires the old one.
+        """
+        manifest = {"kind": "ibpcache.CompressedRows", "codec": self.codec.header(), "layout": self.layout.value,
+                    "n_rows": self.n_rows}
+        sections = {"mask": self.codec.mask, "bitval": self.codec.bitval, "lengths": self.lengths.numpy(),
+                    "flags": self.flags.numpy(), "offsets": self.offsets.numpy(), "data": self.data.numpy()}
+        return _shm.publish(name, manifest, sections, replace=replace)
+
+    @classmethod
+    def attach(cls, name: str, *, verify: bool = False) -> "CompressedRows":
+        """Map shared store ``name`` read-only, with no copy of its payload or per-row tables.
+
+        The result is an ordinary ``CompressedRows`` (FeatureCache, HostStore and the DGL adapter take it)
+        whose tensors view the mapping; writing into them is an error (numpy views are read-only; a raw
+        write faults). Every :meth:`gather`/fetch first checks, with a few loads, that the store was not
+        replaced since (else :class:`~ibpcache._shm.StaleStoreError`). ``verify=True`` also re-checks every
+        section's CRC32 (reads the whole payload once).
+        """
+        seg = _shm.open_segment(name)
+        try:
+            man = seg.manifest
+            if man.get("kind") != "ibpcache.CompressedRows":
+                raise FormatError(f"shared store {name!r} holds {man.get('kind')!r}, not CompressedRows")
+            if verify:
+                seg.verify_payload()
+            v = seg.sections
+            codec = Codec.from_header(man["codec"], v["mask"].copy(), v["bitval"].copy())
+            self = cls.__new__(cls)
+            self.codec = codec
+            self.layout = Layout.from_str(man["layout"])
+            self.data = _readonly_tensor(v["data"])
+            self.lengths = _readonly_tensor(v["lengths"])
+            self.flags = _readonly_tensor(v["flags"])
+            self.offsets = _readonly_tensor(v["offsets"])
+            self.origin = "cpu"
+            self._device_meta = {}
+            self.shared = seg
+            self._check_attached(int(man.get("n_rows", -1)))
+        except BaseException:
+            seg.close()
+            raise
+        return self
+
+    def _check_attached(self, n_rows: int) -> None:
+        """Sizes of an attached store agree with each other (the CRC'd manifest was written by share())."""
+        n, rb = self.lengths.numel(), self.row_bytes
+        expected = n * rb if self.layout is Layout.INPLACE else self.nbytes
+        if (n != n_rows or self.lengths.dtype != torch.int32 or self.offsets.numel() != n
+                or self.flags.numel() != (n + 7) // 8 or self.data.numel() != expected):
+            raise FormatError(f"shared store {self.shared.name!r}: section sizes do not match its manifest")
+
+    def check_shared(self) -> None:
+        """No-op for private rows; for an attached store raise StaleStoreError if it was replaced/stopped."""
+        if self.shared is not None:
+            self.shared.check()
 
     # -- reads ------------------------------------------------------------------------------------
     def decompress(self, device: "str | torch.device | None" = None) -> torch.Tensor:
         """All rows, bit-identical to the compressed input (on its device unless ``device`` says otherwise)."""
         dev = resolve_device(device if device is not None else self.origin)
         ids = torch.arange(self.n_rows, dtype=torch.int64, device=dev)
+        self.check_shared()
         return self._gather_valid(ids, dev, None)
 
     def gather(self, ids: torch.Tensor, device: "str | torch.device" = "cuda",
@@ -157,6 +250,7 @@ class CompressedRows:
         """
         dev = resolve_device(device)
         ids = check_ids(ids, self.n_rows, dev)
+        self.check_shared()
         return self._gather_valid(ids, dev, out)
 
     def _check_out(self, out: "torch.Tensor | None", m: int, dev: torch.device) -> torch.Tensor:

@@ -300,6 +300,7 @@ class FeatureCache:
         if lazy:
             self._raise_pending_error()
         ids = check_ids(ids, self.n_rows, self.device, check_range=not lazy)
+        self.host.check_live()  # an attached shared store that was replaced raises before any read
         b = int(ids.numel())
         out = self._check_out(out, b)
         if b == 0:

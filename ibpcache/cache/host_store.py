@@ -6,7 +6,8 @@ read) plus its per-row lengths and 1-bit "is compressed" flags on the GPU. With 
 raw rows: lengths are ``row_bytes`` and every flag is 0, so no per-row tables exist at all.
 
 On CUDA the bytes are pinned and the fetch kernels read them zero-copy through unified virtual addressing
-(the pinned buffer's address is valid on the GPU).
+(the pinned buffer's address is valid on the GPU). An attached shared store (``CompressedRows.attach``) is used
+as is: never copied, only page-locked in place, and checked for replacement on every fetch.
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ class HostStore:
         return torch.full((self.n_rows,), self.row_bytes, dtype=torch.int32)
 
     # -- reads ------------------------------------------------------------------------------------
+
+    def check_live(self) -> None:
+        """Raise StaleStoreError if the rows are an attached shared store that was replaced or stopped.
+
+        A few loads from the segment header; FeatureCache.fetch calls it first, so a fetch never mixes a
+        replaced store's rows (slab hits) with nothing to tell the caller."""
+        if self.packed is not None:
+            self.packed.check_shared()
 
     def host_args(self) -> HostArgs:
         """What the probe kernel needs to address a miss (the base is valid on the GPU through UVA)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .dgl import FetchMode, attach, attach_edges, degree_hotness, import_dgl, make_storage
 from .embedding_bag import CachedEmbeddingBag, EvictionStrategy, TableBatchedCachedEmbeddingBag
 from .kv import KVOffloadManager
+from .pyg import IBPFeatureStore, TorchNeighborSampler
 
 __all__ = [
     "FetchMode",
@@ -17,6 +18,8 @@ __all__ = [
     "EvictionStrategy",
     "TableBatchedCachedEmbeddingBag",
     "KVOffloadManager",
+    "IBPFeatureStore",
+    "TorchNeighborSampler",
     "IBPOffloadedCache",
     "IBPOffloadedLayer",
 ]
