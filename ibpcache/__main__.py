@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["main", "run", "TASKS", "DemoTask", "MainConfig", "register_packaged_configs", "checkout_config_dir",
            "sample_batches", "format_demo_report"]
@@ -52,6 +52,21 @@ class DemoTask:
     fanouts: list[int] = field(default_factory=lambda: [25, 10])
     epochs: int = 2  # passes over all nodes as seeds (lru/lfu warm up in the first)
     seed: int = 0
+
+
+@dataclass
+class ServeTask:
+    """``task=serve``: publish saved store files in POSIX shared memory until SIGTERM/SIGINT (the store host).
+
+    ``stores`` maps a shared-store name to a file written by ``CompressedRows.save`` (checksums are verified);
+    clients ``CompressedRows.attach(name)``; ``ready_file`` (optional) receives a JSON description once every store
+    is published; ``replace`` publishes a new generation over an existing store of that name.
+    """
+
+    name: str = "serve"
+    stores: dict[str, str] = field(default_factory=dict)
+    ready_file: Optional[str] = None
+    replace: bool = True
 
 
 _HYDRA_SETTINGS: dict[str, Any] = {
@@ -94,6 +109,7 @@ def register_packaged_configs() -> None:
     primary = OmegaConf.to_container(OmegaConf.structured(MainConfig))
     cs.store(name=CONFIG_NAME, node={**primary, "hydra": _HYDRA_SETTINGS})
     cs.store(group="task", name="demo", node=DemoTask)
+    cs.store(group="task", name="serve", node=ServeTask)
 
 
 def checkout_config_dir() -> Path | None:
@@ -260,7 +276,17 @@ def run_demo(cfg: Any) -> int:
     return 0 if ok else 1
 
 
-TASKS: dict[str, Callable[[Any], int]] = {"demo": run_demo}
+def run_serve(cfg: Any) -> int:
+    """``task=serve``: the store host (``ibpcache.cache.service``); returns when stopped by SIGTERM/SIGINT."""
+    from ibpcache.cache.service import serve_config
+
+    if not cfg.task.stores:
+        raise ValueError("task=serve needs at least one store: task.stores.NAME=/path/to/file.ibp")
+    serve_config(cfg.task)
+    return 0
+
+
+TASKS: dict[str, Callable[[Any], int]] = {"demo": run_demo, "serve": run_serve}
 """Task name (``task.name`` in the config) -> function taking the composed config, returning an exit status."""
 
 

@@ -131,3 +131,51 @@ def test_demo_exits_non_zero_when_a_fetch_is_not_exact(monkeypatch: pytest.Monke
     monkeypatch.setattr(ibpcache.FeatureCache, "fetch", corrupt)
     cfg = OmegaConf.create({"device": "cpu", "task": OmegaConf.structured(DemoTask(epochs=1, policies=["static"]))})
     assert run(cfg) == 1
+
+
+def test_serve_task_publishes_until_sigterm(tmp_path: Path) -> None:
+    """``python -m ibpcache task=serve +task.stores.NAME=FILE``: the store host of issue 12 as a task of the main
+    job; a client attaches by name, reads exact rows, and SIGTERM removes the segment."""
+    import json
+    import signal
+    import time
+    import uuid
+
+    import torch
+
+    from ibpcache import Codec, CompressedRows, _shm
+    from ibpcache.datasets import load_cora
+
+    rows = load_cora().features[:500].contiguous()
+    path = tmp_path / "cora.ibp"
+    Codec.fit(rows).compress(rows, layout="packed", pin=False).save(path)
+    name = f"test-main-{uuid.uuid4().hex[:8]}"
+    ready = tmp_path / "ready.json"
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    host = subprocess.Popen([sys.executable, "-m", "ibpcache", "task=serve", f"+task.stores.{name}={path}",
+                             f"task.ready_file={ready}"], cwd=cwd, env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert host.poll() is None, host.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert name in json.loads(ready.read_text())["stores"]
+        att = CompressedRows.attach(name)
+        assert torch.equal(att.decompress().view(torch.uint8), rows.view(torch.uint8))
+        host.send_signal(signal.SIGTERM)
+        assert host.wait(timeout=60) == 0, host.stderr.read().decode()[-2000:]
+        assert not _shm.segment_path(name).exists()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
+def test_serve_task_without_stores_fails_cleanly(tmp_path: Path) -> None:
+    res = _run(["task=serve"], tmp_path, timeout=120)
+    assert res.returncode != 0
+    assert "task.stores" in res.stderr
