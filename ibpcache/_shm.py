@@ -307,23 +307,24 @@ def register_host(ptr: int, nbytes: int) -> None:
     The payload is then read by GPU warps through UVA exactly like ``pin_memory`` bytes, with no copy. Uses
     CuPy's runtime bindings when present, else ``torch.cuda.cudart()``. Needs CUDA; CPU paths never call it.
     """
+    import torch
+
+    # The kernels read the payload at its host address (UVA), which holds only where the device may use the host
+    # pointer of registered memory (cudaDevAttrCanUseHostPointerForRegisteredMem; CuPy 14 has no
+    # cudaHostGetDevicePointer binding to compare addresses with).
+    same_address = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if not getattr(same_address, "can_use_host_pointer_for_registered_mem", True):
+        raise RuntimeError("this GPU cannot use host pointers of registered memory (no UVA mapping); the zero-copy "
+                           "host store needs it")
     flags = _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY
     try:
         import cupy.cuda.runtime as rt
 
         rt.hostRegister(ptr, nbytes, flags)
-        dev_ptr = rt.hostGetDevicePointer(ptr, 0)
     except ImportError:
-        import torch
-
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister failed with error {int(err)}") from None
-        dev_ptr = ptr
-    if int(dev_ptr) != ptr:
-        unregister_host(ptr)
-        raise RuntimeError("this GPU maps registered host memory at a different address (no UVA); "
-                           "the zero-copy host store needs unified addressing")
 
 
 def unregister_host(ptr: int) -> None:

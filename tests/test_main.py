@@ -19,7 +19,8 @@ def _run(args: list[str], tmp_path: Path, timeout: float = 180,
     cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir(exist_ok=True)
     tmp.mkdir(exist_ok=True)
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(pythonpath or REPO)}
+    extra = os.environ.get("PYTHONPATH", "") if pythonpath is None else ""  # e.g. carried wheels on a GPU runner
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(p for p in (str(pythonpath or REPO), extra) if p)}
     return subprocess.run([sys.executable, "-m", "ibpcache", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
 
@@ -154,7 +155,8 @@ def test_serve_task_publishes_until_sigterm(tmp_path: Path) -> None:
     cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir()
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "TMPDIR": str(tmp),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
     host = subprocess.Popen([sys.executable, "-m", "ibpcache", "task=serve", f"+task.stores.{name}={path}",
                              f"task.ready_file={ready}"], cwd=cwd, env=env, stderr=subprocess.PIPE)
     try:
