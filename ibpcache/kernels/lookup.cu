@@ -404,9 +404,9 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
         if (bad_offsets && lane == 0) ibp_report_bad_offsets(err, j);
         const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
         const i64 base = table_base != nullptr ? table_base[t] : 0;
-        float acc[IBP_POOL_PER_LANE];
+        float acc[IBP_POOL_PER_LANE];  // acc[q]: element lane + 32 q of the bag's output row
 #pragma unroll
-        for (int k = 0; k < IBP_POOL_PER_LANE; ++k) acc[k] = 0.0f;
+        for (int q = 0; q < IBP_POOL_PER_LANE; ++q) acc[q] = 0.0f;
         int count = 0;
         for (i64 p = start; p < end; ++p) {
             const i64 id = ids[p];
@@ -423,16 +423,16 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
             __syncwarp();
             const float w = psw != nullptr ? psw[p] : 1.0f;
 #pragma unroll
-            for (int k = 0; k < IBP_POOL_PER_LANE; ++k) {
-                const int e = lane + 32 * k;
+            for (int q = 0; q < IBP_POOL_PER_LANE; ++q) {
+                const int e = lane + 32 * q;
                 if (e < dim) {
                     const float v = ibp_elem_load(rowbuf, e, elem);
                     if (op == IBP_OP_MAX) {
-                        if (count == 0 || v > acc[k]) acc[k] = v;
+                        if (count == 0 || v > acc[q]) acc[q] = v;
                     } else if (psw != nullptr) {
-                        acc[k] = fmaf(v, w, acc[k]);
+                        acc[q] = fmaf(v, w, acc[q]);
                     } else {
-                        acc[k] = acc[k] + v;
+                        acc[q] = acc[q] + v;
                     }
                 }
             }
@@ -449,10 +449,10 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
         }
         unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
 #pragma unroll
-        for (int k = 0; k < IBP_POOL_PER_LANE; ++k) {
-            const int e = lane + 32 * k;
+        for (int q = 0; q < IBP_POOL_PER_LANE; ++q) {
+            const int e = lane + 32 * q;
             if (e < dim) {
-                float v = acc[k];
+                float v = acc[q];
                 if (op == IBP_OP_MEAN && count > 0) v = v / (float)count;
                 ibp_elem_store(dst, e, elem, v);
             }
