@@ -830,7 +830,8 @@ class FusedLookup:
     (reported lazily through pinned host words), hits / host bytes are device counters, and every id's lookup is
     counted per row (``freq``). The cache follows the traffic by a refresh on a schedule (after 16, 32, 64, ...
     lookups, then every ``refresh_every``): the most requested rows are made resident through the manager's own
-    admission path (one sync then). Requires rows of the pooling kernel's size (``lookup.pool_supported``).
+    admission path (one sync then), and the counts are halved (aging, so the cache follows drift). Requires rows
+    of the pooling kernel's size (``lookup.pool_supported``).
 
     With ``stage_bytes`` > 0 a lookup of multi-id bags may be three launches instead of one: the step's distinct
     missed rows are claimed, read from host memory once each and decoded into a staging buffer of that many bytes in
@@ -935,6 +936,7 @@ class FusedLookup:
             return
         hot = torch.topk(self.freq, k, sorted=False).indices
         mgr.prepare_unique(hot)
+        self.freq.bitwise_right_shift_(1)  # age the counts: recent traffic weighs more, and int32 never overflows
         self.refreshes += 1
 
     def stats(self) -> dict[str, Any]:
