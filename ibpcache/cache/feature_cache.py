@@ -22,17 +22,16 @@ Static caches are filled once and a fetch never syncs beyond the id check. Dynam
 vectorised torch code with a few host syncs for data-dependent sizes (``policy.py``).
 
 Concurrency: every policy and device may be fetched from any number of Python threads, each on its own CUDA
-stream. A fetch holds the cache's lock while it enqueues work, and on CUDA its stream first waits for the last
-cache operation enqueued by any thread (an event chain), so probe/decode workspaces, slab slots and the index are
-never used by two streams at once and an admission never overwrites a slot that a decode on another stream has
-yet to read. The caller's output is ready on the caller's current stream when ``fetch`` returns, as for any
+stream. A fetch runs under the cache's :class:`~ibpcache.cache.ordering.StreamOrder` (a lock, and on CUDA an event
+chain: its stream first waits for the last cache operation enqueued by any thread), so probe/decode workspaces,
+slab slots and the index are never used by two streams at once and an admission never overwrites a slot that a
+decode on another stream has yet to read. The caller's output is ready on the caller's current stream when ``fetch`` returns, as for any
 torch op. Concurrent fetches therefore run one after the other on the GPU; a cache per loader thread is the way
 to run them side by side.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,7 @@ from ..errors import CapacityError, InvalidIdsError
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
 from .host_store import HostStore
+from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
 from .slab import Slab, usable_bytes
 from .stats import FetchStats
@@ -151,11 +151,10 @@ class FeatureCache:
         self.stats_ = FetchStats(self.device, self.row_bytes)
         self._probe_status = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._ws: dict[str, torch.Tensor] = {}
-        self._lock = threading.RLock()  # one fetch/admission at a time (see the module docstring)
-        # bad-id report of the lookup kernel: two int32 words in (pinned) host memory, read without a sync
-        self._err_host = torch.zeros(2, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        self._err_np = self._err_host.numpy()
-        self._last_op: "torch.cuda.Event | None" = None  # the last cache operation enqueued on CUDA
+        self._order = StreamOrder(self.device)  # one fetch/admission at a time (see the module docstring)
+        from ..kernels.lookup import LookupErrors
+
+        self._errors = LookupErrors(pin=self.device.type == "cuda")  # the lookup kernel's bad-id report
         if self.policy_kind is PolicyKind.STATIC:
             self._build_static(StaticPolicy(hotness))
         else:
@@ -310,8 +309,7 @@ class FeatureCache:
         if capturing and not fused:
             raise RuntimeError("only a static-policy CUDA FeatureCache can be captured in a CUDA graph (dynamic "
                                "policies decide admissions on the host)")
-        with self._lock:
-            self._after_last_op()
+        with self._order.exclusive():
             t0 = None if capturing else self.stats_.start()
             if fused:
                 self._lookup(ids, out_u8)
@@ -324,7 +322,6 @@ class FeatureCache:
                 self._admit(ids, entries, out_u8)
             if t0 is not None:
                 self.stats_.stop(t0, b)
-            self._record_op()
         return out
 
     def _lookup(self, ids: torch.Tensor, out_u8: torch.Tensor) -> None:
@@ -337,37 +334,19 @@ class FeatureCache:
             self._source = RowSource(self.index.kernel_args(), self.slab_bases, h.base, h.offsets, h.stride,
                                      h.lengths, self.n_rows)
             self._tables = self._decode_codec.kernel_tables(self.device)
-        lookup_rows(ids, out_u8, self._source, self._tables, self.stats_.counters, self._err_host.data_ptr())
+        lookup_rows(ids, out_u8, self._source, self._tables, self.stats_.counters, self._errors.ptr)
 
     def _raise_pending_error(self) -> None:
         """Raise (once) the bad-id report a lazily validated lookup left in host memory."""
-        if self._err_np[0]:
-            self._err_np[:] = 0
+        if self._errors.take() is not None:
             raise InvalidIdsError(f"ids: a recent fetch got an id outside [0, {self.n_rows}) (validate='lazy' "
                                   "reports it after the fact; that id's row was returned as zeros)")
 
     def check_errors(self) -> None:
         """Wait for the cache's queued work and raise :class:`InvalidIdsError` if a lazily validated fetch saw a
         bad id (a no-op with ``validate='eager'``)."""
-        with self._lock:
-            if self._last_op is not None:
-                self._last_op.synchronize()
-            self._raise_pending_error()
-
-    def _after_last_op(self) -> None:
-        """CUDA: order this fetch after the last cache operation, whichever thread/stream enqueued it.
-
-        Skipped while the current stream is being captured into a CUDA graph (a captured fetch is replayed in
-        stream order; waiting on an event recorded outside the capture is not allowed there)."""
-        if self._last_op is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.device).wait_event(self._last_op)
-
-    def _record_op(self) -> None:
-        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            return
-        if self._last_op is None:
-            self._last_op = torch.cuda.Event()
-        self._last_op.record(torch.cuda.current_stream(self.device))
+        self._order.synchronize()
+        self._raise_pending_error()
 
     def _check_out(self, out: torch.Tensor | None, b: int) -> torch.Tensor:
         shape = (b, *self.row_shape)
@@ -544,7 +523,7 @@ class FeatureCache:
         ``effective_gbps`` is output bytes per second over recent timed fetches (None before the first).
         Reading stats syncs the device.
         """
-        with self._lock:
+        with self._order.exclusive():
             snap = self.stats_.snapshot()
             status = int(self._probe_status[0])
             self._raise_pending_error()
@@ -581,11 +560,9 @@ class FeatureCache:
 
     def reset_stats(self) -> None:
         """Zero the counters and timings (cache contents stay)."""
-        with self._lock:
-            self._after_last_op()
+        with self._order.exclusive():
             self.stats_.reset()
             self._probe_status.zero_()
-            self._record_op()
 
     def __repr__(self) -> str:
         return (f"FeatureCache(mode={self.mode}, policy={self.policy_kind.value}, device={self.device}, "

@@ -19,7 +19,8 @@ from .bitpack import sm_count
 from .hashmap import IndexArgs
 from .tables import KernelTables
 
-__all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "RowSource", "BagLayout", "Staging", "lookup_rows", "lookup_pool",
+__all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "RowSource", "BagLayout", "Staging", "LookupErrors", "lookup_rows",
+           "lookup_pool",
            "POOL_MAX_ROW_BYTES", "POOL_MAX_ELEMS", "pool_supported"]
 
 _SRC = "lookup.cu"
@@ -91,6 +92,28 @@ class BagLayout:
 
 
 _ONE_TABLE = BagLayout()
+
+
+class LookupErrors:
+    """The kernels' bad-input report: two int32 words (kind, where) that the kernel writes and the host reads
+    without a sync (pinned host memory on CUDA). kind 1: an id outside its table (where = the table); kind 2:
+    offsets that break torch's rules (where = the bag)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.words = torch.zeros(2, dtype=torch.int32, pin_memory=pin)
+        self._np = self.words.numpy()
+
+    @property
+    def ptr(self) -> int:
+        return int(self.words.data_ptr())
+
+    def take(self) -> "tuple[int, int] | None":
+        """``(kind, where)`` of a report left by a recent launch, or None; clears it."""
+        if not self._np[0]:
+            return None
+        kind, where = int(self._np[0]), int(self._np[1])
+        self._np[:] = 0
+        return kind, where
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,15 @@ the start of the next batch; Colossal-AI refuses such batches.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from ..cache.ordering import StreamOrder
 from ..codec import Codec
 
 __all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather",
@@ -375,30 +374,12 @@ class CachedRowManager:
         self.coalesce_sparse_grads = False
         self._state_host: dict[str, torch.Tensor] = {}
         self._state_init: dict[str, float] = {}
-        self._lock = threading.RLock()
-        self._last_op: "torch.cuda.Event | None" = None
+        self.order = StreamOrder(self.device)  # one forward at a time, from any thread or CUDA stream
         self.fused: "FusedLookup | None" = None
         if self.n_pinned:
             self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
                         torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
         self._warmup(warmup_ratio)
-
-    # -- concurrency ------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def exclusive(self):
-        """One forward at a time, from any thread or CUDA stream: the lock orders the host side, and on CUDA the
-        current stream first waits for the last forward enqueued by any thread (an event chain), so a forward on
-        one stream never evicts or rewrites rows another stream's kernels have yet to read."""
-        with self._lock:
-            cuda = self.device.type == "cuda"
-            capturing = cuda and torch.cuda.is_current_stream_capturing()
-            if cuda and not capturing and self._last_op is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._last_op)
-            yield
-            if cuda and not capturing:
-                if self._last_op is None:
-                    self._last_op = torch.cuda.Event()
-                self._last_op.record(torch.cuda.current_stream(self.device))
 
     def fused_lookup(self, refresh_every: int, stage_bytes: int = 0) -> "FusedLookup":
         """The fused inference lookup over this cache and its host store (built on first use)."""
@@ -843,13 +824,12 @@ class FusedLookup:
 
     def __init__(self, mgr: "CachedRowManager", refresh_every: int, stage_bytes: int = 0) -> None:
         from ..kernels.hashmap import IndexArgs
-        from ..kernels.lookup import SLOTS_INDEX
+        from ..kernels.lookup import SLOTS_INDEX, LookupErrors
 
         self.mgr = mgr
         dev = mgr.device
         self.refresh_every = int(refresh_every)
-        self.err = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-        self._err_np = self.err.numpy()
+        self.errors = LookupErrors(pin=True)
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
         self.freq = torch.zeros(mgr.num_embeddings, dtype=torch.int32, device=dev)
         self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
@@ -859,6 +839,8 @@ class FusedLookup:
         self._weight_ptr = -1
         self._codec: "Codec | None" = None
         self._tables: Any = None
+        self._src: Any = None  # built once per host buffer + codec (a refit replaces bytes, lengths and codec)
+        self._src_key: tuple[int, int] = (0, 0)
         self.calls = 0
         self.refreshes = 0
         self._next_refresh = 16
@@ -869,15 +851,6 @@ class FusedLookup:
 
             self.staging = Staging.allocate(mgr.num_embeddings, mgr.store.row_bytes, int(stage_bytes), dev)
 
-    def pending_error(self) -> "tuple[int, int] | None":
-        """``(kind, where)`` of a bad input seen by a recent lookup, or None; clears the report. kind 1: an id
-        outside its table (where = the table), kind 2: offsets that break torch's rules (where = the bag)."""
-        if not self._err_np[0]:
-            return None
-        kind, where = int(self._err_np[0]), int(self._err_np[1])
-        self._err_np[:] = 0
-        return kind, where
-
     def _source(self) -> Any:
         from ..kernels.lookup import RowSource
 
@@ -886,13 +859,16 @@ class FusedLookup:
         if ptr != self._weight_ptr:  # the cache grew/shrank for an oversized batch: a new slab address
             self.slab_bases[0] = ptr
             self._weight_ptr = ptr
-        if store.codec is not self._codec:  # refits replace the codec
+        key = (store.data.data_ptr(), id(store._lengths_dev))
+        if store.codec is not self._codec or self._src is None or key != self._src_key:  # a refit replaces them
             self._codec = store.codec
+            self._src_key = key
             self._tables = store.codec.kernel_tables(mgr.device)
-        index = self._index_args(self._index_mode, self._empty, mgr.slot_of, 0, 0)
-        lengths = store._lengths_dev if store.compress else None
-        return RowSource(index, self.slab_bases, store.data.data_ptr(), None, store.row_bytes, lengths,
-                         mgr.num_embeddings)
+            index = self._index_args(self._index_mode, self._empty, mgr.slot_of, 0, 0)
+            lengths = store._lengths_dev if store.compress else None
+            self._src = RowSource(index, self.slab_bases, store.data.data_ptr(), None, store.row_bytes, lengths,
+                                  mgr.num_embeddings)
+        return self._src
 
     def pool(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
              include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor, layout: Any) -> None:
@@ -916,7 +892,7 @@ class FusedLookup:
         order = torch.argsort(ids) if second and kind == "single" else None
         staging = self.staging if second and kind == "multi" else None
         lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, elem, psw, out_u8, self._source(), self._tables,
-                    self.counters, self.err.data_ptr(), self.freq, layout, staging, order)
+                    self.counters, self.errors.ptr, self.freq, layout, staging, order)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -318,14 +318,12 @@ class _CachedBagBase(nn.Module):
     def check_errors(self) -> None:
         """Wait for queued lookups and raise the bad-id error a lazily validated lookup saw (``validate='lazy'``:
         the kernel checks ids without a host sync; the bad id's bag gets nothing from it)."""
-        mgr = self.cache_weight_mgr
-        if mgr._last_op is not None:
-            mgr._last_op.synchronize()
+        self.cache_weight_mgr.order.synchronize()
         self._raise_pending()
 
     def _raise_pending(self) -> None:
         fused = self.cache_weight_mgr.fused
-        report = fused.pending_error() if fused is not None else None
+        report = fused.errors.take() if fused is not None else None
         if report is None:
             return
         kind, where = report
@@ -356,7 +354,7 @@ class _CachedBagBase(nn.Module):
         else:
             self._raise_pending()
         mgr = self.cache_weight_mgr
-        with mgr.exclusive():
+        with mgr.order.exclusive():
             mgr.fused_lookup(self.refresh_every, self.stage_bytes).pool(ids.reshape(-1), offs, bag_size, n_bags,
                                                       self.include_last_offset, self.mode, psw, out, layout)
 
