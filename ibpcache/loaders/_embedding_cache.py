@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..cache.ordering import StreamOrder
+from ..cache.planner import LayoutChoice
 from ..codec import Codec
 
 __all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather",
@@ -116,7 +117,7 @@ class HostRowStore:
         self,
         table: torch.Tensor,
         *,
-        compress: bool,
+        compress: "bool | str",
         threshold: "float | str",
         chunk_bytes: "int | str",
         device: torch.device,
@@ -129,7 +130,11 @@ class HostRowStore:
         self.dtype = table.dtype
         self.row_bytes = self.dim * table.element_size()
         self.device = device
-        self.compress = bool(compress)
+        if compress not in (True, False, "auto"):
+            raise ValueError(f"compress must be True, False or 'auto', got {compress!r}")
+        self.compress_option = compress
+        self.compress = compress is True  # "auto" decides in _load (the planner), once
+        self.layout_choice: "LayoutChoice | None" = None
         self.threshold = threshold
         self.chunk_bytes_option = chunk_bytes
         self.fit_sample = fit_sample
@@ -145,8 +150,11 @@ class HostRowStore:
     def _load(self, table: torch.Tensor) -> None:
         """(Re)build the stored bytes from a dense table: fit a codec (or the raw one) and encode."""
         table = table.to("cpu").contiguous()
+        if self.compress_option == "auto" and self.layout_choice is None:
+            self._plan(table)
         if self.compress:
-            self.codec = self._fit(table)
+            self.codec = self._fit(table) if self._planned_codec is None else self._planned_codec
+            self._planned_codec = None
             packed = self.codec.compress(table, layout="inplace", pin=self._pin, device=self.device)
             self.data = packed.data
             self.lengths = packed.lengths.to(torch.int32).contiguous()
@@ -157,6 +165,19 @@ class HostRowStore:
             self.lengths = torch.full((self.n_rows,), self.row_bytes, dtype=torch.int32)
         self._lengths_dev = self.lengths.to(self.device) if self._device_lengths else None
         self.compressed_fraction_at_fit = self.compressed_fraction()
+
+    _planned_codec: "Codec | None" = None
+
+    def _plan(self, table: torch.Tensor) -> None:
+        """``compress='auto'``: fit the codec, then let the planner time compressed vs raw misses on this machine
+        (CUDA) and keep whichever is faster; the choice holds for the store's life (refits keep it)."""
+        from ..cache.planner import calibrate_layout
+
+        codec = self._fit(table)
+        self.layout_choice = calibrate_layout(table, codec, self.device if self._device_lengths else
+                                              torch.device("cpu"))
+        self.compress = self.layout_choice.compress
+        self._planned_codec = codec if self.compress else None
 
     def _fit(self, table: torch.Tensor) -> Codec:
         """Fit on the cache's device. Tables over ``_FIT_SAMPLE_BYTES`` are fitted on a seeded random sample
@@ -287,6 +308,8 @@ class HostRowStore:
         raw = self.n_rows * self.row_bytes
         return {
             "host_compress": self.compress,
+            "host_layout": (self.layout_choice.as_dict() if self.layout_choice is not None
+                            else {"compress": self.compress, "reason": f"compress={self.compress_option!r} (set)"}),
             "host_raw_bytes": raw,
             "host_stored_bytes": stored,
             "host_ratio": raw / max(stored, 1),

@@ -188,7 +188,7 @@ class _CachedBagBase(nn.Module):
         ids_freq_mapping: Any,
         warmup_ratio: float,
         evict_strategy: Any,
-        compress: bool,
+        compress: "bool | str",
         threshold: "float | str",
         chunk_bytes: "int | str",
         refit_threshold: Optional[float],
@@ -430,7 +430,9 @@ class _CachedBagBase(nn.Module):
 class CachedEmbeddingBag(_CachedBagBase):
     """``torch.nn.EmbeddingBag`` over a table bigger than device memory: cached rows on the device, the
     rest IBP-compressed in host memory. Arguments as Colossal-AI 0.5's ``CachedEmbeddingBag``; the
-    keyword-only ones: ``compress`` (IBP host table, default on), ``threshold`` / ``chunk_bytes`` (codec fit,
+    keyword-only ones: ``compress`` (IBP host table: True, False, or "auto", the default: the planner in
+    ``ibpcache.cache.planner`` times compressed vs raw misses on this machine at construction and keeps the
+    faster; ``stats()['host_layout']`` says which and why), ``threshold`` / ``chunk_bytes`` (codec fit,
     "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
     its value at the last fit; None never refits), ``fetch`` ("zero_copy" or "host_gather", CUDA only),
     ``fused_inference`` (inference forwards on CUDA as one fused lookup, see ``_embedding_cache.FusedLookup``),
@@ -462,7 +464,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         pin_weight: bool = False,
         evict_strategy: Any = EvictionStrategy.LFU,
         *,
-        compress: bool = True,
+        compress: "bool | str" = "auto",
         threshold: "float | str" = "auto",
         chunk_bytes: "int | str" = "auto",
         refit_threshold: Optional[float] = 0.5,
@@ -557,7 +559,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         pin_weight: bool = False,
         evict_strategy: Any = EvictionStrategy.LFU,
         *,
-        compress: bool = True,
+        compress: "bool | str" = "auto",
         threshold: "float | str" = "auto",
         chunk_bytes: "int | str" = "auto",
         refit_threshold: Optional[float] = 0.5,

@@ -42,6 +42,7 @@ def make(weight: torch.Tensor, device: str, **kw: Any):
     from ibpcache.loaders.embedding_bag import CachedEmbeddingBag
 
     kw.setdefault("cache_ratio", 0.05)
+    kw.setdefault("compress", True)  # these tests are about the compressed engine; the planner's default has its own
     return CachedEmbeddingBag(weight.shape[0], weight.shape[1], _weight=weight.clone(), device=device, **kw)
 
 
