@@ -397,6 +397,8 @@ class CachedRowManager:
         self.coalesce_sparse_grads = False
         self._state_host: dict[str, torch.Tensor] = {}
         self._state_init: dict[str, float] = {}
+        self.prefetched_rows = 0  # rows admitted by prefetch (not counted as lookups)
+        self.prefetch_write_backs = 0
         self.order = StreamOrder(self.device)  # one forward at a time, from any thread or CUDA stream
         self.fused: "FusedLookup | None" = None
         if self.n_pinned:
@@ -479,21 +481,24 @@ class CachedRowManager:
 
     @torch.no_grad()
     def prepare_unique(self, ids: torch.Tensor, checks: Sequence[torch.Tensor] = (),
-                       verify: Optional[Callable[[list], None]] = None) -> "Prepared":
+                       verify: Optional[Callable[[list], None]] = None, count: bool = True) -> "Prepared":
         """Make the rows of ``ids`` (int64 on the cache device) resident and say where they are.
 
         ``checks`` (0-d int64 tensors, e.g. "some id is out of range") ride along with the one device sync
         this needs anyway; ``verify(values)`` runs on their values before the cache changes and may raise.
         Ids are only trusted after ``verify`` passed. Cost: one ``unique``, one sync, then (if anything
         misses) one top-k for the victims, one write-back encode (training only) and one decode launch.
+        ``count=False`` (a prefetch): the rows are admitted and touched, but the lookup and its hits/misses are
+        not counted as one (``prefetched_rows`` counts the admissions).
         """
         self._shrink()
         flat = ids.reshape(-1)
         if flat.numel() == 0:
             if checks and verify is not None:
                 verify(torch.stack(list(checks)).tolist())
-            self.step += 1
-            self._record(0, 0, 0)
+            if count:
+                self.step += 1
+                self._record(0, 0, 0)
             return Prepared(flat.clone(), flat.clone().view(ids.shape), flat.clone(), None)
         uniq, inv, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
         safe = uniq.clamp(0, self.num_embeddings - 1)  # ids are verified below, before anything changes
@@ -507,8 +512,9 @@ class CachedRowManager:
         vals = torch.stack(probes + [c.to(torch.int64) for c in checks]).tolist()
         if verify is not None and checks:
             verify(vals[n_probes:])
-        self.step += 1
-        self.lookups += int(flat.numel())
+        if count:
+            self.step += 1
+            self.lookups += int(flat.numel())
         n_miss, n_pinned_hits = vals[0], vals[1]
         pinned_pos = vals[3] if self.n_pinned and vals[2] else None
         n_uniq = int(uniq.numel())
@@ -521,7 +527,11 @@ class CachedRowManager:
         else:
             miss_ids = dest = None
         self._touch(slot_u, counts, dest, miss_ids)
-        self._record(n_uniq - n_miss, n_miss, written)
+        if count:
+            self._record(n_uniq - n_miss, n_miss, written)
+        else:
+            self.prefetched_rows += int(n_miss)
+            self.prefetch_write_backs += int(written)
         return Prepared(slot_u, inv.view(ids.shape), uniq, pinned_pos)
 
     def _record(self, hits: int, misses: int, written: int) -> None:
@@ -724,7 +734,8 @@ class CachedRowManager:
             "misses": misses,
             "hit_rate": hits / max(hits + misses, 1),
             "evictions": self.evictions,
-            "write_backs": int(sum(self.num_write_back_history)),
+            "write_backs": int(sum(self.num_write_back_history)) + self.prefetch_write_backs,
+            "prefetched_rows": self.prefetched_rows,
             "cache_rows": self.capacity,
             "pinned_rows": self.n_pinned,
             "cached_rows": int((self.id_of >= 0).sum()),

@@ -47,6 +47,9 @@ mind, stateful optimizers need ``attach_optimizer`` (which resizes their state t
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
@@ -358,6 +361,71 @@ class _CachedBagBase(nn.Module):
             mgr.fused_lookup(self.refresh_every, self.stage_bytes).pool(ids.reshape(-1), offs, bag_size, n_bags,
                                                       self.include_last_offset, self.mode, psw, out, layout)
 
+    # -- prefetch -----------------------------------------------------------------------------------
+    def prefetch(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> None:
+        """Load the rows a coming ``forward(input, offsets)`` will look up into the device cache now, as
+        FBGEMM's TBE ``prefetch`` does, so that forward finds them cached.
+
+        Takes ``forward``'s inputs. On CUDA the work runs on a side stream that first waits for the caller's
+        stream (where ``input`` was made) and for the last cache operation of any thread; the next cache
+        operation waits for it in turn (the cache's event chain), so prefetching batch i+1 right after batch i's
+        lookup overlaps it with batch i's dense compute, never with a lookup. Bad ids raise here, before the
+        cache changes (one host sync: prefetch is off the lookup's critical path). A batch with more distinct
+        rows than the cache holds is served from a temporarily grown cache, as in ``forward``, and does not stay.
+
+        Training: call it after ``optimizer.step()`` (or before the next ``forward``), never between a
+        forward and its backward: admitting rows may evict rows whose gradients that backward would write
+        (FBGEMM locks such rows; this cache does not, and raises instead when it can tell).
+        """
+        self._check_ready()
+        if not self.cache_op:
+            raise RuntimeError("prefetch needs cache_op=True (with cache_op=False, forward takes cache slots)")
+        if self._backward_pending:
+            raise RuntimeError("prefetch between a training forward and its backward would evict rows the backward "
+                               "writes: call it after backward() and optimizer.step()")
+        _check_bag_shapes(input, offsets)
+        ids = input.to(self.device, torch.int64, non_blocking=True)
+        offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
+        global_ids, bad, limits = self._global_ids(ids, offs)
+        mgr = self.cache_weight_mgr
+        side = self._side_stream()
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            global_ids.record_stream(side)
+            bad.record_stream(side)
+        with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()), mgr.order.exclusive():
+            checks = _check_tensors(global_ids, bad, offs)
+            mgr.prepare_unique(global_ids.reshape(-1), checks, _verifier(ids, bad, offs, limits), count=False)
+
+    @property
+    def _backward_pending(self) -> bool:
+        """A training forward's output is alive and its gradient has not been computed yet."""
+        ref = getattr(self, "_pending_out", None)
+        return ref is not None and ref() is not None
+
+    def _watch_backward(self, out: torch.Tensor) -> torch.Tensor:
+        """Remember a training output until backward reaches it (see :meth:`prefetch`)."""
+        if out.requires_grad:
+            self._pending_out = weakref.ref(out)
+
+            def done(grad: torch.Tensor) -> None:
+                self._pending_out = None
+
+            out.register_hook(done)
+        return out
+
+    def _side_stream(self) -> "torch.cuda.Stream | None":
+        if self.device.type != "cuda":
+            return None
+        if getattr(self, "_prefetch_stream", None) is None:
+            self._prefetch_stream = torch.cuda.Stream(self.device)
+        return self._prefetch_stream
+
+    def _global_ids(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """Cache-row ids of ``forward``'s input, a bad-id mask over it, and the valid range for messages."""
+        raise NotImplementedError
+
     # -- Colossal-AI API --------------------------------------------------------------------------
     def set_cache_op(self, cache_op: bool = True) -> None:
         """With ``cache_op=False``, ``forward`` takes slot indices produced by ``cache_weight_mgr.prepare_ids``."""
@@ -509,17 +577,24 @@ class CachedEmbeddingBag(_CachedBagBase):
             out = self._direct(ids, offs, psw, self.max_norm)
         else:
             bad = (ids < 0) | (ids >= self.num_embeddings)
-            prep, ranked = self._prepare(ids, _check_tensors(ids, bad, offs),
-                                         _verifier(ids, bad, offs, f"[0, {self.num_embeddings})"))
-            if ranked:
-                rows = RowGather.apply(self.cached_weight, prep.slot_u, None)
-                out = F.embedding_bag(prep.inv, rows, offs, None, self.norm_type, self.scale_grad_by_freq,
-                                      self.mode, self.sparse, psw, self.include_last_offset, prep.pinned_pos)
-            else:
-                out = self._direct(prep.slots(), offs, psw, None)
+            with self.cache_weight_mgr.order.exclusive():  # after any prefetch; no prefetch evicts mid-reduction
+                prep, ranked = self._prepare(ids, _check_tensors(ids, bad, offs),
+                                             _verifier(ids, bad, offs, f"[0, {self.num_embeddings})"))
+                if ranked:
+                    rows = RowGather.apply(self.cached_weight, prep.slot_u, None)
+                    out = F.embedding_bag(prep.inv, rows, offs, None, self.norm_type, self.scale_grad_by_freq,
+                                          self.mode, self.sparse, psw, self.include_last_offset, prep.pinned_pos)
+                else:
+                    out = self._direct(prep.slots(), offs, psw, None)
+            self._watch_backward(out)
         if shape_hook is not None:
             out = shape_hook(out)
         return out
+
+
+    def _global_ids(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, str]:
+        return ids, (ids < 0) | (ids >= self.num_embeddings), f"[0, {self.num_embeddings})"
 
 
 class TableBatchedCachedEmbeddingBag(_CachedBagBase):
@@ -611,34 +686,22 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         if self._use_fused():
             out = self._forward_fused(ids, offsets, psw)
             return shape_hook(out) if shape_hook is not None else out
-        if ids.dim() == 2:
-            if ids.shape[1] != n_tab:
-                raise FormatError(f"input: a 2-D input must be [batch, {n_tab} tables], got {tuple(ids.shape)}")
-            batch = ids.shape[0]
-            table = torch.arange(n_tab, device=self.device).expand_as(ids)
-            offs = None
-        else:
-            offs = offsets.to(self.device, torch.int64, non_blocking=True)
-            n_bags = offs.numel() - (1 if self.include_last_offset else 0)
-            if n_bags < 0 or n_bags % n_tab:
-                raise FormatError(f"offsets: expected {n_tab} tables x batch bags"
-                                  f"{' + 1' if self.include_last_offset else ''}, got {offs.numel()} offsets")
-            batch = n_bags // n_tab
-            table = self._table_of_positions(ids.numel(), offs, batch)
-        bad = (ids < 0) | (ids >= self.table_sizes[table])
+        offs = None if ids.dim() == 2 else offsets.to(self.device, torch.int64, non_blocking=True)
+        global_ids, bad, limits = self._global_ids(ids, offs)
+        batch = ids.shape[0] if offs is None else (offs.numel() - (1 if self.include_last_offset else 0)) // n_tab
         checks = _check_tensors(ids, bad, offs)
-        verify = _verifier(ids, bad, offs, "[0, num_embeddings of its table)")
-        global_ids = ids + self.table_offsets[table]
+        verify = _verifier(ids, bad, offs, limits)
         if offs is None:  # [B, T] -> B*T bags of one id, in sample-major order
             global_ids, psw = global_ids.reshape(-1, 1), None if psw is None else psw.reshape(-1, 1)
-        prep, ranked = self._prepare(global_ids, checks, verify)
-        if ranked:
-            out = self._ranked_per_table(prep, offs, psw, batch)  # [B, T, D]
-        else:
-            out = self._direct(prep.slots(), offs, psw, None)  # [B*T, D] sample-major or [T*B, D] table-major
-            if offs is not None:
-                out = out.view(n_tab, batch, self.embedding_dim).transpose(0, 1)
-        out = out.reshape(batch, n_tab * self.embedding_dim)
+        with self.cache_weight_mgr.order.exclusive():  # after any prefetch; no prefetch evicts mid-reduction
+            prep, ranked = self._prepare(global_ids, checks, verify)
+            if ranked:
+                out = self._ranked_per_table(prep, offs, psw, batch)  # [B, T, D]
+            else:
+                out = self._direct(prep.slots(), offs, psw, None)  # [B*T, D] sample-major or [T*B, D] table-major
+                if offs is not None:
+                    out = out.view(n_tab, batch, self.embedding_dim).transpose(0, 1)
+        out = self._watch_backward(out.reshape(batch, n_tab * self.embedding_dim))
         if shape_hook is not None:
             out = shape_hook(out)
         return out
@@ -703,6 +766,23 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
                                         self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
                                         None if psw is None else psw[lo:hi], False, None))
         return torch.stack(outs, 1)
+
+    def _global_ids(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """Table-local ids -> rows of the one cache: ``[B, T]`` input, or 1-D with T x batch bags of offsets."""
+        n_tab = self.num_tables
+        if offs is None:
+            if ids.dim() != 2 or ids.shape[1] != n_tab:
+                raise FormatError(f"input: a 2-D input must be [batch, {n_tab} tables], got {tuple(ids.shape)}")
+            table = torch.arange(n_tab, device=self.device).expand_as(ids)
+        else:
+            n_bags = offs.numel() - (1 if self.include_last_offset else 0)
+            if n_bags < 0 or n_bags % n_tab:
+                raise FormatError(f"offsets: expected {n_tab} tables x batch bags"
+                                  f"{' + 1' if self.include_last_offset else ''}, got {offs.numel()} offsets")
+            table = self._table_of_positions(ids.numel(), offs, n_bags // n_tab)
+        bad = (ids < 0) | (ids >= self.table_sizes[table])
+        return ids + self.table_offsets[table], bad, "[0, num_embeddings of its table)"
 
     def _table_of_positions(self, n_ids: int, offs: torch.Tensor, batch: int) -> torch.Tensor:
         """Table index of every id position: table t starts at ``offs[t * batch]`` (no host sync)."""

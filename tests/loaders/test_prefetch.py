@@ -1,0 +1,154 @@
+"""``prefetch(next_input)`` on the cached embedding bags (FBGEMM TBE's prefetch): the next forward with those ids
+finds every row cached, outputs stay bit-exact, training with prefetch equals ``torch.nn.EmbeddingBag``, bad
+ids raise before the cache changes, and a prefetch between a forward and its backward is refused.
+
+Real MiniLM rows (so the host store really is compressed). CPU in CI; the GPU variants run the fused inference
+path and the side stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ibpcache.errors import InvalidIdsError
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SIZES = [300, 200, 500]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+def _single(minilm: torch.Tensor, device: str, **kw):
+    """1000 rows, a 300-row cache: every test batch fits (a batch with more distinct rows than the cache holds
+    is served from a temporarily grown cache and cannot stay prefetched)."""
+    from ibpcache.loaders.embedding_bag import CachedEmbeddingBag
+
+    w = minilm[1000:2000, :64].clone()
+    return w, CachedEmbeddingBag(w.shape[0], 64, _weight=w.clone(), mode="sum", cache_ratio=0.3, warmup_ratio=0.0,
+                                 device=device, compress=True, **kw)
+
+
+def _misses(m) -> int:
+    st = m.stats()
+    if "fused_lookups" in st:
+        return int(st["fused_lookups"] - st["fused_hits"])
+    return int(st["misses"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetched_rows_hit(minilm: torch.Tensor, device: str) -> None:
+    w, m = _single(minilm, device)
+    m.eval()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, w.shape[0], (40, 2), generator=gen)
+        m.prefetch(ids.to(device))
+        before = _misses(m)
+        with torch.no_grad():
+            got = m(ids.to(device))
+        assert _misses(m) == before, "a prefetched batch still missed"
+        want = torch.nn.functional.embedding_bag(ids, w, mode="sum")
+        assert torch.equal(_bits(got), _bits(want))
+    assert m.stats()["prefetched_rows"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_table_batched_prefetch(minilm: torch.Tensor, device: str, with_offsets: bool) -> None:
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+
+    tables = minilm[:sum(SIZES), :32].clone()
+    m = TableBatchedCachedEmbeddingBag(SIZES, 32, _weight=tables, mode="sum", cache_ratio=0.1, warmup_ratio=0.0,
+                                       device=device, compress=True)
+    m.eval()
+    gen = torch.Generator().manual_seed(1)
+    batch = 24
+    local = torch.stack([torch.randint(0, n, (batch,), generator=gen) for n in SIZES], 1)  # [B, T]
+    if with_offsets:  # table-major bags of one id, offsets with the total at the end
+        inp, offs = local.t().reshape(-1), torch.arange(0, local.numel() + 1)
+        m.include_last_offset = True
+        args = (inp.to(device), offs.to(device))
+    else:
+        args = (local.to(device),)
+    m.prefetch(*args)
+    before = _misses(m)
+    with torch.no_grad():
+        got = m(*args)
+    assert _misses(m) == before
+    starts = torch.tensor([0] + SIZES[:-1]).cumsum(0)
+    want = torch.nn.functional.embedding_bag((local + starts).reshape(-1, 1), tables, mode="sum").reshape(batch, -1)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_bad_ids_raise_before_the_cache_changes(minilm: torch.Tensor) -> None:
+    w, m = _single(minilm, "cpu")
+    cached = m.stats()["cached_rows"]
+    with pytest.raises(InvalidIdsError, match="not in the valid range"):
+        m.prefetch(torch.tensor([[1, 2], [3, w.shape[0]]]))
+    assert m.stats()["cached_rows"] == cached and m.stats()["prefetched_rows"] == 0
+
+
+def test_prefetch_between_forward_and_backward_is_refused(minilm: torch.Tensor) -> None:
+    w, m = _single(minilm, "cpu")
+    ids = torch.randint(0, w.shape[0], (8, 3))
+    out = m(ids)
+    with pytest.raises(RuntimeError, match="between a training forward and its backward"):
+        m.prefetch(ids)
+    out.sum().backward()
+    m.prefetch(ids)  # after backward: fine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_with_prefetch_matches_torch(minilm: torch.Tensor, device: str) -> None:
+    """SGD with prefetch of the next batch after each step: the trained table equals nn.EmbeddingBag's."""
+    w, m = _single(minilm, device, sparse=False)
+    ref = torch.nn.EmbeddingBag(w.shape[0], 64, _weight=w.clone().to(device), mode="sum")
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(3)
+    # GPU: no repeated id within a batch (CUDA's embedding_bag backward accumulates duplicates with atomics)
+    batches = [torch.randperm(w.shape[0], generator=gen)[:60].view(20, 3) for _ in range(8)]
+    m.prefetch(batches[0].to(device))
+    for i, ids in enumerate(batches):
+        before = _misses(m)
+        for mod, o in ((m, opt), (ref, ref_opt)):
+            o.zero_grad()
+            out = mod(ids.to(device))
+            out.pow(2).sum().backward()
+            o.step()
+        assert _misses(m) == before
+        if i + 1 < len(batches):
+            m.prefetch(batches[i + 1].to(device))
+    m.flush()
+    assert torch.equal(_bits(m.weight), _bits(ref.weight))
+
+
+@pytest.mark.gpu
+def test_side_stream_prefetch_overlaps_compute_and_stays_exact(minilm: torch.Tensor) -> None:
+    """Prefetch batch i+1 on the side stream while batch i's dense work runs: every output exact, every
+    prefetched batch hits, from a caller on a non-default stream."""
+    w, m = _single(minilm, "cuda")
+    m.eval()
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, w.shape[0], (64, 2), generator=gen) for _ in range(12)]
+    dense = torch.randn(2048, 2048, device="cuda")
+    outs = []
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.no_grad():
+        m.prefetch(batches[0].cuda(non_blocking=True))
+        for i, ids in enumerate(batches):
+            before = _misses(m)
+            out = m(ids.cuda(non_blocking=True))
+            if i + 1 < len(batches):
+                m.prefetch(batches[i + 1].cuda(non_blocking=True))
+            for _ in range(4):
+                dense = torch.tanh(dense @ dense) * 0.01  # batch i's dense compute
+            outs.append(out.clone())
+            assert _misses(m) == before
+    stream.synchronize()
+    for ids, got in zip(batches, outs):
+        want = torch.nn.functional.embedding_bag(ids.cuda(), w.cuda(), mode="sum")
+        assert torch.equal(_bits(got), _bits(want))
