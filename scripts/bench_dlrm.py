@@ -12,6 +12,8 @@ Methods (one module over all tables each, so one lookup call per step):
                  an HBM cache of ``cache_load_factor`` = the cache ratio), LFU or LRU, default bounds check;
                  staged by ../shared/tools/stage-fbgemm (put its folder on PYTHONPATH)
   colossal       Colossal-AI 0.5 CachedEmbeddingBag (batches it refuses are recorded as "refused")
+  torch          ``torch.nn.EmbeddingBag`` over all tables, resident in GPU memory (the no-offload ceiling where the
+                 tables fit; sparse gradients + SGD in --train, like the others)
   ibpcache       TableBatchedCachedEmbeddingBag as a user gets it (all defaults): compress="auto" (the planner times
                  compressed vs raw misses at construction and keeps the faster host layout; the JSON's
                  "host_layout" says which and why), fused one-launch inference lookups (lazy id checks, no host
@@ -20,6 +22,9 @@ Methods (one module over all tables each, so one lookup call per step):
   ibpcache_raw   the same with compress=False (raw host rows through the same kernel)
   ibpcache_staged  ibpcache with a 64 MiB staging buffer (opt-in): multi-id bags may read each missed row once
                  per step (the path planner times both ways per size class and keeps the faster)
+
+In --train every method runs forward + backward + SGD; ours also calls ``prefetch`` with the next batch's ids after
+each optimizer step (inside the timed step, as a TorchRec pipeline would), so the next forward finds its rows cached.
 
 Every step is timed alone with CUDA events (device idle before it; the latency a serving step sees), medians over
 ``--iters`` steps after ``--warmup`` steps (capped by ``--max-seconds-per-point``). Every method's output is checked
@@ -49,7 +54,8 @@ from ibpcache import datasets
 from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
-METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "ibpcache", "ibpcache_ibp", "ibpcache_raw", "ibpcache_staged")
+METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "torch", "ibpcache", "ibpcache_ibp", "ibpcache_raw",
+           "ibpcache_staged")
 OURS = {"ibpcache": dict(), "ibpcache_ibp": dict(compress=True), "ibpcache_raw": dict(compress=False),
         "ibpcache_staged": dict(compress=True, stage_bytes=64 << 20)}
 
@@ -155,6 +161,10 @@ class Method:
             weight = table.clone() if train else table  # it writes evicted rows back into the tensor it is given
             self.module = cls(table.shape[0], self.dim, mode="sum", sparse=train, _weight=weight,
                               cache_ratio=cache_ratio, warmup_ratio=0.7, evict_strategy=strategy.LFU)
+        elif name == "torch":
+            self.module = torch.nn.EmbeddingBag(table.shape[0], self.dim, mode="sum", sparse=train,
+                                                _weight=table.to(device).clone()).to(device)
+            self.module.weight.requires_grad_(train)
         else:
             self.module = TableBatchedCachedEmbeddingBag([self.rows] * tables, self.dim, mode="sum", sparse=train,
                                                          _weight=table, cache_ratio=cache_ratio, warmup_ratio=0.7,
@@ -169,7 +179,7 @@ class Method:
         batch = local.shape[1] // bag
         if self.name.startswith("fbgemm"):  # KJT order: table-major bags, offsets with the total at the end
             return local.reshape(-1), torch.arange(0, local.numel() + 1, bag, device=self.device), batch
-        if self.name == "colossal":
+        if self.name in ("colossal", "torch"):
             glob = local + self.table_base
             flat = glob.t().reshape(-1) if bag == 1 else glob.reshape(-1)
             return flat, torch.arange(0, flat.numel(), bag, device=self.device), batch
@@ -179,14 +189,15 @@ class Method:
 
     def lookup(self, inp: tuple[torch.Tensor, "torch.Tensor | None", int], bag: int) -> torch.Tensor:
         ids, offsets, batch = inp
-        if self.name == "colossal":
+        if self.name in ("colossal", "torch"):
             out = self.module(ids, offsets)  # [B*T, D] sample-major (bag 1) or [T*B, D] table-major
             if bag == 1:
                 return out.view(batch, -1)
             return out.view(self.tables, batch, self.dim).transpose(0, 1).reshape(batch, -1)
         return self.module(ids, offsets)
 
-    def step(self, inp: tuple, bag: int) -> torch.Tensor:
+    def step(self, inp: tuple, bag: int, nxt: "tuple | None" = None) -> torch.Tensor:
+        """One inference lookup, or one training step (+ ours: prefetch of the next batch ``nxt``)."""
         if not self.train:
             with torch.no_grad():
                 return self.lookup(inp, bag)
@@ -194,10 +205,12 @@ class Method:
         out = self.lookup(inp, bag)
         out.sum().backward()
         self.opt.step()
+        if nxt is not None and self.name.startswith("ibpcache"):
+            self.module.prefetch(nxt[0], nxt[1])
         return out
 
     def counters(self) -> dict[str, float]:
-        if self.name.startswith("fbgemm"):
+        if self.name.startswith("fbgemm") or self.name == "torch":
             return {}
         if self.name == "colossal":
             mgr = self.module.cache_weight_mgr
@@ -246,18 +259,20 @@ def run_point(method: Method, ids: ZipfIds, table_dev: torch.Tensor, batch: int,
     if cuda:
         start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
+    nxt = method.inputs(ids.batch(batch, bag), bag)
     for _ in range(args.iters):
-        local = method.inputs(ids.batch(batch, bag), bag)
+        local, nxt = nxt, method.inputs(ids.batch(batch, bag), bag)
+        pre = nxt if method.train else None
         if cuda:
             torch.cuda.synchronize()
             start_ev.record()
-            method.step(local, bag)
+            method.step(local, bag, pre)
             end_ev.record()
             end_ev.synchronize()
             times.append(start_ev.elapsed_time(end_ev))
         else:  # --device cpu smoke runs only
             t_step = time.perf_counter()
-            method.step(local, bag)
+            method.step(local, bag, pre)
             times.append((time.perf_counter() - t_step) * 1e3)
         if time.perf_counter() - t0 > args.max_seconds_per_point:
             break
@@ -414,6 +429,12 @@ def main() -> None:
         unavailable.update({m: "needs CUDA" for m in methods if not m.startswith("ibpcache")})
     if args.train:
         unavailable.update({m: "FBGEMM's training libraries are not staged" for m in methods if m.startswith("fbgemm")})
+    if "torch" in methods and device.type == "cuda":
+        need = max(int(x) for x in args.entry_bytes.split(",")) * args.tables * (
+            int(args.total_gb * 1e9 / max(int(x) for x in args.entry_bytes.split(",")) / args.tables)
+            if args.total_gb else args.rows_per_table)
+        if need * (3 if args.train else 1) > 0.8 * torch.cuda.mem_get_info()[0]:
+            unavailable["torch"] = f"the tables ({need / 1e9:.1f} GB) do not fit in GPU memory"
     colossal: Any = None
     if "colossal" in methods and "colossal" not in unavailable:
         try:
