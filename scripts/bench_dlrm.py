@@ -342,7 +342,7 @@ def plot(records: list[dict[str, Any]]):
     panels = sorted({(r["row_bytes"], r["bag"]) for r in records})
     ratios = sorted({r["cache_ratio"] for r in records})
     fig, axes = plt.subplots(len(panels), len(ratios), figsize=(5.5 * len(ratios), 3.8 * len(panels)), squeeze=False)
-    styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "ibpcache": "o-", "ibpcache_ibp": "^:",
+    styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "torch": "v-", "ibpcache": "o-", "ibpcache_ibp": "^:",
               "ibpcache_raw": "o--", "ibpcache_staged": "d-."}
     for i, (rb, bag) in enumerate(panels):
         for j, c in enumerate(ratios):
