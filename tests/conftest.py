@@ -127,3 +127,17 @@ def real_rows() -> Callable[[str], Any]:
         return cache[name]
 
     return get
+
+
+@pytest.fixture
+def store_name() -> Any:
+    """A unique shared-store name; whatever segment is left under it is removed afterwards."""
+    import secrets
+
+    from ibpcache import _shm
+
+    name = f"test-{os.getpid()}-{secrets.token_hex(3)}"
+    yield name
+    path = _shm.segment_path(name)
+    if path.exists():
+        path.unlink()

@@ -28,6 +28,7 @@ import torch
 
 from ..cache.ordering import StreamOrder
 from ..cache.planner import LayoutChoice
+from ..compressed import CompressedRows
 from ..codec import Codec
 
 __all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather",
@@ -146,10 +147,64 @@ class HostRowStore:
         self.rows_written = 0
         self._load(table.detach())
 
+    @classmethod
+    def adopt(cls, rows: "CompressedRows", *, device: torch.device, fetch: FetchPath = FetchPath.ZERO_COPY
+              ) -> "HostRowStore":
+        """Serve an existing :class:`~ibpcache.compressed.CompressedRows` (in-place layout) without copying its
+        bytes: one host store for the embedding bags and everything else that reads those rows, including a
+        store attached from shared memory (``CompressedRows.attach``), which is page-locked in place.
+
+        The adopted bytes belong to their owner, so the store is read-only: inference only. Training writes
+        rows back re-encoded, which would change the owner's rows under it (and is impossible for a shared,
+        read-only mapping); build the module from the dense table for that. ``load_state_dict`` replaces the
+        table with a private copy, which is then writable.
+        """
+        from ..format import Layout
+
+        if rows.layout is not Layout.INPLACE:
+            raise ValueError("rows: the embedding bags read rows at i * row_bytes; compress them with "
+                             f"layout='inplace' (got {rows.layout.value!r})")
+        if len(rows.codec.row_shape) != 1:
+            raise ValueError(f"rows: expected 1-D rows [embedding_dim], got row shape {rows.codec.row_shape}")
+        rows.check_shared()
+        self = cls.__new__(cls)
+        self.n_rows, self.dim = rows.n_rows, int(rows.codec.row_shape[0])
+        self.dtype, self.row_bytes, self.device = rows.dtype, rows.row_bytes, device
+        self.compress_option, self.compress = "adopted", True
+        self.layout_choice = None
+        self.threshold, self.chunk_bytes_option, self.fit_sample = rows.codec.threshold, rows.codec.chunk_bytes, None
+        self.fetch = fetch if device.type == "cuda" else FetchPath.HOST_GATHER
+        self._pin = device.type == "cuda"
+        self.refits = 0
+        self.bytes_read = torch.zeros((), dtype=torch.int64, device=device)
+        self.rows_read = self.rows_written = 0
+        self.codec = rows.codec
+        self.data = rows.host_data_for_gpu() if self._device_lengths else rows.data
+        self.lengths = rows.lengths
+        self._lengths_dev = self.lengths.to(self.device) if self._device_lengths else None
+        self.compressed_fraction_at_fit = self.compressed_fraction()
+        self.adopted = rows
+        return self
+
+    adopted: "CompressedRows | None" = None
+
+    @property
+    def read_only(self) -> bool:
+        """Serving adopted rows (see :meth:`adopt`): no write-back, no training."""
+        return self.adopted is not None
+
+    def check_shared(self) -> None:
+        """For adopted rows attached from shared memory: raise StaleStoreError if the store was replaced."""
+        if self.adopted is not None:
+            self.adopted.check_shared()
+
     # -- building ---------------------------------------------------------------------------------
     def _load(self, table: torch.Tensor) -> None:
         """(Re)build the stored bytes from a dense table: fit a codec (or the raw one) and encode."""
         table = table.to("cpu").contiguous()
+        self.adopted = None  # a private copy from here on
+        if self.compress_option == "adopted":
+            self.compress_option = True
         if self.compress_option == "auto" and self.layout_choice is None:
             self._plan(table)
         if self.compress:
@@ -247,6 +302,9 @@ class HostRowStore:
     def write_rows(self, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
         """Store ``rows_u8`` (uint8 ``[M, row_bytes]``) as rows ``ids`` (distinct), re-encoded with the
         table's codec: compressed if a row still matches the mask, raw otherwise."""
+        if self.read_only:
+            raise RuntimeError("this embedding table serves adopted CompressedRows (read-only, inference only); "
+                               "build the module from the dense table to train it")
         if ids.numel() == 0:
             return
         self.rows_written += int(ids.numel())

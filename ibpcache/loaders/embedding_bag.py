@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._validation import resolve_device
+from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidIdsError
 from ._embedding_cache import CachedRowManager, EvictionStrategy, FetchPath, HostRowStore, Prepared, RowGather
 
@@ -235,9 +236,13 @@ class _CachedBagBase(nn.Module):
         self.device = _default_device(device)
         self.cache_op = True
 
-        weight = self._initial_weight(weight, dtype)
-        store = HostRowStore(weight, compress=compress, threshold=threshold, chunk_bytes=chunk_bytes,
-                             device=self.device, fetch=FetchPath.coerce(fetch))
+        if isinstance(weight, CompressedRows):  # serve the given store's bytes: no second host copy
+            self._check_rows(weight, dtype)
+            store = HostRowStore.adopt(weight, device=self.device, fetch=FetchPath.coerce(fetch))
+        else:
+            weight = self._initial_weight(weight, dtype)
+            store = HostRowStore(weight, compress=compress, threshold=threshold, chunk_bytes=chunk_bytes,
+                                 device=self.device, fetch=FetchPath.coerce(fetch))
         del weight
         capacity = max(1, int(num_embeddings * self.cache_ratio))
         self.cache_weight_mgr = CachedRowManager(
@@ -254,6 +259,15 @@ class _CachedBagBase(nn.Module):
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
                                 and store.fetch is FetchPath.ZERO_COPY
                                 and pool_supported(store.dtype, store.row_bytes))
+
+    def _check_rows(self, rows: CompressedRows, dtype: Optional[torch.dtype]) -> None:
+        """``_weight`` given as CompressedRows: its shape must be the table's, its dtype ``dtype`` if given."""
+        shape = (self.num_embeddings, self.embedding_dim)
+        if tuple(rows.shape) != shape:
+            raise ValueError(f"_weight: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
+                             f"embedding_dim {shape}")
+        if dtype is not None and rows.dtype != dtype:
+            raise TypeError(f"_weight: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
 
     def _initial_weight(self, weight: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
         """``_weight`` as given, or Colossal-AI's init: uniform(-1/N, 1/N) with a zero padding row."""
@@ -275,6 +289,7 @@ class _CachedBagBase(nn.Module):
 
     # -- the cached lookup ------------------------------------------------------------------------
     def _check_ready(self) -> None:
+        self.cache_weight_mgr.store.check_shared()  # a replaced shared store: StaleStoreError, never mixed rows
         w = self.cached_weight
         if w.device != self.device or w.dtype != self.cache_weight_mgr.store.dtype:
             raise RuntimeError(f"the cached rows were moved/cast to {w.device}/{w.dtype}; a cached embedding stays on "
@@ -298,6 +313,10 @@ class _CachedBagBase(nn.Module):
         mgr = self.cache_weight_mgr
         w = self.cached_weight
         training = torch.is_grad_enabled() and w.requires_grad
+        if (training or self.max_norm is not None) and mgr.store.read_only:
+            raise RuntimeError("this embedding table serves adopted CompressedRows (read-only): use it for inference "
+                               "(torch.no_grad() or weight.requires_grad_(False)), or build it from the dense table "
+                               "to train")
         prep = mgr.prepare_unique(ids, checks, verify)
         if training or self.max_norm is not None:
             mgr.dirty = True
@@ -497,7 +516,10 @@ class _CachedBagBase(nn.Module):
 
 class CachedEmbeddingBag(_CachedBagBase):
     """``torch.nn.EmbeddingBag`` over a table bigger than device memory: cached rows on the device, the
-    rest IBP-compressed in host memory. Arguments as Colossal-AI 0.5's ``CachedEmbeddingBag``; the
+    rest IBP-compressed in host memory. Arguments as Colossal-AI 0.5's ``CachedEmbeddingBag``;
+    ``_weight`` may also be a :class:`~ibpcache.CompressedRows` of the table (in-place layout; e.g. one attached from
+    shared memory with ``CompressedRows.attach``): the module then serves those bytes with no second host copy,
+    for inference only (``HostRowStore.adopt`` says why). The
     keyword-only ones: ``compress`` (IBP host table: True, False, or "auto", the default: the planner in
     ``ibpcache.cache.planner`` times compressed vs raw misses on this machine at construction and keeps the
     faster; ``stats()['host_layout']`` says which and why), ``threshold`` / ``chunk_bytes`` (codec fit,
@@ -520,7 +542,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
-        _weight: Optional[torch.Tensor] = None,
+        _weight: "Optional[torch.Tensor | CompressedRows]" = None,
         mode: str = "mean",
         include_last_offset: bool = False,
         dtype: Optional[torch.dtype] = None,
@@ -622,7 +644,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         norm_type: float = 2.0,
         scale_grad_by_freq: bool = False,
         sparse: bool = False,
-        _weight: Optional[Union[torch.Tensor, Sequence[torch.Tensor]]] = None,
+        _weight: "Optional[Union[torch.Tensor, Sequence[torch.Tensor], CompressedRows]]" = None,
         mode: str = "mean",
         include_last_offset: bool = False,
         dtype: Optional[torch.dtype] = None,

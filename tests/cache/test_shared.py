@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import stat
 import subprocess
@@ -25,18 +24,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-@pytest.fixture
-def store_name() -> Any:
-    """A unique store name; whatever segment is left under it is removed afterwards."""
-    from ibpcache import _shm
-
-    name = f"test-{os.getpid()}-{secrets.token_hex(3)}"
-    yield name
-    path = _shm.segment_path(name)
-    if path.exists():
-        path.unlink()
 
 
 def _compressed(rows: torch.Tensor, layout: str = "inplace") -> Any:
