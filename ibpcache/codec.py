@@ -127,8 +127,14 @@ class Codec:
         *,
         thresholds: "tuple[float, ...]" = DEFAULT_THRESHOLDS,
         seed: int = 0,
+        method: str = "ibp",
     ) -> "Codec":
         """Learn mask/bitval from ``x`` ([N, ...], CPU or CUDA; runs where ``x`` lives).
+
+        ``method``: ``"ibp"`` (this codec, the default), ``"raw"`` (an IBP codec with an empty mask: every row
+        stored as is), ``"exponent"`` (bf16/fp16 only: :class:`~ibpcache.exponent.ExponentCodec`, Huffman-coded
+        exponents; CPU reference so far, the stores and GPU kernels take IBP codecs only) or ``"auto"`` (of
+        those that apply, the one that stores ``x`` in the fewest bytes).
 
         One pass counts set bits per bit position; one more scores every candidate threshold
         (``thresholds``, default T/N = 0.70..0.95) and chunk size in {1, 2, 4, 8}, and the smallest total
@@ -137,7 +143,42 @@ class Codec:
         A non-contiguous ``x`` (a slice, a transpose) is accepted: the rows fitted on (the sample, if any) are
         copied once into a transient contiguous tensor.
         """
-        return cls.fit_many([x], threshold, chunk_bytes, sample, thresholds=thresholds, seed=seed)[0]
+        if method not in ("ibp", "raw", "exponent", "auto"):
+            raise ValueError(f"method must be 'ibp', 'raw', 'exponent' or 'auto', got {method!r}")
+        if method == "raw":
+            return cls.raw(x.dtype, tuple(x.shape[1:]))
+        if method == "exponent":
+            from .exponent import ExponentCodec
+
+            return ExponentCodec.fit(x)  # type: ignore[return-value]
+        ibp = cls.fit_many([x], threshold, chunk_bytes, sample, thresholds=thresholds, seed=seed)[0]
+        if method == "ibp":
+            return ibp
+        return cls._smallest(x, ibp)
+
+    @classmethod
+    def _smallest(cls, x: torch.Tensor, ibp: "Codec") -> "Codec":
+        """``method='auto'``: IBP, exponent coding (16-bit floats) or raw, whichever stores ``x`` in fewer bytes."""
+        from .exponent import FORMATS, ExponentCodec
+
+        best, size = cls.raw(x.dtype, tuple(x.shape[1:])), x.shape[0] * ibp.row_bytes
+        ibp_size = int(ibp.stored_lengths(x).sum(dtype=torch.int64))
+        if ibp_size < size:
+            best, size = ibp, ibp_size
+        if x.dtype in FORMATS:
+            exp = ExponentCodec.fit(x)
+            if int(exp.stored_lengths(x).sum(dtype=torch.int64)) < size:
+                best = exp  # type: ignore[assignment]
+        return best
+
+    @classmethod
+    def raw(cls, dtype: torch.dtype, row_shape: tuple[int, ...]) -> "Codec":
+        """A codec with an all-zero mask: every row is stored raw, through the same formats and kernels."""
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        chunk = next(c for c in (8, 4, 2, 1) if row_bytes % c == 0)
+        zeros = np.zeros(row_bytes // chunk, dtype=np.uint64)
+        return cls(zeros, zeros.copy(), chunk_bytes=chunk, row_bytes=row_bytes, dtype=dtype,
+                   row_shape=tuple(row_shape), threshold=1.0)
 
     @classmethod
     def fit_many(
@@ -306,6 +347,10 @@ class Codec:
     def load(cls, path: "str | Path") -> "Codec":
         """Read a file written by :meth:`save`; corrupt or truncated files raise FormatError."""
         hdr, sections = read_container(path, FileKind.CODEC)
+        if hdr.get("method", "ibp") == "exponent":  # files without a method are IBP (all earlier files)
+            from .exponent import ExponentCodec
+
+            return ExponentCodec.from_header(hdr, sections)  # type: ignore[return-value]
         if len(sections) != 2:
             raise FormatError(f"{path}: expected 2 sections (mask, bitval), found {len(sections)}")
         return cls.from_header(hdr, sections[0].astype(np.uint64), sections[1].astype(np.uint64))

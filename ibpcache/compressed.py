@@ -63,6 +63,9 @@ class CompressedRows:
 
     def __init__(self, codec: Codec, data: torch.Tensor, lengths: torch.Tensor, *, layout: "str | Layout",
                  origin: str = "cpu") -> None:
+        if not isinstance(codec, Codec):
+            raise TypeError(f"CompressedRows holds IBP-coded rows (a Codec); got {type(codec).__name__} (the exponent "
+                            "codec has no stores or GPU kernels yet: ExponentCodec.encode/decode work on the CPU)")
         self.codec = codec
         self.layout = Layout.from_str(layout)
         if isinstance(data, torch.Tensor) and not data.is_contiguous():

@@ -1,4 +1,4 @@
-"""Run every bitpack, kv_rows and kv_select kernel once on a small real case, for compute-sanitizer memcheck/racecheck.
+"""Run every bitpack, kv_rows, kv_select and exponent kernel once on a small real case, for compute-sanitizer memcheck/racecheck.
 
 `compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py` (scripts/gpu_check.sh does this).
 Exits non-zero if any output is wrong, so a sanitizer-clean run is also a correct one.
@@ -51,6 +51,28 @@ def kv_kernels_ok() -> bool:
     return ok
 
 
+def exponent_kernels_ok() -> bool:
+    """The exponent codec's sizes/encode/decode kernels (device data, then pinned host data read zero-copy)."""
+    from ibpcache.exponent import ExponentCodec
+
+    ok = True
+    for dtype in ("bf16", "fp16"):
+        try:
+            x = datasets.load_kv("chat", "k", dtype)[:300]
+        except FileNotFoundError:
+            x = (torch.randn(300, 64, generator=torch.Generator().manual_seed(1)) * 3).to(
+                torch.bfloat16 if dtype == "bf16" else torch.float16)
+        codec = ExponentCodec.fit(x)
+        data, lengths, offsets = codec.encode_gpu(x.cuda())
+        ok &= torch.equal(data.cpu(), codec.encode(x)[0])
+        ok &= torch.equal(codec.decode_gpu(data, lengths, offsets).cpu().view(torch.int16), x.view(torch.int16))
+        host = codec.decode_gpu(data.cpu().pin_memory(), lengths, offsets)
+        ok &= torch.equal(host.cpu().view(torch.int16), x.view(torch.int16))
+    torch.cuda.synchronize()
+    print(f"exponent kernels: ok={ok}")
+    return ok
+
+
 def main() -> int:
     cases = {"cora": datasets.load_cora().features[:96], "odd_u8": datasets.load_cora().features[:64].view(torch.uint8)[:, :1001].contiguous()}
     try:
@@ -82,6 +104,7 @@ def main() -> int:
         torch.cuda.synchronize()
         print(f"{name}: ok={ok}")
     ok &= kv_kernels_ok()
+    ok &= exponent_kernels_ok()
     return 0 if ok else 1
 
 

@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parent.parent / "ibpcache"
 # layer of each top-level part of the package; a module may import its own layer or a lower one
 _LAYER_OF = {
     "errors": 0, "kernels": 1,
-    "_validation": 2, "format": 2, "fit": 2, "codec": 2, "compressed": 2, "datasets": 2, "_shm": 2,
+    "_validation": 2, "format": 2, "fit": 2, "codec": 2, "compressed": 2, "datasets": 2, "_shm": 2, "exponent": 2,
     "cache": 3,
     "loaders": 4,
     "testing": 5, "__main__": 5, "__init__": 5,

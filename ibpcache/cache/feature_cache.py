@@ -79,16 +79,6 @@ def resolve_budget(budget_bytes: "int | float", raw_nbytes: int) -> int:
     return int(budget_bytes)
 
 
-def identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> Codec:
-    """A codec with no invariant bits: what the decoder needs to copy raw rows (all flags 0) when no
-    compression is on, so the baseline runs through the very same fetch kernels as IBP."""
-    chunk = next(c for c in (8, 4, 2, 1) if row_bytes % c == 0)
-    n_chunks = row_bytes // chunk
-    zeros = np.zeros(n_chunks, dtype=np.uint64)
-    return Codec(zeros, zeros.copy(), chunk_bytes=chunk, row_bytes=row_bytes, dtype=dtype, row_shape=row_shape,
-                 threshold=1.0)
-
-
 class FeatureCache:
     """Rows of a dataset, served by id from a byte-budgeted cache slab plus a host store.
 
@@ -142,8 +132,7 @@ class FeatureCache:
         rows = self._describe_rows(rows)
         self.budget_bytes = resolve_budget(budget_bytes, self.n_rows * self.row_bytes)
         self.codec = self._resolve_codec(rows, codec)
-        self._decode_codec = self.codec if self.codec is not None else identity_codec(
-            self.row_bytes, self.dtype, self.row_shape)
+        self._decode_codec = self.codec if self.codec is not None else Codec.raw(self.dtype, self.row_shape)
         self.host = HostStore(rows, codec=self.codec, compress=self.compress_host, device=self.device)
         self._rows = rows
         self.cache_lengths = self._cache_lengths(rows)  # int32 [N] on CPU: stored bytes in the slab format

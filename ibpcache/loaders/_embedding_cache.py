@@ -90,17 +90,6 @@ class FetchPath(str, enum.Enum):
             raise ValueError(f"fetch must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
-def _null_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> Codec:
-    """A codec whose every row stays raw (mask 0: each chunk would cost a participation bit and save none).
-
-    Lets "compression off" run through exactly the same GPU kernels as "compression on".
-    """
-    n_chunks = -(-row_bytes // 8)
-    zeros = np.zeros(n_chunks, dtype=np.uint64)
-    return Codec(zeros, zeros.copy(), chunk_bytes=8, row_bytes=row_bytes, dtype=dtype, row_shape=row_shape,
-                 threshold=1.0)
-
-
 def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
     return buf[:nbytes]
@@ -214,7 +203,7 @@ class HostRowStore:
             self.data = packed.data
             self.lengths = packed.lengths.to(torch.int32).contiguous()
         else:
-            self.codec = _null_codec(self.row_bytes, self.dtype, (self.dim,))
+            self.codec = Codec.raw(self.dtype, (self.dim,))
             self.data = _host_buffer(self.n_rows * self.row_bytes, self._pin)
             self.data.copy_(table.view(torch.uint8).reshape(-1))
             self.lengths = torch.full((self.n_rows,), self.row_bytes, dtype=torch.int32)

@@ -1,0 +1,118 @@
+// Exponent coding of bf16/fp16 rows (ibpcache/exponent.py holds the format and the CPU reference; the bytes
+// these kernels write and read are the same). One thread per row: a row is one stream of raw (sign + mantissa)
+// fields followed by canonical Huffman codewords of the exponents, LSB-first within bytes, codeword bits most
+// significant first. A row that would not shrink is stored raw (length == row_bytes).
+//
+// Decode peeks `max_bits` stream bits through a 64-bit window and looks the symbol and its length up in a
+// table of 2^max_bits entries ((symbol << 8) | length), built on the host from the code lengths.
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// The 64 stream bits from bit `pos` of the row at `row` (bytes past `nbytes` read as zero).
+__device__ __forceinline__ u64 ibp_exp_window(const unsigned char* __restrict__ row, i64 nbytes, i64 pos) {
+  const i64 first = pos >> 3;
+  u64 w = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const i64 b = first + k;
+    if (b < nbytes) w |= (u64)row[b] << (8 * k);
+  }
+  return w >> (pos & 7);  // >= 57 valid bits: enough for a raw field (<= 11) or a codeword (<= 15)
+}
+
+// Decode one row (d elements) into out (uint16 [d]); returns false if the stream runs past the row.
+__device__ __forceinline__ bool ibp_exp_decode_row(const unsigned char* __restrict__ row, int len, int d,
+                                                   int eshift, int raw_bits, int row_bytes,
+                                                   const int* __restrict__ lut, int max_bits,
+                                                   unsigned short* __restrict__ out) {
+  if (len == row_bytes) {
+    for (int j = 0; j < d; ++j) out[j] = (unsigned short)(row[2 * j] | (row[2 * j + 1] << 8));
+    return true;
+  }
+  const unsigned mant_mask = (1u << eshift) - 1u;
+  const u64 raw_mask = (1ull << raw_bits) - 1ull;
+  i64 pos = 0;
+  for (int j = 0; j < d; ++j, pos += raw_bits) {
+    const unsigned raw = (unsigned)(ibp_exp_window(row, len, pos) & raw_mask);
+    out[j] = (unsigned short)(((raw >> eshift) << 15) | (raw & mant_mask));
+  }
+  for (int j = 0; j < d; ++j) {
+    const u64 w = ibp_exp_window(row, len, pos);
+    const unsigned peek = (unsigned)(__brevll(w) >> (64 - max_bits));  // next max_bits bits, MSB first
+    const int e = lut[peek];
+    pos += e & 0xFF;
+    if (pos > (i64)len * 8) return false;
+    out[j] = (unsigned short)(out[j] | ((unsigned)(e >> 8) << eshift));
+  }
+  return true;
+}
+
+// rows i in [0, n): out[i] = decode(base + offsets[i], lengths[i]); a row that overruns sets *err to 1 + i.
+extern "C" __global__ void ibp_exp_decode(const unsigned char* __restrict__ base, const i64* __restrict__ offsets,
+                                          const int* __restrict__ lengths, i64 n, int d, int eshift, int raw_bits,
+                                          int row_bytes, const int* __restrict__ lut, int max_bits,
+                                          unsigned short* __restrict__ out, i64* __restrict__ err) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    if (!ibp_exp_decode_row(base + offsets[i], lengths[i], d, eshift, raw_bits, row_bytes, lut, max_bits,
+                            out + i * d)) {
+      atomicCAS(reinterpret_cast<unsigned long long*>(err), 0ull, (unsigned long long)(i + 1));
+    }
+  }
+}
+
+// Stored length of every row (bytes; row_bytes when it would not shrink).
+extern "C" __global__ void ibp_exp_sizes(const unsigned short* __restrict__ x, i64 n, int d, int eshift, int emask,
+                                         int raw_bits, int row_bytes, const unsigned char* __restrict__ code_len,
+                                         int* __restrict__ lengths) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    i64 bits = (i64)d * raw_bits;
+    for (int j = 0; j < d; ++j) bits += code_len[(x[i * d + j] >> eshift) & emask];
+    const i64 bytes = (bits + 7) >> 3;
+    lengths[i] = bytes >= row_bytes ? row_bytes : (int)bytes;
+  }
+}
+
+// Append `nbits` (<= 32) of `value`, least significant first, to the bit accumulator; flush whole bytes.
+__device__ __forceinline__ void ibp_exp_put(unsigned char* __restrict__ dst, i64& byte, u64& acc, int& fill,
+                                            u64 value, int nbits) {
+  acc |= value << fill;
+  fill += nbits;
+  while (fill >= 8) {
+    dst[byte++] = (unsigned char)(acc & 0xFF);
+    acc >>= 8;
+    fill -= 8;
+  }
+}
+
+// Encode row i of x (uint16 [n, d]) at dst + offsets[i]; lengths from ibp_exp_sizes.
+extern "C" __global__ void ibp_exp_encode(const unsigned short* __restrict__ x, i64 n, int d, int eshift, int emask,
+                                          int raw_bits, int row_bytes, const unsigned char* __restrict__ code_len,
+                                          const unsigned int* __restrict__ code_rev,
+                                          const i64* __restrict__ offsets, const int* __restrict__ lengths,
+                                          unsigned char* __restrict__ dst) {
+  const unsigned mant_mask = (1u << eshift) - 1u;
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    unsigned char* row = dst + offsets[i];
+    const unsigned short* src = x + i * d;
+    if (lengths[i] == row_bytes) {
+      for (int j = 0; j < d; ++j) {
+        row[2 * j] = (unsigned char)(src[j] & 0xFF);
+        row[2 * j + 1] = (unsigned char)(src[j] >> 8);
+      }
+      continue;
+    }
+    i64 byte = 0;
+    u64 acc = 0;
+    int fill = 0;
+    for (int j = 0; j < d; ++j) {
+      const unsigned v = src[j];
+      ibp_exp_put(row, byte, acc, fill, ((v >> 15) << eshift) | (v & mant_mask), raw_bits);
+    }
+    for (int j = 0; j < d; ++j) {
+      const unsigned e = (src[j] >> eshift) & (unsigned)emask;
+      ibp_exp_put(row, byte, acc, fill, code_rev[e], code_len[e]);  // codeword bit-reversed: MSB goes first
+    }
+    if (fill > 0) row[byte++] = (unsigned char)(acc & 0xFF);
+  }
+}
