@@ -212,3 +212,13 @@ def test_gpu_overrun_is_a_clear_error(real_rows: Any) -> None:
     short = torch.where(lengths < codec.row_bytes, lengths // 2, lengths)  # streams cut in half
     with pytest.raises(FormatError, match="no codeword ends inside the row"):
         codec.decode_gpu(data, short, offsets)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 129, 300])  # staged (<= 256 bytes per row) and direct decode paths
+def test_gpu_row_sizes_around_the_staging_limit(real_rows: Any, d: int) -> None:
+    rows = real_rows("kv_chat_v_bf16")[: 64 * 300].reshape(-1)[: 300 * d].view(300, d)
+    codec = ExponentCodec.fit(rows)
+    for src in (codec.encode_gpu(rows.cuda()), tuple(t.cuda() if i else t.pin_memory()
+                                                        for i, t in enumerate(codec.encode(rows)))):
+        assert torch.equal(_u16(codec.decode_gpu(*src).cpu()), _u16(rows))

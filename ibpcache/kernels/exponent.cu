@@ -48,7 +48,44 @@ __device__ __forceinline__ bool ibp_exp_decode_row(const unsigned char* __restri
   return true;
 }
 
+#define IBP_EXP_WARPS 4        // warps per block of the staged decode
+#define IBP_EXP_MAX_ROW 256    // rows up to this many bytes are staged in shared memory (head_dim <= 128)
+#define IBP_EXP_STRIDE (IBP_EXP_MAX_ROW + 8)
+
+// Staged decode (rows <= IBP_EXP_MAX_ROW bytes): a warp takes 32 rows, copies their stored bytes into shared
+// memory with coalesced loads (32 consecutive bytes per load: what a zero-copy read over PCIe needs), then every
+// lane decodes one row from there. Reading each row's bits straight from host memory, thread by thread, would
+// cost hundreds of tiny PCIe reads per row.
+extern "C" __global__ void __launch_bounds__(32 * IBP_EXP_WARPS)
+ibp_exp_decode_staged(const unsigned char* __restrict__ base, const i64* __restrict__ offsets,
+                      const int* __restrict__ lengths, i64 n, int d, int eshift, int raw_bits, int row_bytes,
+                      const int* __restrict__ lut, int max_bits, unsigned short* __restrict__ out,
+                      i64* __restrict__ err) {
+  __shared__ unsigned char stage[IBP_EXP_WARPS][32 * IBP_EXP_STRIDE];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  unsigned char* mine = stage[warp];
+  const i64 step = (i64)gridDim.x * IBP_EXP_WARPS * 32;
+  for (i64 first = ((i64)blockIdx.x * IBP_EXP_WARPS + warp) * 32; first < n; first += step) {
+    for (int r = 0; r < 32 && first + r < n; ++r) {
+      const int len = lengths[first + r];
+      const unsigned char* src = base + offsets[first + r];
+      for (int b = lane; b < len && b < IBP_EXP_MAX_ROW; b += 32) mine[r * IBP_EXP_STRIDE + b] = src[b];
+    }
+    __syncwarp();
+    const i64 i = first + lane;
+    if (i < n) {
+      const int len = lengths[i];
+      if (len > row_bytes || !ibp_exp_decode_row(mine + lane * IBP_EXP_STRIDE, len, d, eshift, raw_bits, row_bytes,
+                                                 lut, max_bits, out + i * d)) {
+        atomicCAS(reinterpret_cast<unsigned long long*>(err), 0ull, (unsigned long long)(i + 1));
+      }
+    }
+    __syncwarp();
+  }
+}
+
 // rows i in [0, n): out[i] = decode(base + offsets[i], lengths[i]); a row that overruns sets *err to 1 + i.
+// Any row size; reads the stored bytes thread by thread (device-resident data, or rows > IBP_EXP_MAX_ROW).
 extern "C" __global__ void ibp_exp_decode(const unsigned char* __restrict__ base, const i64* __restrict__ offsets,
                                           const int* __restrict__ lengths, i64 n, int d, int eshift, int raw_bits,
                                           int row_bytes, const int* __restrict__ lut, int max_bits,

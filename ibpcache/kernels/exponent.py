@@ -18,6 +18,8 @@ __all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_decode"]
 
 _SRC = "exponent.cu"
 _THREADS = 128
+_STAGED_WARPS = 4  # IBP_EXP_WARPS
+STAGED_MAX_ROW = 256  # IBP_EXP_MAX_ROW
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,13 @@ def exp_decode(base: int, offsets: torch.Tensor, lengths: torch.Tensor, tab: Exp
         raise ValueError("exp_decode: offsets int64 [N] and lengths int32 [N]")
     if out.numel() != n * tab.row_elems or not out.is_contiguous():
         raise ValueError("exp_decode: out must be contiguous [N, row_elems]")
-    if n:
+    if n and tab.row_bytes <= STAGED_MAX_ROW:  # the usual case: coalesced staging, then a row per lane
+        grid = max(1, min(-(-n // (32 * _STAGED_WARPS)), sm_count(dev) * 8))
+        launch(_SRC, "ibp_exp_decode_staged", dev, grid, 32 * _STAGED_WARPS,
+               (np.uint64(base), _p(offsets), _p(lengths), np.int64(n), np.int32(tab.row_elems), np.int32(tab.eshift),
+                np.int32(tab.raw_bits), np.int32(tab.row_bytes), _p(tab.lut), np.int32(tab.max_bits), _p(out),
+                _p(err)))
+    elif n:
         launch(_SRC, "ibp_exp_decode", dev, _grid(n, dev), _THREADS,
                (np.uint64(base), _p(offsets), _p(lengths), np.int64(n), np.int32(tab.row_elems), np.int32(tab.eshift),
                 np.int32(tab.raw_bits), np.int32(tab.row_bytes), _p(tab.lut), np.int32(tab.max_bits), _p(out),
