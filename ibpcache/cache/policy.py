@@ -102,7 +102,8 @@ class StaticPolicy(CachePolicy):
     """Admit the hottest rows that fit the budget, once, before the first fetch.
 
     ``hotness``: float/int [n_rows] score (higher = hotter), e.g. node degrees or id counts of a
-    presampled trace. ``None`` means "no preference": ids in ascending order.
+    presampled trace; ``-inf`` marks a row this cache must never hold (the partitioned cache gives each GPU's
+    cache only its own share this way). ``None`` means "no preference": ids in ascending order.
     """
 
     kind = PolicyKind.STATIC
@@ -122,7 +123,10 @@ class StaticPolicy(CachePolicy):
                 raise ValueError(f"hotness must have one score per row ({n}), got {hot.numel()}")
             if hot.dtype == torch.bool or hot.is_complex():
                 raise ValueError(f"hotness must be a real-valued score, got dtype {hot.dtype}")
-            order = torch.argsort(hot.to(lengths.device).to(torch.float64), descending=True, stable=True)
+            hot64 = hot.to(lengths.device).to(torch.float64)
+            order = torch.argsort(hot64, descending=True, stable=True)
+            if bool(torch.isneginf(hot64).any()):  # construction time only: one host sync is fine
+                order = order[: int((~torch.isneginf(hot64)).sum())]
         return order[greedy_fill(order, lengths, budget)]
 
 

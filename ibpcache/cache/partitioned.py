@@ -1,0 +1,111 @@
+"""GPU slab caches across the GPUs of one node: each rank caches a disjoint hot set, peers serve each other.
+
+One process per GPU (``torchrun``), one shared compressed host store (``CompressedRows.attach``). Rows are dealt
+to ranks round-robin down the hotness order (rank ``k % W`` gets the k-th hottest row), and each rank's
+:class:`~ibpcache.cache.feature_cache.FeatureCache` is a static cache over its share only (other rows get hotness
+``-inf``: never admitted). So the node caches about the ``W x capacity`` hottest rows instead of every GPU caching
+the same ones: the node's cache capacity is W times one GPU's.
+
+``fetch(ids)`` (a collective: every rank calls it, each with its own ids) routes each id:
+
+* cached on this rank, or cached nowhere -> this rank's FeatureCache (slab hit, or a zero-copy read of the shared
+  host store: a miss never crosses to a peer);
+* cached on a peer -> asked from that peer with ``all_to_all_single`` (counts first, then ids, then rows; NCCL over
+  NVLink on GPUs, gloo on CPU), served from its slab, sent back as decoded rows.
+
+The counts exchange needs one host sync per fetch (split sizes are data-dependent); the rest is device work.
+Rows travel decoded (bit-exact either way); sending them compressed is left for when NVLink, not decode, bounds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._validation import check_ids
+from .feature_cache import FeatureCache
+
+__all__ = ["PartitionedFeatureCache", "deal_rows"]
+
+
+def deal_rows(hotness: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Owner rank of every row: round-robin down the hotness order (hottest first, ties by id)."""
+    order = torch.argsort(hotness.reshape(-1).to(torch.float64), descending=True, stable=True)
+    owner = torch.empty(order.numel(), dtype=torch.int64)
+    owner[order] = torch.arange(order.numel()) % world_size
+    return owner
+
+
+class PartitionedFeatureCache:
+    """This rank's share of a node-wide cache over ``rows``; ``fetch`` returns any rows, bit-exact. Collective."""
+
+    def __init__(self, rows: Any, hotness: torch.Tensor, budget_bytes: "int | float", device: "str | torch.device",
+                 group: "dist.ProcessGroup | None" = None, **cache_kwargs: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
+        owner = deal_rows(hot, self.world_size)
+        mine = torch.where(owner == self.rank, hot, torch.full_like(hot, float("-inf")))
+        self.cache = FeatureCache(rows, budget_bytes=budget_bytes, policy="static", hotness=mine, device=device,
+                                  **cache_kwargs)
+        self.device = self.cache.device
+        self.n_rows, self.row_bytes = self.cache.n_rows, self.cache.row_bytes
+        self.holder = self._holders()
+        self.peer_rows = 0  # ids this rank got from peers
+        self.served_rows = 0  # ids this rank served to peers
+        self.bytes_received = 0
+
+    def _holders(self) -> torch.Tensor:
+        """int32 [N] on the device: the rank whose GPU caches each row, -1 where none does (exchanged once)."""
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, self.cache.cached_ids.cpu(), group=self.group)
+        holder = torch.full((self.n_rows,), -1, dtype=torch.int32)
+        for r, ids in enumerate(everyone):
+            holder[ids] = r
+        return holder.to(self.device)
+
+    @property
+    def node_cached_rows(self) -> int:
+        return int((self.holder >= 0).sum())
+
+    def _a2a(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        recv = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
+        return recv
+
+    def fetch(self, ids: torch.Tensor) -> torch.Tensor:
+        """``rows[ids]`` on this rank's device (global ids, duplicates fine). Every rank must call it together."""
+        ids = check_ids(ids, self.n_rows, self.device)
+        h = self.holder[ids].to(torch.int64)
+        remote = (h >= 0) & (h != self.rank)
+        dest = torch.where(remote, h, torch.full_like(h, self.rank))
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=self.world_size)
+        send_counts[self.rank] = 0
+        recv_counts = self._a2a(send_counts, [1] * self.world_size, [1] * self.world_size)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()  # the one host sync: split sizes
+        n_remote = sum(sc)
+        wanted = self._a2a(ids[order[dest[order] != self.rank]], sc, rc)  # grouped by destination rank
+        served = self.cache.fetch(wanted).view(torch.uint8).reshape(-1, self.row_bytes)
+        got = self._a2a(served, rc, sc)
+        out = torch.empty((ids.numel(), *self.cache.row_shape), dtype=self.cache.dtype, device=self.device)
+        out_u8 = out.view(torch.uint8).reshape(ids.numel(), self.row_bytes)
+        local_pos = torch.nonzero(~remote).reshape(-1)
+        if local_pos.numel():
+            out_u8[local_pos] = self.cache.fetch(ids[local_pos]).view(torch.uint8).reshape(-1, self.row_bytes)
+        if n_remote:
+            remote_pos = order[torch.nonzero(dest[order] != self.rank).reshape(-1)]
+            out_u8[remote_pos] = got
+        self.peer_rows += n_remote
+        self.served_rows += sum(rc)
+        self.bytes_received += n_remote * self.row_bytes
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        st = self.cache.stats()
+        return {"rank": self.rank, "world_size": self.world_size, "rows_cached_here": int(self.cache.capacity_rows),
+                "rows_cached_on_node": self.node_cached_rows, "peer_rows": self.peer_rows,
+                "served_rows": self.served_rows, "bytes_from_peers": self.bytes_received, "local": st}

@@ -1,0 +1,67 @@
+"""Run by test_partitioned.py: W ranks share one compressed store and a node-wide partitioned cache.
+
+``python partitioned_worker.py WORLD PORT OUT_DIR BACKEND``: BACKEND ``gloo`` runs CPU caches, ``nccl`` one GPU per
+rank. Rank 0 compresses real rows (bundled Cora) and shares them; every rank attaches, builds its share of the
+cache (hotness: a seeded power law over a random order), fetches a seeded batch (duplicates, rows cached here, on
+the peer and nowhere) and an empty one, then tries bad ids (all ranks together). Saves what the test checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seg = None
+    try:
+        from ibpcache import Codec, CompressedRows
+        from ibpcache.cache.partitioned import PartitionedFeatureCache
+        from ibpcache.datasets import load_cora
+        from ibpcache.errors import InvalidIdsError
+
+        table = load_cora().features
+        name = f"ptest-{port}"
+        if rank == 0:
+            seg = Codec.fit(table).compress(table, layout="inplace", pin=False).share(name)
+        dist.barrier()
+        rows = CompressedRows.attach(name)
+        gen = torch.Generator().manual_seed(7)
+        hotness = (torch.randperm(table.shape[0], generator=gen) + 1.0) ** -1.2
+        cache = PartitionedFeatureCache(rows, hotness, budget_bytes=0.004, device=device)
+        ids = torch.randint(0, table.shape[0], (4000 + 300 * rank,), generator=torch.Generator().manual_seed(rank))
+        hot_ids = torch.argsort(hotness, descending=True)[:200]
+        ids = torch.cat([ids, hot_ids, hot_ids[:50]])
+        got = cache.fetch(ids.to(device))
+        empty = cache.fetch(torch.empty(0, dtype=torch.int64, device=device))
+        bad = "none"
+        try:
+            cache.fetch(torch.tensor([0, table.shape[0]], device=device))
+        except InvalidIdsError as exc:
+            bad = str(exc)
+        st = cache.stats()
+        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), ids=ids.numpy(), got=got.cpu().view(torch.uint8).numpy(),
+                 empty=np.array(empty.shape), cached=cache.cache.cached_ids.cpu().numpy(),
+                 node_cached=st["rows_cached_on_node"], here=st["rows_cached_here"], peer_rows=st["peer_rows"],
+                 served_rows=st["served_rows"], bad=np.array(bad))
+        dist.barrier()
+    finally:
+        if seg is not None:
+            seg.unlink()
+            seg.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, port, out_dir, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    mp.spawn(_worker, args=(world, port, out_dir, backend), nprocs=world, join=True)
