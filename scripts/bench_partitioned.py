@@ -116,10 +116,10 @@ def main() -> None:
         local_hits = float(pst["local"]["hits"])
         served = pst["served_rows"]
         peer = part.peer_rows - peer_before
-        # the local cache also served peers' requests (all hits): count this rank's own lookups only
-        own_hits = local_hits - served
+        # the local cache also served peers' requests (all hits), and each id sent to a peer was fetched here as a
+        # filler hit (overwritten by the peer's row): hits - served = own hits + peer hits
         rec["partitioned"].update(rows_cached_here=pst["rows_cached_here"], rows_cached_on_node=pst["rows_cached_on_node"],
-                                  hit_rate=(own_hits + peer) / requests, peer_fraction=peer / requests)
+                                  hit_rate=(local_hits - served) / requests, peer_fraction=peer / requests)
         # one kind of row per batch: all cached on a peer, all cached nowhere (host misses)
         holder = part.holder
         gen = torch.Generator(device="cpu").manual_seed(5 + rank)
