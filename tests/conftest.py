@@ -141,3 +141,13 @@ def store_name() -> Any:
     path = _shm.segment_path(name)
     if path.exists():
         path.unlink()
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free on loopback right now (for the rendezvous of torch.distributed test ranks)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +14,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_partition_book_maps_every_row_once() -> None:
@@ -37,10 +31,10 @@ def test_partition_book_maps_every_row_once() -> None:
         PartitionBook.from_owner(torch.tensor([0, 3]), 3)
 
 
-def test_two_gloo_ranks_fetch_exact_rows(real_rows: Any, tmp_path: Path) -> None:
+def test_two_gloo_ranks_fetch_exact_rows(real_rows: Any, tmp_path: Path, free_port: int) -> None:
     table = real_rows("cora")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("dist_worker.py")), "2", str(_free_port()),
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("dist_worker.py")), "2", str(free_port),
                           str(tmp_path), "cora"], env=env, capture_output=True, timeout=300)
     assert res.returncode == 0, res.stderr.decode()[-3000:]
     raw = table.contiguous().view(torch.uint8).reshape(table.shape[0], -1).numpy()

@@ -7,7 +7,6 @@ ranks' cached sets are disjoint and the node holds their sum; peer traffic adds 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +18,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_deal_rows_round_robin_by_hotness() -> None:
@@ -41,10 +35,10 @@ def test_static_policy_never_admits_minus_inf_rows() -> None:
     assert sorted(chosen.tolist()) == [0, 2]
 
 
-def _run(world: int, backend: str, tmp_path: Path) -> list[dict[str, Any]]:
+def _run(world: int, backend: str, tmp_path: Path, free_port: int) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, str(Path(__file__).with_name("partitioned_worker.py")), str(world),
-                          str(_free_port()), str(tmp_path), backend], env=env, capture_output=True, timeout=600)
+                          str(free_port), str(tmp_path), backend], env=env, capture_output=True, timeout=600)
     assert res.returncode == 0, res.stderr.decode()[-3000:]
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
 
@@ -62,11 +56,11 @@ def _check(ranks: list[dict[str, Any]], cora: Any) -> None:
     assert sum(int(r["peer_rows"]) for r in ranks) == sum(int(r["served_rows"]) for r in ranks) > 0
 
 
-def test_two_gloo_ranks_partition_the_hot_rows(tmp_path: Path, cora: Any) -> None:
-    _check(_run(2, "gloo", tmp_path), cora)
+def test_two_gloo_ranks_partition_the_hot_rows(tmp_path: Path, cora: Any, free_port: int) -> None:
+    _check(_run(2, "gloo", tmp_path, free_port), cora)
 
 
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
-def test_two_gpus_partition_the_hot_rows(tmp_path: Path, cora: Any) -> None:
-    _check(_run(2, "nccl", tmp_path), cora)
+def test_two_gpus_partition_the_hot_rows(tmp_path: Path, cora: Any, free_port: int) -> None:
+    _check(_run(2, "nccl", tmp_path, free_port), cora)
