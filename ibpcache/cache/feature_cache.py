@@ -95,7 +95,10 @@ class FeatureCache:
         policy: ``"static"``, ``"lru"`` or ``"lfu"`` (see ``policy.py``).
         device: ``"cuda"`` or ``"cpu"`` (the CPU path runs the same design with Numba decoders).
         codec: None or ``"auto"`` (fit on the rows when any compression is on), or a :class:`Codec`.
-        compress_cache / compress_host: store compressed rows in the slab / in host memory.
+        compress_cache / compress_host: store compressed rows in the slab / in host memory. ``compress_host="auto"``
+            lets the host-layout planner (``planner.py``, as the embedding bags do by default) time compressed vs
+            raw zero-copy misses on this machine and keep the faster (``stats()["host_layout"]`` says which); a
+            ``CompressedRows`` input stays compressed (decompressing it would cost the memory it saves).
         index: ``"auto"``, ``"hash"`` or ``"direct"`` (see ``hashmap.make_index``).
         max_probes: hash probe bound.
         slot_bytes: slot size of dynamic policies, ``"auto"`` (``policy.choose_slot_bytes``) or an int.
@@ -115,7 +118,7 @@ class FeatureCache:
         device: "str | torch.device" = "cuda",
         codec: "Codec | str | None" = None,
         compress_cache: bool = True,
-        compress_host: bool = True,
+        compress_host: "bool | str" = True,
         *,
         index: str = "auto",
         max_probes: int = DEFAULT_MAX_PROBES,
@@ -128,10 +131,13 @@ class FeatureCache:
         self.validate = validate
         self.policy_kind = PolicyKind.from_str(policy)
         self.compress_cache = bool(compress_cache)
-        self.compress_host = bool(compress_host)
+        if compress_host not in (True, False, "auto"):
+            raise ValueError(f"compress_host must be True, False or 'auto', got {compress_host!r}")
+        self.compress_host = compress_host is not False  # "auto" decides below, once the codec is fitted
         rows = self._describe_rows(rows)
         self.budget_bytes = resolve_budget(budget_bytes, self.n_rows * self.row_bytes)
         self.codec = self._resolve_codec(rows, codec)
+        self.host_layout = self._plan_host(rows, compress_host)
         self._decode_codec = self.codec if self.codec is not None else Codec.raw(self.dtype, self.row_shape)
         self.host = HostStore(rows, codec=self.codec, compress=self.compress_host, device=self.device)
         self._rows = rows
@@ -180,6 +186,18 @@ class FeatureCache:
             raise ValueError("rows: expected at least one row")
         check_row_length(self.row_bytes)
         return rows
+
+    def _plan_host(self, rows: "torch.Tensor | CompressedRows", option: "bool | str") -> dict[str, Any]:
+        """``compress_host="auto"``: the planner's choice for a tensor of rows (CompressedRows stay compressed)."""
+        if option != "auto":
+            return {"compress": bool(option), "reason": f"compress_host={option!r} (set)"}
+        if isinstance(rows, CompressedRows) or self.codec is None:
+            return {"compress": True, "reason": "CompressedRows given: kept compressed"}
+        from .planner import calibrate_layout
+
+        choice = calibrate_layout(rows, self.codec, self.device)
+        self.compress_host = choice.compress
+        return choice.as_dict()
 
     def _resolve_codec(self, rows: "torch.Tensor | CompressedRows", codec: "Codec | str | None") -> Codec | None:
         if isinstance(rows, CompressedRows):
@@ -522,6 +540,7 @@ class FeatureCache:
             "policy": self.policy_kind.value,
             "ratio": self.ratio,
             "host_ratio": self.host.ratio,
+            "host_layout": self.host_layout,
             "transfer_ratio": (snap["raw_host_bytes_equivalent"] / snap["host_bytes_read"]
                                if snap["host_bytes_read"] else None),
             "capacity_rows": self.capacity_rows,

@@ -75,7 +75,7 @@ def _sample_rows(table: torch.Tensor, row_bytes: int) -> torch.Tensor:
     n = int(table.shape[0])
     m = max(1, min(n, CALIBRATION_BYTES // max(row_bytes, 1)))
     idx = torch.linspace(0, n - 1, m).round().to(torch.int64).unique()
-    return table.index_select(0, idx).contiguous()
+    return table.index_select(0, idx.to(table.device)).cpu().contiguous()
 
 
 def _time_layout(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dtype: torch.dtype, err: Any,
@@ -107,7 +107,7 @@ def _time_layout(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dt
 
 def calibrate_layout(table: torch.Tensor, codec: Codec, device: torch.device, batch: int = 8192,
                      reps: int = 7) -> LayoutChoice:
-    """Time compressed vs raw zero-copy misses on a pinned sample of ``table`` (CPU ``[N, D]``) on ``device``.
+    """Time compressed vs raw zero-copy misses on a pinned sample of ``table`` (``[N, ...]``, any device) on ``device``.
 
     The compression ratio used for the floor is the sample's. Both layouts are timed in alternation, so clock
     or PCIe drift hits them alike; medians decide."""

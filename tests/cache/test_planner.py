@@ -101,3 +101,25 @@ def test_gpu_calibration_times_both_layouts_and_stays_exact(minilm: torch.Tensor
     assert layout["raw_ms"] is not None and m.stats()["host_compress"] == layout["compress"]
     m.eval()
     _check_exact(m, w, "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_feature_cache_host_layout_auto(cora, minilm: torch.Tensor, device: str) -> None:
+    """FeatureCache takes the same planner (opt-in): exact rows whichever layout it picks; incompressible rows
+    stay raw; an explicit setting is reported as set."""
+    from ibpcache import FeatureCache
+
+    ids = torch.randint(0, 2000, (3000,), generator=torch.Generator().manual_seed(2))
+    for rows in (cora.features[:2000], minilm[:2000, :128].contiguous()):
+        cache = FeatureCache(rows, budget_bytes=0.02, device=device, compress_host="auto")
+        layout = cache.stats()["host_layout"]
+        assert layout["compress"] == cache.compress_host and "reason" in layout
+        assert (layout["raw_ms"] is not None) == (device == "cuda")
+        assert torch.equal(cache.fetch(ids).cpu().view(torch.uint8), rows[ids].view(torch.uint8))
+    noise = torch.randint(-2 ** 31, 2 ** 31 - 1, (500, 16), generator=torch.Generator().manual_seed(3),
+                          dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert FeatureCache(noise, budget_bytes=0.05, device=device, compress_host="auto").compress_host is False
+    assert FeatureCache(noise, budget_bytes=0.05, device=device).stats()["host_layout"]["reason"] == \
+        "compress_host=True (set)"
+    with pytest.raises(ValueError, match="compress_host must be"):
+        FeatureCache(noise, budget_bytes=0.05, device=device, compress_host="yes")
