@@ -40,6 +40,7 @@ bench_dlrm.json (``{"points": [{"row_bytes", "batch", "cache_ratio", "bag", "mod
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
 import importlib.util
@@ -589,9 +590,10 @@ def main() -> None:
                 del method
                 free_memory()
                 for bag in bags if check and name != "torch" else ():  # torch is the reference itself
-                    chk = training_check(name, lambda: Method(name, table, args.tables, ratio, colossal, True,
-                                                              args.lr, device),
-                                         references[bag], ids, check_batch, bag, args.check_steps, device)
+                    build = functools.partial(Method, name, table, args.tables, ratio, colossal, True, args.lr,
+                                              device)
+                    chk = training_check(name, build, references[bag], ids, check_batch, bag, args.check_steps,
+                                         device)
                     rec = next(r for r in records if r["row_bytes"] == entry and r["cache_ratio"] == ratio
                                and r["method"] == name and r["batch"] == check_batch and r["bag"] == bag)
                     rec["trained_weights"] = chk
