@@ -682,6 +682,11 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     assert {r["status"] for r in records if not r["method"].startswith("ibpcache")} == {"unavailable"}
     assert {(p["bag"], p["batch"]) for p in payload["points"]} == {(1, 64), (3, 64)}
     assert all(p["methods"]["ibpcache"]["M_lookups_per_s"] > 0 for p in payload["points"])
+    for p in payload["points"]:  # the paired default-vs-raw run the compression target reads
+        pair = p["methods"]["ibpcache"]["paired_vs_raw"]
+        assert pair["outputs_equal"] and pair["pairs"] == 3 and pair["speedup_vs_raw"] > 0
+        assert p["compression_speedup"] == pair["speedup_vs_raw"]
+        assert pair["same_layout_as_raw"] is False  # CPU: nothing to time, the table stays compressed
     assert (tmp_path / "bench_dlrm.png").exists()
 
 
