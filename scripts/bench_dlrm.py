@@ -556,15 +556,15 @@ def main() -> None:
     p.add_argument("--check-steps", type=int, default=8,
                    help="--train: SGD steps of the trained-weights check per bag size (0: no check)")
     p.add_argument("--quick", action="store_true",
-                   help="small sizes (20k rows/table, batches 1024 and 8192, <= 1.5 s/point; --train: Colossal-AI, "
-                        "torch and ours, 4 check steps): a few minutes on an H100")
+                   help="small sizes (20k rows/table, batches 1024 and 8192, <= 1.5 s/point; --train: 512 B and "
+                        "2 KB rows, Colossal-AI, torch and ours, 4 check steps): a few minutes on an H100")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run of our methods)")
     args = p.parse_args()
     if args.quick:  # smaller defaults; options given explicitly still win
         quick = {"rows_per_table": 20_000, "iters": 20, "warmup": 20, "batches": "1024,8192",
                  "max_seconds_per_point": 1.5, "check_steps": 4}
         if args.train:
-            quick["methods"] = "colossal,torch,ibpcache,ibpcache_raw"
+            quick.update(methods="colossal,torch,ibpcache,ibpcache_raw", entry_bytes="512,2048")
         for key, value in quick.items():
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
