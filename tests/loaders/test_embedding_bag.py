@@ -682,7 +682,60 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     assert {r["status"] for r in records if not r["method"].startswith("ibpcache")} == {"unavailable"}
     assert {(p["bag"], p["batch"]) for p in payload["points"]} == {(1, 64), (3, 64)}
     assert all(p["methods"]["ibpcache"]["M_lookups_per_s"] > 0 for p in payload["points"])
+    for p in payload["points"]:  # the paired default-vs-raw run the compression target reads
+        pair = p["methods"]["ibpcache"]["paired_vs_raw"]
+        assert pair["outputs_equal"] and pair["pairs"] == 3 and pair["speedup_vs_raw"] > 0
+        assert p["compression_speedup"] == pair["speedup_vs_raw"]
+        assert pair["same_layout_as_raw"] is False  # CPU: nothing to time, the table stays compressed
     assert (tmp_path / "bench_dlrm.png").exists()
+
+
+def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
+    """--train on the CPU: every one of ours trains, and the trained-weights check finds the whole table equal to
+    nn.EmbeddingBag's after the same SGD steps (the check is recorded on the smallest batch's points)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(root / "scripts" / "bench_dlrm.py"), "--device", "cpu", "--out", str(tmp_path),
+           "--tables", "3", "--rows-per-table", "400", "--entry-bytes", "512", "--batches", "64,32",
+           "--cache-ratios", "0.05", "--bags", "1,3", "--iters", "2", "--warmup", "1", "--train", "--check-steps",
+           "3", "--methods", "ibpcache,ibpcache_raw,colossal"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = json.loads((tmp_path / "bench_dlrm.json").read_text())["records"]
+    ours = [r for r in records if r["method"].startswith("ibpcache")]
+    checked = [r for r in ours if "trained_weights" in r]
+    assert {(r["method"], r["bag"], r["batch"]) for r in checked} == {
+        (m, b, 32) for m in ("ibpcache", "ibpcache_raw") for b in (1, 3)}
+    for r in checked:
+        chk = r["trained_weights"]
+        assert chk["status"] == "ok" and chk["steps"] == 3 and chk["bit_exact"] and chk["rows_differing"] == 0, chk
+    assert all("trained_weights" not in r for r in records if r["method"] == "colossal")  # unavailable on CPU
+
+
+def test_bench_dlrm_compare_tables_reports_differences() -> None:
+    """The trained-weights comparison counts differing rows and their max abs difference (-0.0 vs 0.0 differs)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_dlrm_cmp", root / "scripts" / "bench_dlrm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a = torch.zeros(10, 4)
+    b = a.clone()
+    assert mod.compare_tables(a, b, torch.device("cpu"), chunk_rows=3) == {
+        "bit_exact": True, "rows_differing": 0, "max_abs_diff": 0.0}
+    b[2, 1] = -0.0
+    b[7, 3] = 0.25
+    got = mod.compare_tables(a, b, torch.device("cpu"), chunk_rows=3)
+    assert got == {"bit_exact": False, "rows_differing": 2, "max_abs_diff": 0.25}
+    assert not mod.compare_tables(a, b[:9], torch.device("cpu"))["bit_exact"]
 
 
 # ------------------------------------------------------------------------------------------------

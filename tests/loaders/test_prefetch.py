@@ -152,3 +152,50 @@ def test_side_stream_prefetch_overlaps_compute_and_stays_exact(minilm: torch.Ten
     for ids, got in zip(batches, outs):
         want = torch.nn.functional.embedding_bag(ids.cuda(), w.cuda(), mode="sum")
         assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_and_forward_from_several_threads_and_streams(minilm: torch.Tensor, device: str) -> None:
+    """Four threads share one module, each on its own CUDA stream (CPU: threads only), each prefetching its next
+    batch and then looking it up, interleaved at random by the scheduler: every output is exact (the manager's
+    StreamOrder serializes the admissions and orders the streams), whatever another thread evicted in between."""
+    import threading
+
+    w, m = _single(minilm, device)
+    m.eval()
+    w_dev = w.to(device)
+    batches = {t: [torch.randint(0, w.shape[0], (48, 3), generator=torch.Generator().manual_seed(10 * t + i))
+                   for i in range(8)] for t in range(4)}
+    outs: dict[int, list[torch.Tensor]] = {t: [] for t in range(4)}
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            stream = torch.cuda.Stream() if device == "cuda" else None
+            with (torch.cuda.stream(stream) if stream is not None else _null()), torch.no_grad():
+                for ids in batches[t]:
+                    ids_dev = ids.to(device)
+                    m.prefetch(ids_dev)
+                    outs[t].append(m(ids_dev).clone())
+            if stream is not None:
+                stream.synchronize()
+        except BaseException as exc:  # surfaced below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for t in range(4):
+        for ids, got in zip(batches[t], outs[t]):
+            want = torch.nn.functional.embedding_bag(ids.to(device), w_dev, mode="sum")
+            assert torch.equal(_bits(got), _bits(want))
+    assert m.stats()["prefetched_rows"] > 0
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
