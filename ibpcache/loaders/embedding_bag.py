@@ -47,7 +47,6 @@ mind, stateful optimizers need ``attach_optimizer`` (which resizes their state t
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 from typing import Any, Callable, List, Optional, Sequence, Union
@@ -385,10 +384,13 @@ class _CachedBagBase(nn.Module):
         """Load the rows a coming ``forward(input, offsets)`` will look up into the device cache now, as
         FBGEMM's TBE ``prefetch`` does, so that forward finds them cached.
 
-        Takes ``forward``'s inputs. On CUDA the work runs on a side stream that first waits for the caller's
-        stream (where ``input`` was made) and for the last cache operation of any thread; the next cache
-        operation waits for it in turn (the cache's event chain), so prefetching batch i+1 right after batch i's
-        lookup overlaps it with batch i's dense compute, never with a lookup. Bad ids raise here, before the
+        Takes ``forward``'s inputs. On CUDA the admission is enqueued on the caller's current stream, after the
+        last cache operation of any thread (the cache's event chain), so a later lookup finds the rows resident;
+        the overlap it gives is that of an asynchronous enqueue, not of a second stream. A side stream would need
+        every temporary the admission allocates and frees (evicted rows, a shrinking sparse gradient, a resized
+        cache) recorded on it: without that, torch's caching allocator handed a freed gradient's memory to the
+        caller's stream while the side stream still read it (an illegal memory access on the H200 in training
+        with 2 KB rows). Bad ids raise here, before the
         cache changes (one host sync: prefetch is off the lookup's critical path). A batch with more distinct
         rows than the cache holds is served from a temporarily grown cache, as in ``forward``, and does not stay.
 
@@ -407,12 +409,7 @@ class _CachedBagBase(nn.Module):
         offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
         global_ids, bad, limits = self._global_ids(ids, offs)
         mgr = self.cache_weight_mgr
-        side = self._side_stream()
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            global_ids.record_stream(side)
-            bad.record_stream(side)
-        with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()), mgr.order.exclusive():
+        with mgr.order.exclusive():  # the caller's stream (see the docstring for why not a side stream)
             checks = _check_tensors(global_ids, bad, offs)
             mgr.prepare_unique(global_ids.reshape(-1), checks, _verifier(ids, bad, offs, limits), count=False)
 
@@ -432,13 +429,6 @@ class _CachedBagBase(nn.Module):
 
             out.register_hook(done)
         return out
-
-    def _side_stream(self) -> "torch.cuda.Stream | None":
-        if self.device.type != "cuda":
-            return None
-        if getattr(self, "_prefetch_stream", None) is None:
-            self._prefetch_stream = torch.cuda.Stream(self.device)
-        return self._prefetch_stream
 
     def _global_ids(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, str]:

@@ -3,7 +3,8 @@ finds every row cached, outputs stay bit-exact, training with prefetch equals ``
 ids raise before the cache changes, and a prefetch between a forward and its backward is refused.
 
 Real MiniLM rows (so the host store really is compressed). CPU in CI; the GPU variants run the fused inference
-path and the side stream.
+path, prefetch from a non-default stream, and training with 2 KB rows (the case that crashed when prefetch ran on a
+side stream).
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def test_training_with_prefetch_matches_torch(minilm: torch.Tensor, device: str)
 
 
 @pytest.mark.gpu
-def test_side_stream_prefetch_overlaps_compute_and_stays_exact(minilm: torch.Tensor) -> None:
-    """Prefetch batch i+1 on the side stream while batch i's dense work runs: every output exact, every
+def test_prefetch_between_batches_overlapping_dense_work_stays_exact(minilm: torch.Tensor) -> None:
+    """Prefetch batch i+1 while batch i's dense work is queued: every output exact, every
     prefetched batch hits, from a caller on a non-default stream."""
     w, m = _single(minilm, "cuda")
     m.eval()
@@ -199,3 +200,29 @@ def _null():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+@pytest.mark.gpu
+def test_training_prefetch_with_2kb_rows_and_a_shrinking_cache(minilm: torch.Tensor) -> None:
+    """Sparse SGD on 2 KB rows with oversized batches (the cache grows, then shrinks inside the next prefetch,
+    resizing the sparse gradient): exact against nn.EmbeddingBag, and no illegal memory access."""
+    from ibpcache.loaders.embedding_bag import CachedEmbeddingBag
+
+    w = torch.cat([minilm[:3000], minilm[3000:6000, :128]], 1).contiguous()  # 3000 rows x 512 floats = 2 KB
+    m = CachedEmbeddingBag(3000, 512, _weight=w.clone(), mode="sum", sparse=True, cache_ratio=0.01, device="cuda",
+                           compress=True)
+    ref = torch.nn.EmbeddingBag(3000, 512, _weight=w.clone().cuda(), mode="sum", sparse=True)
+    opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(9)
+    batches = [torch.randperm(3000, generator=gen)[:400].view(100, 4) for _ in range(6)]  # 400 rows > 30 cached
+    m.prefetch(batches[0].cuda())
+    for i, ids in enumerate(batches):
+        for mod, o in ((m, opt), (ref, ref_opt)):
+            o.zero_grad()
+            mod(ids.cuda()).sum().backward()
+            o.step()
+        if i + 1 < len(batches):
+            m.prefetch(batches[i + 1].cuda())
+    m.flush()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(m.weight), _bits(ref.weight))
