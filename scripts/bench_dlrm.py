@@ -216,6 +216,7 @@ class Method:
         out.sum().backward()
         self.opt.step()
         if nxt is not None and self.name.startswith("ibpcache"):
+            self.opt.zero_grad()  # prefetch needs the step's gradient released (it may resize the cache)
             self.module.prefetch(nxt[0], nxt[1])
         return out
 

@@ -296,7 +296,7 @@ def main(argv: "list[str] | None" = None) -> int:
             loss.backward()  # DDP all-reduces the dense gradients here
             opt.step()
             if prefetch and step + 1 < args.steps:
-                emb.prefetch(*inputs[step + 1])  # the next shard's rows, on the module's side stream
+                emb.prefetch(*inputs[step + 1])  # the next shard's rows
             t_end = timer.mark()
             step_ms.append(timer.elapsed(t_start, t_end))
             lookup_ms.append(timer.elapsed(t_start, t_lookup))

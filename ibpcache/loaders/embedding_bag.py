@@ -386,15 +386,13 @@ class _CachedBagBase(nn.Module):
 
         Takes ``forward``'s inputs. On CUDA the admission is enqueued on the caller's current stream, after the
         last cache operation of any thread (the cache's event chain), so a later lookup finds the rows resident;
-        the overlap it gives is that of an asynchronous enqueue, not of a second stream. A side stream would need
-        every temporary the admission allocates and frees (evicted rows, a shrinking sparse gradient, a resized
-        cache) recorded on it: without that, torch's caching allocator handed a freed gradient's memory to the
-        caller's stream while the side stream still read it (an illegal memory access on the H200 in training
-        with 2 KB rows). Bad ids raise here, before the
+        the overlap it gives is that of an asynchronous enqueue, not of a second stream (an admission allocates and
+        frees temporaries; one stream keeps their reuse ordered by torch's allocator). Bad ids raise here, before the
         cache changes (one host sync: prefetch is off the lookup's critical path). A batch with more distinct
         rows than the cache holds is served from a temporarily grown cache, as in ``forward``, and does not stay.
 
-        Training: call it after ``optimizer.step()`` (or before the next ``forward``), never between a
+        Training: call it after ``optimizer.step()`` and ``optimizer.zero_grad()`` (set_to_none, the default), never
+        while a gradient is held or between a
         forward and its backward: admitting rows may evict rows whose gradients that backward would write
         (FBGEMM locks such rows; this cache does not, and raises instead when it can tell).
         """
@@ -404,6 +402,10 @@ class _CachedBagBase(nn.Module):
         if self._backward_pending:
             raise RuntimeError("prefetch between a training forward and its backward would evict rows the backward "
                                "writes: call it after backward() and optimizer.step()")
+        if self.cached_weight.grad is not None:
+            raise RuntimeError("prefetch while the cached rows hold a gradient: call optimizer.zero_grad() (which sets "
+                               "it to None) after optimizer.step() and before prefetch; admitting rows may resize "
+                               "the cache, and resizing a held sparse gradient is not safe yet")
         _check_bag_shapes(input, offsets)
         ids = input.to(self.device, torch.int64, non_blocking=True)
         offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)

@@ -3,8 +3,7 @@ finds every row cached, outputs stay bit-exact, training with prefetch equals ``
 ids raise before the cache changes, and a prefetch between a forward and its backward is refused.
 
 Real MiniLM rows (so the host store really is compressed). CPU in CI; the GPU variants run the fused inference
-path, prefetch from a non-default stream, and training with 2 KB rows (the case that crashed when prefetch ran on a
-side stream).
+path, prefetch from a non-default stream, and training with 2 KB rows and a cache that grows and shrinks.
 """
 
 from __future__ import annotations
@@ -99,7 +98,10 @@ def test_prefetch_between_forward_and_backward_is_refused(minilm: torch.Tensor) 
     with pytest.raises(RuntimeError, match="between a training forward and its backward"):
         m.prefetch(ids)
     out.sum().backward()
-    m.prefetch(ids)  # after backward: fine
+    with pytest.raises(RuntimeError, match="hold a gradient"):
+        m.prefetch(ids)
+    m.zero_grad()
+    m.prefetch(ids)  # after backward and zero_grad: fine
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -122,6 +124,7 @@ def test_training_with_prefetch_matches_torch(minilm: torch.Tensor, device: str)
             o.step()
         assert _misses(m) == before
         if i + 1 < len(batches):
+            opt.zero_grad()
             m.prefetch(batches[i + 1].to(device))
     m.flush()
     assert torch.equal(_bits(m.weight), _bits(ref.weight))
@@ -222,6 +225,7 @@ def test_training_prefetch_with_2kb_rows_and_a_shrinking_cache(minilm: torch.Ten
             mod(ids.cuda()).sum().backward()
             o.step()
         if i + 1 < len(batches):
+            opt.zero_grad()
             m.prefetch(batches[i + 1].cuda())
     m.flush()
     torch.cuda.synchronize()
