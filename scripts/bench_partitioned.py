@@ -108,18 +108,14 @@ def main() -> None:
         rec["per_gpu"] = timed(per_gpu.fetch, batches, args.verify, rows)
         st = per_gpu.stats()
         rec["per_gpu"].update(rows_cached=int(per_gpu.capacity_rows), hit_rate=float(st["hit_rate"]))
-        part.cache.reset_stats()
-        peer_before = part.peer_rows
+        part.reset_stats()
         rec["partitioned"] = timed(part.fetch, batches, args.verify, rows)
         pst = part.stats()
-        requests = args.batch * args.batches
-        local_hits = float(pst["local"]["hits"])
-        served = pst["served_rows"]
-        peer = part.peer_rows - peer_before
-        # the local cache also served peers' requests (all hits), and each id sent to a peer was fetched here as a
-        # filler hit (overwritten by the peer's row): hits - served = own hits + peer hits
         rec["partitioned"].update(rows_cached_here=pst["rows_cached_here"], rows_cached_on_node=pst["rows_cached_on_node"],
-                                  hit_rate=(local_hits - served) / requests, peer_fraction=peer / requests)
+                                  hit_rate=pst["hit_rate"], peer_fraction=pst["peer_hits"] / pst["requests"],
+                                  local_hits=pst["local_hits"], peer_hits=pst["peer_hits"],
+                                  host_misses=pst["host_misses"], bytes_sent=pst["bytes_sent"],
+                                  bytes_received=pst["bytes_received"])
         # one kind of row per batch: all cached on a peer, all cached nowhere (host misses)
         holder = part.holder
         gen = torch.Generator(device="cpu").manual_seed(5 + rank)

@@ -72,7 +72,7 @@ class GnnDataset:
     """A node-classification task as plain tensors; ``features`` stay on the host (the feature store's job)."""
 
     name: str
-    features: torch.Tensor  # [N, ...] CPU
+    features: "torch.Tensor | None"  # [N, ...] CPU; None when built with materialize=False (see node_rows)
     labels: torch.Tensor  # int64 [N]
     src: torch.Tensor  # int64 [E]
     dst: torch.Tensor  # int64 [E]
@@ -80,10 +80,14 @@ class GnnDataset:
     train_nids: torch.Tensor  # int64
     test_nids: torch.Tensor  # int64
     note: str = ""
+    #: where node features come from: node i has row ``source_rows[pick[i]]`` (``pick`` None: ``source_rows[i]``).
+    #: An SU graph resamples a few thousand real rows, so this describes all N rows in a few MB.
+    source_rows: "torch.Tensor | None" = None
+    pick: "torch.Tensor | None" = None
 
     @property
     def num_nodes(self) -> int:
-        return int(self.features.shape[0])
+        return int(self.labels.shape[0])
 
     @property
     def num_edges(self) -> int:
@@ -91,7 +95,29 @@ class GnnDataset:
 
     @property
     def row_bytes(self) -> int:
-        return int(self.features[0].numel()) * self.features.element_size()
+        ref = self.features if self.features is not None else self.source_rows
+        return int(ref[0].numel()) * ref.element_size()
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        ref = self.features if self.features is not None else self.source_rows
+        return tuple(ref.shape[1:])
+
+    def node_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feature rows of nodes ``ids``, on ids' device, without the [N, ...] table: what fetched rows must equal."""
+        if self.source_rows is None:
+            return self.features.to(ids.device)[ids]
+        src = self.source_rows.to(ids.device)
+        return src[ids] if self.pick is None else src[self.pick.to(ids.device)[ids]]
+
+    def materialize(self) -> torch.Tensor:
+        """The full [N, ...] feature table (what a store is built from)."""
+        if self.features is not None:
+            return self.features
+        if self.pick is None:
+            return self.source_rows
+        out = torch.empty((self.num_nodes, *self.source_rows.shape[1:]), dtype=self.source_rows.dtype)
+        return torch.index_select(self.source_rows, 0, self.pick, out=out)
 
     @property
     def feature_bytes(self) -> int:
@@ -126,13 +152,14 @@ def _real_rows_and_labels(source: str) -> tuple[torch.Tensor, torch.Tensor, int,
 
 
 def load_gnn_dataset(name: str, *, n_nodes: int = 1_000_000, avg_degree: float = 50.0, n_train: int = 10_240,
-                     n_test: int = 4096, seed: int = 0) -> GnnDataset:
+                     n_test: int = 4096, seed: int = 0, materialize: bool = True) -> GnnDataset:
     """Load ``cora`` / ``pubmed`` (real graphs, GCN split) or build ``cora_su`` / ``pubmed_su`` / ``minilm_su``.
 
     SU graphs are the paper's scale-up: a seeded power-law graph (``n_nodes``, about ``avg_degree`` edges per
     node) whose nodes get real feature rows assigned uniformly at random (with their labels); ``n_train`` /
     ``n_test`` random disjoint nodes are the training seeds and test nodes. The size options do not apply to
-    the real graphs.
+    the real graphs. ``materialize=False`` leaves ``features`` None and keeps only ``source_rows`` + ``pick`` (a
+    process that attaches a shared store needs no copy of the table; ``materialize()`` builds it where needed).
     """
     from ibpcache import datasets
 
@@ -140,7 +167,8 @@ def load_gnn_dataset(name: str, *, n_nodes: int = 1_000_000, avg_degree: float =
         d = datasets.load_cora() if name == "cora" else datasets.load_pubmed()
         note = "real graph, GCN split" + ("" if name == "cora" else "; rows of nodes without features resampled")
         return GnnDataset(name, d.features, d.labels, d.src, d.dst, d.num_classes,
-                          d.train_mask.nonzero().flatten(), d.test_mask.nonzero().flatten(), note)
+                          d.train_mask.nonzero().flatten(), d.test_mask.nonzero().flatten(), note,
+                          source_rows=d.features)
     if name not in SU_SOURCES:
         raise ValueError(f"unknown data set {name!r}; expected cora, pubmed or one of {sorted(SU_SOURCES)}")
     if n_train + n_test > n_nodes:
@@ -149,12 +177,13 @@ def load_gnn_dataset(name: str, *, n_nodes: int = 1_000_000, avg_degree: float =
     src, dst = datasets.power_law_graph(n_nodes, avg_degree, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     pick = torch.randint(rows.shape[0], (n_nodes,), generator=gen)
-    features = torch.empty((n_nodes, *rows.shape[1:]), dtype=rows.dtype)
-    torch.index_select(rows, 0, pick, out=features)
     order = torch.randperm(n_nodes, generator=gen)
     note = f"power-law graph (seed {seed}, ~{avg_degree:g} edges/node), features: {what}"
-    return GnnDataset(name, features, row_labels[pick], src, dst, n_classes, order[:n_train].clone(),
-                      order[n_train:n_train + n_test].clone(), note)
+    ds = GnnDataset(name, None, row_labels[pick], src, dst, n_classes, order[:n_train].clone(),
+                    order[n_train:n_train + n_test].clone(), note, source_rows=rows, pick=pick)
+    if materialize:
+        ds.features = ds.materialize()
+    return ds
 
 
 def build_graph(ds: GnnDataset) -> Any:

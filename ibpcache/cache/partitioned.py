@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .._validation import check_ids
+from ..errors import InvalidIdsError
 from .feature_cache import FeatureCache
 
 __all__ = ["PartitionedFeatureCache", "deal_rows"]
@@ -49,6 +50,8 @@ class PartitionedFeatureCache:
         hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
         owner = deal_rows(hot, self.world_size)
         mine = torch.where(owner == self.rank, hot, torch.full_like(hot, float("-inf")))
+        if torch.device(device).type == "cuda":  # fetch checks every id first: the inner lookups need not sync again
+            cache_kwargs.setdefault("validate", "lazy")
         self.cache = FeatureCache(rows, budget_bytes=budget_bytes, policy="static", hotness=mine, device=device,
                                   **cache_kwargs)
         self.device = self.cache.device
@@ -56,9 +59,12 @@ class PartitionedFeatureCache:
         self.holder = self._holders()
         cached = self.cache.cached_ids
         self._filler = torch.tensor(int(cached[0]) if cached.numel() else 0, dtype=torch.int64, device=self.device)
-        self.peer_rows = 0  # ids this rank got from peers
+        self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)  # peer hits, local hits, host misses
+        self.requests = 0  # ids this rank asked for
+        self.peer_rows = 0  # ids this rank got from peers (== peer hits)
         self.served_rows = 0  # ids this rank served to peers
-        self.bytes_received = 0
+        self.bytes_received = 0  # row bytes that came from peers
+        self.bytes_sent_total = self.bytes_received_total = 0  # headers + ids + rows, each way
 
     def _holders(self) -> torch.Tensor:
         """int32 [N] on the device: the rank whose GPU caches each row, -1 where none does (exchanged once)."""
@@ -79,17 +85,28 @@ class PartitionedFeatureCache:
         return recv
 
     def fetch(self, ids: torch.Tensor) -> torch.Tensor:
-        """``rows[ids]`` on this rank's device (global ids, duplicates fine). Every rank must call it together."""
-        ids = check_ids(ids, self.n_rows, self.device)
-        h = self.holder[ids].to(torch.int64)
+        """``rows[ids]`` on this rank's device (global ids, duplicates fine). Every rank must call it together.
+
+        Bad ids (negative, out of range, wrong dtype or shape) raise :class:`InvalidIdsError` on *every* rank: the
+        range check rides in the counts exchange, so a rank with bad ids never leaves its peers waiting in a
+        collective. (A wrong dtype or shape raises before any exchange, on that rank only: a caller bug.)
+        """
+        ids = check_ids(ids, self.n_rows, self.device, check_range=False)
+        bad = ((ids < 0) | (ids >= self.n_rows)).any()
+        h = self.holder[ids.clamp(0, self.n_rows - 1)].to(torch.int64)
         remote = (h >= 0) & (h != self.rank)
         dest = torch.where(remote, h, torch.full_like(h, self.rank))
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=self.world_size)
         send_counts[self.rank] = 0
-        recv_counts = self._a2a(send_counts, [1] * self.world_size, [1] * self.world_size)
-        sc, rc = send_counts.tolist(), recv_counts.tolist()  # the one host sync: split sizes
+        # header row k for rank k: (ids this rank asks of k, whether this rank's ids are bad)
+        header = torch.stack([send_counts, bad.to(torch.int64).expand(self.world_size)], dim=1)
+        recv_header = self._a2a(header, [1] * self.world_size, [1] * self.world_size)
+        sc, head = send_counts.tolist(), recv_header.tolist()  # the one host sync: split sizes (+ the bad flags)
+        rc = [int(c) for c, _ in head]
+        self._raise_bad(ids, [r for r, (_, flag) in enumerate(head) if flag])
         n_remote = sum(sc)
+        self._counts += torch.stack([remote.sum(), (h == self.rank).sum(), (h < 0).sum()])
         wanted = self._a2a(ids[order[dest[order] != self.rank]], sc, rc)  # grouped by destination rank
         served = self.cache.fetch(wanted).view(torch.uint8).reshape(-1, self.row_bytes)
         got = self._a2a(served, rc, sc)
@@ -101,16 +118,49 @@ class PartitionedFeatureCache:
             remote_pos = order[dest[order] != self.rank]
             words = _widest_view(out.view(torch.uint8).reshape(ids.numel(), self.row_bytes))
             words.index_copy_(0, remote_pos, _widest_view(got))
+        n_served = sum(rc)
+        self.requests += int(ids.numel())
         self.peer_rows += n_remote
-        self.served_rows += sum(rc)
+        self.served_rows += n_served
         self.bytes_received += n_remote * self.row_bytes
+        header_bytes = 2 * 8 * (self.world_size - 1)
+        self.bytes_sent_total += header_bytes + 8 * n_remote + n_served * self.row_bytes
+        self.bytes_received_total += header_bytes + 8 * n_served + n_remote * self.row_bytes
         return out
 
+    def _raise_bad(self, ids: torch.Tensor, bad_ranks: list[int]) -> None:
+        """Every rank raises when any rank passed bad ids (all of them saw the flags in the same exchange)."""
+        if not bad_ranks:
+            return
+        if self.rank in bad_ranks:
+            check_ids(ids, self.n_rows, self.device)  # raises InvalidIdsError naming the bad id and the range
+        raise InvalidIdsError(f"ids out of range [0, {self.n_rows}) on rank(s) {bad_ranks}: the partitioned fetch "
+                              f"fails on every rank together")
+
     def stats(self) -> dict[str, Any]:
+        """Where this rank's requested ids were served from, and what crossed to and from peers. Syncs the device.
+
+        ``local_hits + peer_hits + host_misses == requests`` (ids asked by this rank; ids it served to peers are
+        ``served_rows``, counted by the asking rank). ``hit_rate`` = (local + peer hits) / requests: the node
+        cache's hit rate. ``bytes_sent`` / ``bytes_received``: everything this rank's fetches put on / took off the
+        wire (headers, ids, rows). ``local`` is the FeatureCache's own counters: it also counts the rows served to
+        peers and the filler hits that stand in for peer rows, so its hit rate is not the node's.
+        """
+        peer, local, miss = (int(v) for v in self._counts.tolist())
         st = self.cache.stats()
         return {"rank": self.rank, "world_size": self.world_size, "rows_cached_here": int(self.cache.capacity_rows),
-                "rows_cached_on_node": self.node_cached_rows, "peer_rows": self.peer_rows,
-                "served_rows": self.served_rows, "bytes_from_peers": self.bytes_received, "local": st}
+                "rows_cached_on_node": self.node_cached_rows, "requests": self.requests, "local_hits": local,
+                "peer_hits": peer, "host_misses": miss,
+                "hit_rate": (local + peer) / self.requests if self.requests else None,
+                "peer_rows": self.peer_rows, "served_rows": self.served_rows, "bytes_from_peers": self.bytes_received,
+                "bytes_sent": self.bytes_sent_total, "bytes_received": self.bytes_received_total, "local": st}
+
+    def reset_stats(self) -> None:
+        """Zero this rank's counters and its FeatureCache's (cache contents stay). Not a collective."""
+        self._counts.zero_()
+        self.requests = self.peer_rows = self.served_rows = self.bytes_received = 0
+        self.bytes_sent_total = self.bytes_received_total = 0
+        self.cache.reset_stats()
 
 
 def _widest_view(rows_u8: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 ``python partitioned_worker.py WORLD PORT OUT_DIR BACKEND``: BACKEND ``gloo`` runs CPU caches, ``nccl`` one GPU per
 rank. Rank 0 compresses real rows (bundled Cora) and shares them; every rank attaches, builds its share of the
 cache (hotness: a seeded power law over a random order), fetches a seeded batch (duplicates, rows cached here, on
-the peer and nowhere) and an empty one, then tries bad ids (all ranks together). Saves what the test checks.
+the peer and nowhere) and an empty one, then tries bad ids (all ranks together, then on one rank only:
+every rank must raise and carry on). Saves what the test checks.
 """
 
 from __future__ import annotations
@@ -44,16 +45,26 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> Non
         ids = torch.cat([ids, hot_ids, hot_ids[:50]])
         got = cache.fetch(ids.to(device))
         empty = cache.fetch(torch.empty(0, dtype=torch.int64, device=device))
+        st = cache.stats()  # before the bad fetches: those raise before counting anything
         bad = "none"
         try:
             cache.fetch(torch.tensor([0, table.shape[0]], device=device))
         except InvalidIdsError as exc:
             bad = str(exc)
-        st = cache.stats()
+        # only rank 1 passes a bad id: every rank must raise (none left waiting in a collective), then go on
+        one_bad = "none"
+        try:
+            cache.fetch(torch.tensor([1, -3 if rank == 1 else 2], device=device))
+        except InvalidIdsError as exc:
+            one_bad = str(exc)
+        after = cache.fetch(hot_ids[:20].to(device))
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), ids=ids.numpy(), got=got.cpu().view(torch.uint8).numpy(),
                  empty=np.array(empty.shape), cached=cache.cache.cached_ids.cpu().numpy(),
                  node_cached=st["rows_cached_on_node"], here=st["rows_cached_here"], peer_rows=st["peer_rows"],
-                 served_rows=st["served_rows"], bad=np.array(bad))
+                 served_rows=st["served_rows"], bad=np.array(bad), one_bad=np.array(one_bad),
+                 after=after.cpu().view(torch.uint8).numpy(), after_ids=hot_ids[:20].numpy(),
+                 counts=np.array([st["requests"], st["local_hits"], st["peer_hits"], st["host_misses"]]),
+                 hit_rate=st["hit_rate"], bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"])
         dist.barrier()
     finally:
         if seg is not None:

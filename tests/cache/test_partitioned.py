@@ -48,12 +48,21 @@ def _check(ranks: list[dict[str, Any]], cora: Any) -> None:
     for r in ranks:
         assert np.array_equal(r["got"].reshape(len(r["ids"]), -1), raw[r["ids"]])
         assert tuple(r["empty"]) == (0, raw.shape[1] // 4)
-        assert "not in" in str(r["bad"]) or "outside" in str(r["bad"]) or "range" in str(r["bad"])
+        assert "out of range" in str(r["bad"])
+        assert "rank(s) [1]" in str(r["one_bad"]) or "negative id -3" in str(r["one_bad"]), str(r["one_bad"])
+        assert np.array_equal(r["after"].reshape(20, -1), raw[r["after_ids"]])  # usable after the error
+        requests, local, peer, miss = (int(v) for v in r["counts"])
+        assert requests == len(r["ids"]) and local + peer + miss == requests and min(local, peer, miss) > 0
+        assert peer == int(r["peer_rows"]) and float(r["hit_rate"]) == (local + peer) / requests
+        row_bytes = raw.shape[1]
+        assert int(r["bytes_received"]) >= peer * row_bytes + 8 * int(r["served_rows"])
     sets = [set(r["cached"].tolist()) for r in ranks]
     assert all(len(a & b) == 0 for i, a in enumerate(sets) for b in sets[i + 1:]), "cached sets overlap"
     assert all(int(r["node_cached"]) == sum(len(s) for s in sets) for r in ranks)
     assert all(int(r["here"]) > 0 for r in ranks)
     assert sum(int(r["peer_rows"]) for r in ranks) == sum(int(r["served_rows"]) for r in ranks) > 0
+    assert sum(int(r["bytes_sent"]) for r in ranks) == sum(int(r["bytes_received"]) for r in ranks)
+    assert "negative id -3" in str(ranks[1]["one_bad"]) and "rank(s) [1]" in str(ranks[0]["one_bad"])
 
 
 def test_two_gloo_ranks_partition_the_hot_rows(tmp_path: Path, cora: Any, free_port: int) -> None:

@@ -1,0 +1,712 @@
+#!/usr/bin/env python3
+"""GraphSAGE with DDP over the GPUs of one node: one shared compressed store, the partitioned GPU cache.
+
+    torchrun --nproc_per_node=2 scripts/train_gnn_ddp.py --out DIR [Hydra overrides]   # DDP modes + the reference
+    python scripts/train_gnn_ddp.py --world 2 --out DIR [overrides]                    # the reference alone (1 process)
+    torchrun --nproc_per_node=2 scripts/train_gnn_ddp.py --quick --device cpu --out DIR # CPU smoke run (gloo)
+
+Rank 0 builds the node feature table once (Cora-SU by default: a seeded power-law graph whose nodes carry real Cora
+rows), compresses it and publishes it in POSIX shared memory; every rank attaches it (no copy; ``--attach NAME``
+uses a store that ``python -m ibpcache task=serve`` already holds, made with ``--save-store FILE``). Modes, run one
+after the other in the same processes, same seeds:
+
+  partitioned  DDP; ``PartitionedFeatureCache``: each GPU caches a disjoint share of the hottest rows (node capacity
+               = W x one GPU's); ids cached on a peer are served by it over NCCL (``all_to_all_single``, counts
+               first: one host sync per fetch, because split sizes are data-dependent), rows no GPU caches are read by
+               the requesting rank zero-copy from the shared store
+  per_gpu      DDP; a ``FeatureCache`` per GPU over the same store, same budget (every GPU caches the same hot rows:
+               what a DDP job does without the partitioned cache)
+  reference    ONE process on one GPU (rank 0's; the other ranks wait) with a ``FeatureCache`` of one GPU's budget,
+               running the same global batches: the W ranks' micro-batches one after the other, each gradient
+               scaled by 1/W and summed in rank order (what DDP's all-reduce computes), one optimizer step per
+               global batch. It is the 1-GPU epoch time the DDP epochs are compared with, and the loss reference.
+
+What matches what. Batches, neighbour samples and dropout masks depend only on (seed, epoch, step, rank): every
+(virtual) rank draws them from its own generators, so each micro-batch is the same in DDP and in the reference.
+Features are bit-exact in every mode (checked: the first ``model.verify_batches`` batches of epoch 1 against the
+source rows, byte for byte). With deterministic kernels (``model.deterministic``) the forward and backward of a
+micro-batch are then bit-identical, DDP's gradient is ``g_0/W + g_1/W`` (the reducer multiplies by 1/W, NCCL sums
+two values: commutative, exact), the reference computes the same sum, so for W = 2 losses and test predictions are
+expected to be bit-identical (``identical_losses_vs_reference``). For W > 2 NCCL's ring sums in another order than
+rank order, so losses agree to rounding only (``max_abs_loss_diff`` says how far). Not expected to match: a
+single-GPU run with one batch of W x B seeds (one sample of the union, mean over all seeds: other rounding).
+Timings: epoch time = mean of epochs 2..N (slowest rank), per stage (sample on the GPU in plain torch, fetch,
+train step), measured with CUDA events; plus a probe of fetch throughput of batches that are all peer hits vs all
+host misses vs all local hits (CUDA events, medians). Rank 0 writes ``train_gnn_ddp.json`` and ``.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+# cuBLAS reads this when it starts: deterministic GEMM workspaces (same rule as scripts/train_gnn.py).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # examples.gnn and scripts.* live in the repository, not in the installed package
+    sys.path.insert(0, str(ROOT))
+
+from examples.gnn import pipeline as gnn  # noqa: E402
+from ibpcache import CompressedRows, FeatureCache  # noqa: E402
+from ibpcache.cache.partitioned import PartitionedFeatureCache  # noqa: E402
+from ibpcache.testing import add_out_argument, format_table, write_results  # noqa: E402
+
+CONF_DIR = ROOT / "configs"
+QUICK = ["dataset.n_nodes=20000", "dataset.avg_degree=10", "dataset.n_train=1024", "dataset.n_test=512",
+         "dataset.batch_size=128", "epochs=3", "model.hidden=32", "model.eval_batch_size=256"]
+MODES = ("partitioned", "per_gpu", "reference")
+#: issue 12's targets: 2-GPU DDP epoch >= 1.8x faster than 1 GPU; node cache capacity = 2x one GPU's.
+TARGET_SPEEDUP, TARGET_CAPACITY = 1.8, 2.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Process group
+
+
+@dataclass
+class Ranks:
+    """Who this process is: ``world`` (virtual) ranks; ``distributed`` False for the single-process reference."""
+
+    rank: int
+    world: int
+    distributed: bool
+    device: torch.device
+    host_group: Any = None  # gloo group for Python objects and for waiting while rank 0 runs the reference
+    cache_group: Any = None  # the partitioned cache's own group (its collectives never interleave with DDP's)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.host_group)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (everyone gets the list)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.host_group)
+        return out
+
+
+def init_ranks(world: int, device: str) -> Ranks:
+    """torchrun -> one process per GPU (NCCL; gloo with ``--device cpu``); plain python -> one process."""
+    if "RANK" not in os.environ:
+        dev = torch.device("cuda", 0) if device != "cpu" and torch.cuda.is_available() else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return Ranks(0, world, False, dev)
+    cpu = device == "cpu" or not torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device("cpu") if cpu else torch.device("cuda", local)
+    if not cpu:
+        torch.cuda.set_device(dev)
+    # long timeout: the other ranks wait while rank 0 runs the reference alone
+    dist.init_process_group("gloo" if cpu else "nccl", timeout=timedelta(minutes=30))
+    r = Ranks(dist.get_rank(), dist.get_world_size(), True, dev)
+    r.host_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
+    r.cache_group = dist.new_group(backend="gloo" if cpu else "nccl", timeout=timedelta(minutes=30))
+    return r
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Graph and sampling (plain torch, on the training device)
+
+
+class BlockSampler:
+    """DGL-style uniform neighbour sampling without replacement, in torch ops on ``device``.
+
+    Like ``dgl.dataloading.NeighborSampler(fanouts)``: starting from the seeds, layer ``L-1`` down to 0 each
+    destination node gets ``fanouts[layer]`` distinct in-neighbours (all of them when it has fewer); a block's source
+    nodes are its destination nodes first, then the new neighbours (sorted). The draws come only from the generator
+    passed in, so a (seed, epoch, step, rank) generator gives the same blocks in any process.
+    """
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, n_nodes: int, fanouts: "tuple[int, ...]",
+                 device: torch.device) -> None:
+        src, dst = src.to(device), dst.to(device)
+        order = torch.argsort(dst, stable=True)
+        self.row = src[order]  # in-neighbours grouped by destination (CSC)
+        deg = torch.bincount(dst, minlength=n_nodes)
+        self.colptr = torch.zeros(n_nodes + 1, dtype=torch.int64, device=device)
+        self.colptr[1:] = torch.cumsum(deg, 0)
+        self.in_degree = deg
+        self.fanouts = tuple(int(f) for f in fanouts)
+        self.device = device
+        self._local = torch.full((n_nodes,), -1, dtype=torch.int64, device=device)  # reset after every block
+
+    def _hop(self, nodes: torch.Tensor, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(neighbour id, destination position) of up to ``k`` distinct in-edges per node (Floyd's algorithm)."""
+        start = self.colptr[nodes]
+        deg = self.colptr[nodes + 1] - start
+        counts = deg.clamp(max=k)
+        total = int(counts.sum())
+        n = nodes.numel()
+        seg = torch.repeat_interleave(torch.arange(n, device=self.device), counts, output_size=total)
+        first = torch.cumsum(counts, 0) - counts
+        offset = torch.arange(total, device=self.device) - torch.repeat_interleave(first, counts, output_size=total)
+        big = torch.nonzero(deg > k).reshape(-1)
+        if big.numel():  # a uniform k-subset of [0, deg) per node: for hi = deg-k .. deg-1, take t~U[0, hi] or hi
+            hi0 = deg[big] - k
+            chosen = torch.empty((big.numel(), k), dtype=torch.int64, device=self.device)
+            for j in range(k):
+                hi = hi0 + j
+                t = (torch.rand(big.numel(), generator=gen, device=self.device, dtype=torch.float64)
+                     * (hi + 1).to(torch.float64)).to(torch.int64).clamp_(max=hi)
+                taken = (chosen[:, :j] == t.unsqueeze(1)).any(1)
+                chosen[:, j] = torch.where(taken, hi, t)
+            slots = first[big].unsqueeze(1) + torch.arange(k, device=self.device)
+            offset[slots.reshape(-1)] = chosen.reshape(-1)
+        edge = torch.repeat_interleave(start, counts, output_size=total) + offset
+        return self.row[edge], seg
+
+    def sample(self, seeds: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, list[gnn.Block]]:
+        """(input node ids, blocks input layer first) for distinct ``seeds``."""
+        blocks: list[gnn.Block] = []
+        dst_nodes = seeds
+        for k in reversed(self.fanouts):
+            n_dst = dst_nodes.numel()
+            nbr, seg = self._hop(dst_nodes, k, gen)
+            self._local[dst_nodes] = torch.arange(n_dst, device=self.device)
+            new = torch.unique(nbr[self._local[nbr] < 0])
+            self._local[new] = torch.arange(n_dst, n_dst + new.numel(), device=self.device)
+            src_local = self._local[nbr]
+            src_nodes = torch.cat([dst_nodes, new])
+            self._local[src_nodes] = -1
+            deg = torch.bincount(seg, minlength=n_dst).to(torch.float32)
+            inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
+            blocks.insert(0, gnn.Block(src_local, seg, int(src_nodes.numel()), n_dst, inv))
+            dst_nodes = src_nodes
+        return dst_nodes, blocks
+
+
+def generator(device: torch.device, *key: int) -> torch.Generator:
+    """A generator seeded by a tuple (seed, phase, epoch, step, rank): the same draws in every process."""
+    digest = hashlib.sha256(np.asarray(key, dtype=np.int64).tobytes()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+class RankedSAGE(gnn.GraphSAGE):
+    """GraphSAGE whose dropout masks come from one generator per (virtual) rank, so the reference process draws
+    each micro-batch's masks exactly as the DDP rank that trains it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gens: dict[int, torch.Generator] = {}
+
+    def use_rank(self, rank: int, device: torch.device) -> None:
+        if rank not in self._gens:
+            self._gens[rank] = generator(device, self._seed, 3, rank)
+        self._gen = self._gens[rank]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One training run
+
+
+@dataclass
+class StageTimer:
+    """Seconds per stage, from CUDA events read once per epoch (no sync in the loop), or perf_counter on CPU."""
+
+    device: torch.device
+    marks: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    def mark(self) -> Any:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def add(self, stage: str, start: Any, end: Any) -> None:
+        self.marks.append((stage, start, end))
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for stage, a, b in self.marks:
+            sec = a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
+            out[stage] = out.get(stage, 0.0) + sec
+        self.marks.clear()
+        return out
+
+
+@dataclass
+class Run:
+    """What one mode measured on one rank."""
+
+    mode: str
+    rank: int
+    epochs: list[dict[str, float]] = field(default_factory=list)
+    losses: dict[int, list[float]] = field(default_factory=dict)  # (virtual) rank -> loss per step, all epochs
+    predictions: dict[int, list[int]] = field(default_factory=dict)  # (virtual) rank -> test predictions
+    correct: int = 0
+    tested: int = 0
+    cache: dict[str, Any] = field(default_factory=dict)
+    probe: dict[str, Any] = field(default_factory=dict)
+    setup_s: float = 0.0
+
+
+@dataclass
+class Job:
+    """What every mode shares: data set, sampler, store, config."""
+
+    ds: gnn.GnnDataset
+    rows: CompressedRows
+    sampler: BlockSampler
+    cfg: gnn.TrainConfig
+    budget: float
+    ranks: Ranks
+    labels: torch.Tensor  # on the device
+    verified: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.ranks.world
+
+    def steps_per_epoch(self) -> int:
+        return int(self.ds.train_nids.numel()) // (self.world * self.cfg.batch_size)
+
+    def seeds(self, epoch: int, step: int, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s slice of global batch ``step`` (W x B seeds of one seeded permutation per epoch)."""
+        perm = torch.randperm(self.ds.train_nids.numel(), generator=generator(torch.device("cpu"),
+                                                                              self.cfg.seed, 1, epoch))
+        b = self.cfg.batch_size
+        lo = (step * self.world + rank) * b
+        return self.ds.train_nids[perm[lo:lo + b]]
+
+    def test_shard(self, rank: int) -> list[torch.Tensor]:
+        """Rank ``rank``'s test batches; every rank gets the same number (some may be empty: fetch is collective)."""
+        shards = self.ds.test_nids.tensor_split(self.world)
+        eb = self.cfg.eval_batch_size
+        n = max(math.ceil(s.numel() / eb) for s in shards)
+        return [shards[rank][i * eb:(i + 1) * eb] for i in range(n)]
+
+    def micro_batch(self, model: torch.nn.Module, fetch: Callable[[torch.Tensor], torch.Tensor],
+                    seeds: torch.Tensor, gen: torch.Generator, timer: StageTimer) -> torch.Tensor:
+        """Sample, fetch, forward: the loss of one (virtual) rank's batch."""
+        _pin_threads(self.ranks.device)
+        t0 = timer.mark()
+        input_nodes, blocks = self.sampler.sample(seeds.to(self.ranks.device), gen)
+        t1 = timer.mark()
+        x = fetch(input_nodes)
+        t2 = timer.mark()
+        timer.add("sample", t0, t1)
+        timer.add("fetch", t1, t2)
+        if self.verified < self.cfg.verify_batches:
+            want = self.ds.node_rows(input_nodes)
+            if not torch.equal(x.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                raise AssertionError("fetched features differ from the source rows (the lossless path is broken)")
+            self.verified += 1
+        return gnn.cross_entropy(model(blocks, x), self.labels[seeds.to(self.ranks.device)])
+
+
+def make_fetch(job: Job, mode: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+    """The feature path of ``mode`` over the shared store (static policy, hotness = in-degree, same budget/GPU)."""
+    hot = job.sampler.in_degree.to(torch.float64).cpu()
+    budget = int(job.budget * job.rows.n_rows * job.rows.row_bytes)
+    if mode == "partitioned":
+        cache = PartitionedFeatureCache(job.rows, hot, budget_bytes=budget, device=job.ranks.device,
+                                        group=job.ranks.cache_group)
+    else:
+        cache = FeatureCache(job.rows, budget_bytes=budget, policy="static", hotness=hot, device=job.ranks.device)
+    return cache.fetch, cache
+
+
+def new_model(job: Job) -> RankedSAGE:
+    torch.manual_seed(job.cfg.seed)
+    model = RankedSAGE(int(np.prod(job.ds.row_shape)), job.cfg.hidden, job.ds.num_classes, len(job.cfg.fanouts),
+                       job.cfg.dropout)
+    model.seed_dropout(job.cfg.seed)
+    return model.to(job.ranks.device)
+
+
+def train_ddp(job: Job, mode: str) -> Run:
+    """DDP: this rank trains its micro-batch of every global batch; DDP averages the gradients."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r, dev, cfg = job.ranks.rank, job.ranks.device, job.cfg
+    t0 = time.perf_counter()
+    fetch, cache = make_fetch(job, mode)
+    run = Run(mode, r, setup_s=time.perf_counter() - t0)
+    model = new_model(job)
+    model.use_rank(r, dev)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None) if job.ranks.distributed else model
+    opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
+    run.losses[r] = []
+    timer = StageTimer(dev)
+    job.verified = 0
+    _reset(cache)
+    for epoch in range(cfg.epochs):
+        model.train()
+        _sync(dev)
+        start = time.perf_counter()
+        losses = []
+        for step in range(job.steps_per_epoch()):
+            loss = job.micro_batch(ddp, fetch, job.seeds(epoch, step, r), generator(dev, cfg.seed, 2, epoch, step, r),
+                                   timer)
+            a = timer.mark()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            _pin_threads(dev)
+            opt.step()
+            timer.add("train", a, timer.mark())
+            losses.append(loss.detach())
+        run.losses[r] += torch.stack(losses).tolist() if losses else []
+        _sync(dev)
+        run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
+    run.cache = _cache_stats(cache)
+    _evaluate(job, model, fetch, [r], run)
+    if mode == "partitioned":
+        run.probe = probe(job, cache)
+    return run
+
+
+def train_reference(job: Job) -> Run:
+    """One process, one GPU: the W micro-batches of each global batch in turn, gradients combined as DDP does."""
+    dev, cfg, w = job.ranks.device, job.cfg, job.world
+    t0 = time.perf_counter()
+    fetch, cache = make_fetch(job, "reference")
+    run = Run("reference", job.ranks.rank, setup_s=time.perf_counter() - t0)
+    model = new_model(job)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    params = list(model.parameters())
+    run.losses = {v: [] for v in range(w)}
+    timer = StageTimer(dev)
+    job.verified = 0
+    _reset(cache)
+    for epoch in range(cfg.epochs):
+        model.train()
+        _sync(dev)
+        start = time.perf_counter()
+        losses: dict[int, list[torch.Tensor]] = {v: [] for v in range(w)}
+        for step in range(job.steps_per_epoch()):
+            acc: list[torch.Tensor | None] = [None] * len(params)
+            for v in range(w):
+                model.use_rank(v, dev)
+                loss = job.micro_batch(model, fetch, job.seeds(epoch, step, v),
+                                       generator(dev, cfg.seed, 2, epoch, step, v), timer)
+                a = timer.mark()
+                for p in params:
+                    p.grad = None
+                loss.backward()
+                for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
+                    g = p.grad * (1.0 / w)
+                    acc[i] = g if acc[i] is None else acc[i] + g
+                timer.add("train", a, timer.mark())
+                losses[v].append(loss.detach())
+            a = timer.mark()
+            for p, g in zip(params, acc):
+                p.grad = g
+            _pin_threads(dev)
+            opt.step()
+            timer.add("train", a, timer.mark())
+        for v in range(w):
+            run.losses[v] += torch.stack(losses[v]).tolist() if losses[v] else []
+        _sync(dev)
+        run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
+    run.cache = _cache_stats(cache)
+    _evaluate(job, model, fetch, list(range(w)), run)
+    return run
+
+
+@torch.no_grad()
+def _evaluate(job: Job, model: RankedSAGE, fetch: Callable[[torch.Tensor], torch.Tensor], vranks: list[int],
+              run: Run) -> None:
+    """Test predictions of (virtual) ranks ``vranks``' shards; empty batches still call fetch (a collective)."""
+    model.eval()
+    dev = job.ranks.device
+    for v in vranks:
+        preds = []
+        for i, seeds in enumerate(job.test_shard(v)):
+            if seeds.numel() == 0:
+                fetch(torch.empty(0, dtype=torch.int64, device=dev))
+                continue
+            input_nodes, blocks = job.sampler.sample(seeds.to(dev), generator(dev, job.cfg.seed, 4, i, v))
+            logits = model(blocks, fetch(input_nodes))
+            p = logits.argmax(1)
+            run.correct += int((p == job.labels[seeds.to(dev)]).sum())
+            run.tested += int(seeds.numel())
+            preds += p.tolist()
+        run.predictions[v] = preds
+
+
+def probe(job: Job, cache: PartitionedFeatureCache, batch: int = 0, reps: int = 12) -> dict[str, Any]:
+    """Fetch throughput of batches that are all peer hits, all host misses, all local hits (medians, verified)."""
+    from scripts.bench_partitioned import timed
+
+    r, dev = job.ranks.rank, job.ranks.device
+    batch = batch or min(100_000, job.rows.n_rows)
+    holder = cache.holder
+    gen = torch.Generator().manual_seed(5 + r)
+    out: dict[str, Any] = {"batch": batch}
+    for label, mask in (("peer_hits", (holder >= 0) & (holder != r)), ("host_misses", holder < 0),
+                        ("local_hits", holder == r)):
+        pool = torch.nonzero(mask).reshape(-1).cpu()
+        ok = torch.tensor([int(pool.numel() > 0)], dtype=torch.int32)
+        if job.ranks.distributed:  # every rank must run the same collectives: skip a kind if any rank lacks it
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=job.ranks.host_group)
+        if not bool(ok):
+            continue
+        picks = [pool[torch.randint(0, pool.numel(), (batch,), generator=gen)].to(dev) for _ in range(reps)]
+        out[label] = timed(cache.fetch, picks, 2, job.rows)
+    return out
+
+
+def _reset(cache: Any) -> None:
+    cache.reset_stats()
+
+
+def _cache_stats(cache: Any) -> dict[str, Any]:
+    st = cache.stats()
+    if isinstance(cache, PartitionedFeatureCache):
+        keep = ("rows_cached_here", "rows_cached_on_node", "requests", "local_hits", "peer_hits", "host_misses",
+                "hit_rate", "served_rows", "bytes_sent", "bytes_received")
+        return {k: st[k] for k in keep} | {"host_bytes_read": st["local"]["host_bytes_read"]}
+    return {"rows_cached_here": st["capacity_rows"], "rows_cached_on_node": st["capacity_rows"],
+            "requests": st["requests"], "hit_rate": st["hit_rate"], "host_bytes_read": st["host_bytes_read"]}
+
+
+def _pin_threads(dev: torch.device) -> None:
+    """CPU runs: one intra-op thread. Numba's OpenMP layer (the CPU cache's decoder) resets the calling thread's
+    OpenMP thread count, and Adam's elementwise kernels round differently when a tensor is split over 2 threads
+    (vector FMA body vs scalar tail per chunk), so without this the DDP ranks' identical gradients could give
+    different parameters."""
+    if dev.type == "cpu" and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Set-up, comparison, output
+
+
+def _compose(overrides: list[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="bench_gnn", overrides=["dataset=cora_su", *overrides])
+
+
+def build_store(ds: gnn.GnnDataset, device: torch.device, layout: str, name: str) -> Any:
+    """The shared store: the full feature table, compressed (codec fitted on the device), published as ``name``."""
+    features = ds.materialize()
+    codec = gnn.fit_codec(features, device)
+    packed = codec.compress(features, layout=layout, pin=False, device=device)
+    del features
+    return packed
+
+
+def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One record per mode (epoch time of the slowest rank, hit rates summed over ranks) + the comparisons."""
+    records = []
+    ref = runs.get("reference", [None])[0]
+    for mode, per_rank in runs.items():
+        timed = [e for e in (r.epochs[1:] or r.epochs for r in per_rank)]
+        epoch_s = [float(np.mean([e["epoch"] for e in t])) for t in timed]
+        stages = {k: float(np.mean([np.mean([e.get(k, 0.0) for e in t]) for t in timed]))
+                  for k in ("sample", "fetch", "train")}
+        losses = {v: l for r in per_rank for v, l in r.losses.items()}
+        preds = [p for v in sorted({v for r in per_rank for v in r.predictions})
+                 for r in per_rank if v in r.predictions for p in r.predictions[v]]
+        req = sum(r.cache.get("requests", 0) for r in per_rank)
+        hits = sum(r.cache.get("hit_rate", 0.0) * r.cache.get("requests", 0) for r in per_rank)
+        rec: dict[str, Any] = {
+            "mode": mode, "processes": len(per_rank), "world": world, "epoch_ms": 1e3 * max(epoch_s),
+            "epoch_ms_per_rank": [1e3 * s for s in epoch_s], **{f"{k}_ms": 1e3 * v for k, v in stages.items()},
+            "hit_rate": hits / req if req else None, "rows_cached_on_node": per_rank[0].cache["rows_cached_on_node"],
+            "rows_cached_per_gpu": [r.cache["rows_cached_here"] for r in per_rank],
+            "accuracy": sum(r.correct for r in per_rank) / max(sum(r.tested for r in per_rank), 1),
+            "predictions_sha1": hashlib.sha1(np.asarray(preds, dtype=np.int64).tobytes()).hexdigest(),
+            "setup_s": max(r.setup_s for r in per_rank), "losses": [losses[v] for v in sorted(losses)],
+            "cache": [r.cache for r in per_rank],
+        }
+        if mode == "partitioned":
+            for key in ("local_hits", "peer_hits", "host_misses", "bytes_sent", "bytes_received"):
+                rec[key] = sum(r.cache[key] for r in per_rank)
+            rec["probe"] = [r.probe for r in per_rank]
+        if ref is not None and mode != "reference":
+            ref_l = np.asarray([ref.losses[v] for v in sorted(ref.losses)])
+            mine = np.asarray(rec["losses"])
+            same_shape = ref_l.shape == mine.shape
+            rec["identical_losses_vs_reference"] = bool(same_shape and np.array_equal(ref_l, mine))
+            rec["max_abs_loss_diff"] = float(np.abs(ref_l - mine).max()) if same_shape and mine.size else None
+        records.append(rec)
+    by = {r["mode"]: r for r in records}
+    summary: dict[str, Any] = {"world": world}
+    if "reference" in by:
+        refr = by["reference"]
+        for mode in ("partitioned", "per_gpu"):
+            if mode in by:
+                sp = refr["epoch_ms"] / by[mode]["epoch_ms"]
+                summary[f"speedup_{mode}_vs_1gpu"] = sp
+                summary[f"scaling_efficiency_{mode}"] = sp / world
+                summary[f"identical_predictions_{mode}"] = by[mode]["predictions_sha1"] == refr["predictions_sha1"]
+                summary[f"identical_losses_{mode}"] = by[mode]["identical_losses_vs_reference"]
+        summary["hit_rate_one_gpu"] = refr["hit_rate"]
+    if "partitioned" in by:
+        p = by["partitioned"]
+        summary["hit_rate_partitioned"] = p["hit_rate"]
+        one = max(p["rows_cached_per_gpu"])
+        if "reference" in by:
+            one = by["reference"]["rows_cached_on_node"]
+        summary["node_capacity_vs_one_gpu"] = p["rows_cached_on_node"] / max(one, 1)
+        probes = [pr for pr in p["probe"] if pr]
+        for kind in ("peer_hits", "host_misses", "local_hits"):
+            vals = [pr[kind]["GBps"] for pr in probes if kind in pr]
+            if vals:
+                summary[f"GBps_{kind}"] = float(np.mean(vals))
+    if "per_gpu" in by:
+        summary["hit_rate_per_gpu_ddp"] = by["per_gpu"]["hit_rate"]
+    sp = summary.get("speedup_partitioned_vs_1gpu")
+    summary["targets"] = {"speedup_vs_1gpu": {"target": TARGET_SPEEDUP, "measured": sp,
+                                              "met": sp is not None and sp >= TARGET_SPEEDUP},
+                          "node_capacity": {"target": float(world), "measured": summary.get("node_capacity_vs_one_gpu"),
+                                            "met": summary.get("node_capacity_vs_one_gpu", 0) >= 0.98 * world}}
+    return records, summary
+
+
+def plot(records: list[dict[str, Any]]) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    modes = [r["mode"] for r in records]
+    bottom = np.zeros(len(records))
+    for stage, color in (("sample_ms", "#55a868"), ("fetch_ms", "#dd8452"), ("train_ms", "#4c72b0")):
+        vals = np.array([r[stage] for r in records])
+        axes[0].bar(modes, vals, bottom=bottom, label=stage[:-3], color=color)
+        bottom += vals
+    axes[0].scatter(modes, [r["epoch_ms"] for r in records], color="k", zorder=3, label="epoch (wall)")
+    axes[0].set_ylabel("ms per epoch (mean of epochs 2..N)")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(modes, [r["hit_rate"] or 0 for r in records], color="#8172b2")
+    axes[1].set_ylabel("GPU cache hit rate (node)")
+    for r in records:
+        for v, l in enumerate(r["losses"]):
+            axes[2].plot(l, label=f"{r['mode']} rank {v}", lw=1, ls="--" if r["mode"] == "reference" else "-")
+    axes[2].set_xlabel("step (all epochs)")
+    axes[2].set_ylabel("training loss")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"GraphSAGE DDP on {records[0]['world']} ranks: partitioned vs per-GPU cache vs 1-GPU reference")
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out_argument(p)
+    p.add_argument("--name", default="train_gnn_ddp")
+    p.add_argument("--world", type=int, default=2, help="ranks the reference emulates without torchrun (--nproc 1)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="cpu: gloo ranks, CPU caches")
+    p.add_argument("--layout", default="inplace", choices=["inplace", "packed"], help="shared store layout")
+    p.add_argument("--attach", default=None, help="attach this store (task=serve) instead of building one")
+    p.add_argument("--save-store", default=None, help="also save the store to this file (for task=serve) and exit")
+    p.add_argument("--quick", action="store_true", help="tiny graph, 3 epochs: " + " ".join(QUICK))
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/bench_gnn.yaml, e.g. dataset.n_nodes=200000")
+    args = p.parse_args(argv)
+    overrides = [*(QUICK if args.quick else []), *args.overrides]
+    cfg = _compose(overrides)
+    ranks = init_ranks(args.world, args.device)
+    modes = [m for m in args.modes.split(",") if m]
+    if not ranks.distributed:
+        modes = [m for m in modes if m == "reference"] or ["reference"]
+    bad = sorted(set(modes) - set(MODES))
+    if bad:
+        raise SystemExit(f"unknown modes {bad}; expected some of {MODES}")
+    if ranks.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.model.get("tf32", True))
+        if bool(cfg.model.deterministic):
+            torch.use_deterministic_algorithms(True, warn_only=True)
+    train_cfg = gnn.train_config(cfg.model, cfg.dataset, epochs=cfg.epochs, seed=cfg.seed)
+
+    t0 = time.perf_counter()
+    ds = gnn.load_gnn_dataset(str(cfg.dataset.name), materialize=False,
+                              **{k: cfg.dataset[k] for k in ("n_nodes", "avg_degree", "n_train", "n_test", "seed")
+                                 if cfg.dataset.get(k) is not None})
+    load_s = time.perf_counter() - t0
+    seg, name = None, args.attach or f"train-gnn-ddp-{os.environ.get('MASTER_PORT', os.getpid())}"
+    store_s = 0.0
+    try:
+        if args.attach is None and ranks.rank == 0:
+            t1 = time.perf_counter()
+            packed = build_store(ds, ranks.device, args.layout, name)
+            if args.save_store:
+                packed.save(args.save_store)
+                print(f"saved the store to {args.save_store}; serve it with python -m ibpcache task=serve "
+                      f"+task.stores.NAME={args.save_store}")
+            seg = packed.share(name)
+            del packed
+            store_s = time.perf_counter() - t1
+        ranks.barrier()
+        if args.save_store:
+            return 0
+        t2 = time.perf_counter()
+        rows = CompressedRows.attach(name)
+        attach_s = time.perf_counter() - t2
+        sampler = BlockSampler(ds.src, ds.dst, ds.num_nodes, train_cfg.fanouts, ranks.device)
+        job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device))
+        if ranks.rank == 0:
+            print(f"train_gnn_ddp: {ds.name} {ds.num_nodes:,} nodes, {ds.num_edges:,} edges, {ds.row_bytes} B rows, "
+                  f"store ratio {rows.ratio:.2f}x ({args.layout}); {ranks.world} ranks on {ranks.device.type}, "
+                  f"{job.steps_per_epoch()} global batches of {ranks.world} x {train_cfg.batch_size} per epoch, "
+                  f"{train_cfg.epochs} epochs, cache budget {cfg.cache.budget} per GPU; modes {modes}", flush=True)
+        runs: dict[str, list[Run]] = {}
+        for mode in modes:
+            if mode == "reference":
+                mine = [train_reference(job)] if ranks.rank == 0 else []
+                ranks.barrier()
+            else:
+                mine = [train_ddp(job, mode)]
+            gathered = ranks.gather(mine)
+            runs[mode] = [r for lst in gathered for r in lst]
+            if ranks.rank == 0:
+                print(f"  {mode}: done", flush=True)
+            _free(ranks.device)
+        if ranks.rank == 0:
+            records, summary = summarize(runs, ranks.world)
+            cols = ["mode", "processes", "epoch_ms", "sample_ms", "fetch_ms", "train_ms", "hit_rate",
+                    "rows_cached_on_node", "accuracy", "identical_losses_vs_reference", "max_abs_loss_diff"]
+            print(format_table(records, cols))
+            print(summary)
+            meta = {"overrides": overrides, "args": {k: str(v) for k, v in vars(args).items()},
+                    "dataset": ds.describe() | {"row_bytes": ds.row_bytes}, "train": asdict(train_cfg),
+                    "load_s": load_s, "store_build_s": store_s, "attach_s": attach_s, "store_ratio": rows.ratio,
+                    "summary": summary}
+            write_results(args.out, args.name, records, plot, meta=meta)
+        ranks.barrier()
+        return 0
+    finally:
+        if seg is not None:
+            seg.unlink()
+            seg.close()
+        if ranks.distributed:
+            dist.destroy_process_group()
+
+
+def _free(dev: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
