@@ -43,16 +43,13 @@ from ..compressed import CompressedRows
 from ..errors import CapacityError, InvalidIdsError
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
-from .host_store import HostStore
+from .host_store import HostStore, fit_codec
 from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
 from .slab import Slab, usable_bytes
 from .stats import FetchStats
 
 __all__ = ["FeatureCache", "mode_name"]
-
-_AUTO_FIT_ROWS = 1 << 18
-"""``codec="auto"`` fits on at most this many sampled rows (paper Table 5: a 1-10% sample loses ~nothing)."""
 
 _SIZE_PIECE_BYTES = 1 << 28
 """Rows are sized on the GPU in pieces of this many bytes (datasets may exceed GPU memory)."""
@@ -107,6 +104,12 @@ class FeatureCache:
             id's row comes back as zeros and :class:`InvalidIdsError` is raised by a later ``fetch``, by
             :meth:`check_errors` or by :meth:`stats`. Lazy fetches of a static cache never sync the host and can be
             captured in a CUDA graph (they use no workspace; pass ``out=`` and keep ``ids`` in place to replay).
+        transfer: how a static CUDA cache reads misses when ``fetch`` gets ids on the CPU (as DGL's and PyG's
+            samplers hand them over): ``"zero_copy"`` (the ids are copied over and one lookup launch reads misses
+            from pinned host memory), ``"cpu_gather"`` (the CPU packs the misses' stored bytes and every id's
+            decode descriptor into one pinned buffer: one copy, one decode launch, no device sync), or ``"auto"``
+            (the planner times both on this store at construction; ``stats()["transfer"]``). Ids already on the GPU
+            always take the zero-copy lookup; dynamic policies always read zero-copy.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class FeatureCache:
         max_probes: int = DEFAULT_MAX_PROBES,
         slot_bytes: "int | str" = "auto",
         validate: str = "eager",
+        transfer: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
         if validate not in ("eager", "lazy"):
@@ -139,7 +143,8 @@ class FeatureCache:
         self.codec = self._resolve_codec(rows, codec)
         self.host_layout = self._plan_host(rows, compress_host)
         self._decode_codec = self.codec if self.codec is not None else Codec.raw(self.dtype, self.row_shape)
-        self.host = HostStore(rows, codec=self.codec, compress=self.compress_host, device=self.device)
+        self.host = HostStore(rows, codec=self.codec, compress=self.compress_host, device=self.device,
+                              transfer=transfer if self.policy_kind is PolicyKind.STATIC else "zero_copy")
         self._rows = rows
         self.cache_lengths = self._cache_lengths(rows)  # int32 [N] on CPU: stored bytes in the slab format
         self._index_kind, self._max_probes = index, max_probes
@@ -159,6 +164,8 @@ class FeatureCache:
         self.slab_bases = self.slab_bases.to(self.device)
         self._rows = None  # the slab is filled; keep no second reference to the caller's rows
         self._source = None  # the fused lookup's view of index + slab + host store (built on first use)
+        self._hits_host: "tuple[np.ndarray, np.ndarray, np.ndarray] | None" = None  # cpu-gather's index mirror
+        self.path_counts = {"zero_copy": 0, "cpu_gather": 0, "probe_decode": 0, "cpu": 0}  # fetches per path
 
     # ------------------------------------------------------------------------------------------------
     # construction
@@ -213,11 +220,7 @@ class FeatureCache:
             raise ValueError(f"codec must be None, 'auto' or a Codec, got {codec!r}")
         if not (self.compress_cache or self.compress_host):
             return None
-        if self.n_rows > _AUTO_FIT_ROWS:  # fit on a random sample, on the cache's device
-            gen = torch.Generator().manual_seed(0)
-            pick = torch.randperm(self.n_rows, generator=gen)[:_AUTO_FIT_ROWS].sort().values
-            rows = rows[pick.to(rows.device)]
-        return Codec.fit(rows.to(self.device))
+        return fit_codec(rows, self.device)  # large tables: a seeded sample (the engine's one rule)
 
     def _cache_lengths(self, rows: "torch.Tensor | CompressedRows") -> torch.Tensor:
         """Stored bytes of every row in the slab's format (compressed or raw), int32 on the CPU."""
@@ -267,6 +270,7 @@ class FeatureCache:
         entries = pack_entries(offsets, lens, lens < self.row_bytes, self.slab.slab_id)
         self.index.build(chosen.to(self.device), entries.to(self.device))
         self.cached_ids = chosen
+        self._slab_offsets = offsets  # slab byte offset of each cached row (the cpu-gather path's hit addresses)
 
     def _build_dynamic(self, slot_bytes: "int | str") -> None:
         if slot_bytes == "auto":
@@ -302,6 +306,8 @@ class FeatureCache:
         ``out``: optional preallocated ``[len(ids), *row_shape]`` tensor of the rows' dtype on the device.
         """
         fused = self.device.type == "cuda" and not self.dynamic
+        if fused and self._host_gathers(ids):
+            return self._fetch_cpu_gather(ids, out)
         lazy = fused and self.validate == "lazy"
         if lazy:
             self._raise_pending_error()
@@ -320,11 +326,14 @@ class FeatureCache:
             t0 = None if capturing else self.stats_.start()
             if fused:
                 self._lookup(ids, out_u8)
+                self.path_counts["zero_copy"] += 1
             elif self.device.type == "cuda":
                 entries = self._probe(ids)
                 self._decode(out_u8, b)
+                self.path_counts["probe_decode"] += 1
             else:
                 entries = self._fetch_cpu(ids, out_u8)
+                self.path_counts["cpu"] += 1
             if self.dynamic:
                 self._admit(ids, entries, out_u8)
             if t0 is not None:
@@ -342,6 +351,79 @@ class FeatureCache:
                                      h.lengths, self.n_rows)
             self._tables = self._decode_codec.kernel_tables(self.device)
         lookup_rows(ids, out_u8, self._source, self._tables, self.stats_.counters, self._errors.ptr)
+
+    def _host_gathers(self, ids: object) -> bool:
+        """Take the cpu-gather path? Static CUDA caches whose planner chose it, for ids handed over on the CPU."""
+        from .host_store import Transfer
+
+        return (self.host.transfer is Transfer.CPU_GATHER and isinstance(ids, torch.Tensor)
+                and ids.device.type == "cpu" and not torch.cuda.is_current_stream_capturing())
+
+    def _hit_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host mirror of a static cache's index, built once: per row its position among the cached rows (-1:
+        not cached; int32), and per cached row its slab address and stored length."""
+        if self._hits_host is None:
+            pos = np.full(self.n_rows, -1, dtype=np.int32)
+            chosen = self.cached_ids.cpu().numpy()
+            pos[chosen] = np.arange(chosen.shape[0], dtype=np.int32)
+            lens = self.cache_lengths[self.cached_ids.cpu()].numpy().astype(np.int32)
+            offsets = np.zeros(chosen.shape[0], dtype=np.int64)
+            offsets[:] = self._slab_offsets.cpu().numpy()
+            self._hits_host = (pos, offsets + self.slab.base_ptr, lens)
+        return self._hits_host
+
+    def _fetch_cpu_gather(self, ids: torch.Tensor, out: "torch.Tensor | None") -> torch.Tensor:
+        """Static CUDA cache, ids on the CPU: the CPU decides hit or miss from the index's host mirror, packs every
+        id's decode descriptor (slab address of a hit, staged address of a miss), the misses' STORED bytes and the
+        fetch's counters into one pinned buffer; one host-to-device copy and one decode launch follow. Ids are
+        range-checked on the CPU (no device sync); nothing waits for the GPU."""
+        from ..kernels.bitpack import decode_descriptors
+        from ..kernels.bitpack_cpu import gather_stored_cpu
+        from .host_store import _STAGE_ALIGN, _round_up
+
+        ids = check_ids(ids, self.n_rows, torch.device("cpu"))
+        self.host.check_live()
+        b = int(ids.numel())
+        out = self._check_out(out, b)
+        if b == 0:
+            return out
+        out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
+        with self._order.exclusive():
+            t0 = self.stats_.start()
+            pos, hit_src, hit_len = self._hit_table()
+            idx = ids.numpy()
+            p = pos[idx]
+            miss = p < 0
+            miss_ids = idx[miss]
+            offs, mlens, _ = self.host.cpu_descriptors(miss_ids)
+            starts = np.zeros(miss_ids.shape[0], dtype=np.int64)
+            if starts.shape[0] > 1:
+                np.cumsum(mlens[:-1], out=starts[1:])
+            staged = int(starts[-1]) + int(mlens[-1]) if starts.shape[0] else 0
+            cpos = _round_up(13 * b, 8)
+            head = _round_up(cpos + 32, _STAGE_ALIGN)  # src | lengths | compressed | 4 counters | staged bytes
+            dev = torch.empty(head + _round_up(staged, _STAGE_ALIGN) + _STAGE_ALIGN, dtype=torch.uint8,
+                              device=self.device)  # stream-ordered: its address is known before the copy
+            buf = torch.empty(dev.numel(), dtype=torch.uint8, pin_memory=True)
+            h = buf.numpy()
+            src, lens = h[: 8 * b].view(np.int64), h[8 * b : 12 * b].view(np.int32)
+            hit = ~miss
+            src[hit] = hit_src[p[hit]]
+            lens[hit] = hit_len[p[hit]]
+            src[miss] = starts + (dev.data_ptr() + head)
+            lens[miss] = mlens
+            np.less(lens, self.row_bytes, out=h[12 * b : 13 * b].view(np.bool_))
+            h[cpos : cpos + 32].view(np.int64)[:] = (b, b - miss_ids.shape[0], staged,
+                                                     int(lens[hit].sum(dtype=np.int64)))
+            if staged:
+                gather_stored_cpu(self.host.data.numpy(), offs, mlens, h[head:], starts)
+            dev.copy_(buf, non_blocking=True)
+            decode_descriptors(out_u8, dev[: 8 * b].view(torch.int64), dev[8 * b : 12 * b].view(torch.int32),
+                               dev[12 * b : 13 * b], None, self._decode_codec.kernel_tables(self.device))
+            self.stats_.counters += dev[cpos : cpos + 32].view(torch.int64)
+            self.path_counts["cpu_gather"] += 1
+            self.stats_.stop(t0, b)
+        return out
 
     def _raise_pending_error(self) -> None:
         """Raise (once) the bad-id report a lazily validated lookup left in host memory."""
@@ -541,6 +623,8 @@ class FeatureCache:
             "ratio": self.ratio,
             "host_ratio": self.host.ratio,
             "host_layout": self.host_layout,
+            "transfer": self.host.stats()["transfer"],
+            "fetch_paths": dict(self.path_counts),
             "transfer_ratio": (snap["raw_host_bytes_equivalent"] / snap["host_bytes_read"]
                                if snap["host_bytes_read"] else None),
             "capacity_rows": self.capacity_rows,

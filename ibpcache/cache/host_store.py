@@ -1,106 +1,236 @@
-"""The host store: every row of the dataset in (pinned) host memory, read by position only.
+"""The engine's host store: every row of a table in (pinned) host memory, read and written by position only.
 
-With ``compress=True`` it wraps a :class:`~ibpcache.compressed.CompressedRows` (the paper's in-place layout
-by default: row i at ``i * row_bytes`` so no offset table is needed, only its first ``lengths[i]`` bytes are
-read) plus its per-row lengths and 1-bit "is compressed" flags on the GPU. With ``compress=False`` it holds the
-raw rows: lengths are ``row_bytes`` and every flag is 0, so no per-row tables exist at all.
+ONE class serves every adapter: :class:`~ibpcache.cache.feature_cache.FeatureCache` (GNN features, read-only)
+and the embedding bags' trainable row cache (:mod:`ibpcache.cache.row_cache`, with write-back).
 
-On CUDA the bytes are pinned and the fetch kernels read them zero-copy through unified virtual addressing
-(the pinned buffer's address is valid on the GPU). An attached shared store (``CompressedRows.attach``) is used
-as is: never copied, only page-locked in place, and checked for replacement on every fetch.
+* Compressed (``compress=True``): a :class:`~ibpcache.compressed.CompressedRows` in the paper's in-place layout by
+  default (row i at ``i * row_bytes``, only its first ``lengths[i]`` bytes meaningful), or packed. The in-place
+  layout is what makes write-back possible: a row re-encoded after a training update always fits its own slot,
+  compressed with the table's codec when it still matches the mask and raw otherwise, so nothing moves.
+* Raw (``compress=False``): the rows as they are; lengths are ``row_bytes`` and no per-row tables exist.
+* ``compress="auto"``: the host-layout planner (``planner.py``) times compressed vs raw misses on this machine.
+* An existing ``CompressedRows`` (also one attached from shared memory) is served as is, never copied:
+  ``adopted`` rows are read-only (their bytes belong to their owner), and checked for replacement on every read.
+
+Transfer paths (:class:`Transfer`) for :meth:`HostStore.read_into`, i.e. how rows reach a CUDA device:
+
+* ``zero_copy``: GPU warps read the stored rows straight from pinned host memory (UVA) and decode them;
+* ``cpu_gather``: the CPU packs the rows' *stored* (compressed) bytes into pinned staging, which crosses PCIe in
+  one bulk copy and is decoded on the GPU; wins where random small reads from a large pinned table are bound by
+  I/O address translation rather than bandwidth (<= 128 B rows);
+* ``host_decode``: the CPU decodes into pinned staging, one bulk copy (Colossal-AI's style; for comparison).
+
+On CUDA the authoritative per-row lengths live on the GPU (the encode/decode kernels read and write them without a
+host round trip; rows are written back by a GPU encode whatever the read path); :meth:`sync_host` refreshes the CPU
+copy, and the host-side read paths get the written rows' lengths mirrored at each write. On a CPU the CPU copy is.
 """
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from .._validation import as_row_bytes, check_rows
 from ..codec import Codec
-from ..compressed import CompressedRows
+from ..compressed import CompressedRows, _flags_from_lengths
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
 
-__all__ = ["HostStore"]
+__all__ = ["HostStore", "Transfer", "FitOptions", "fit_codec", "FIT_SAMPLE_ROWS", "FIT_SAMPLE_BYTES"]
+
+FIT_SAMPLE_ROWS = 1 << 18
+FIT_SAMPLE_BYTES = 1 << 28
+"""Tables of more than ``max(FIT_SAMPLE_ROWS, FIT_SAMPLE_BYTES // row_bytes)`` rows are fitted on a seeded random
+sample of that many rows (the paper's Table 5: a 1-10% sample loses almost nothing), so a multi-GB table is never
+copied to the GPU whole for a fit."""
+
+_STAGE_ALIGN = 16
+"""The GPU decoders read 16-byte aligned blocks up to the one holding a row's last byte: staged bytes start
+16-byte aligned and end with 16 spare bytes."""
+
+
+class Transfer(str, enum.Enum):
+    """How a CUDA store's rows reach the GPU (see the module docstring)."""
+
+    ZERO_COPY = "zero_copy"
+    CPU_GATHER = "cpu_gather"
+    HOST_DECODE = "host_decode"
+
+    @classmethod
+    def coerce(cls, value: "str | Transfer", name: str = "transfer") -> "Transfer":
+        """Parse a name (``name`` is the argument's name in the message); ``"host_gather"`` is the embedding bags'
+        older name of ``host_decode``."""
+        if isinstance(value, cls):
+            return value
+        if value == "host_gather":
+            return cls.HOST_DECODE
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{name} must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How a store fits its own codec (passed to :meth:`Codec.fit`); kept for refits."""
+
+    threshold: "float | str" = "auto"
+    chunk_bytes: "int | str" = "auto"
+    sample: "float | int | None" = None
+
+
+def fit_codec(rows: torch.Tensor, device: torch.device, options: FitOptions = FitOptions()) -> Codec:
+    """Fit a codec on ``rows`` (any device) on ``device``: the engine's one sampling rule for large tables."""
+    n = int(rows.shape[0])
+    row_bytes = max(1, rows[:1].numel() * rows.element_size())
+    k = max(FIT_SAMPLE_ROWS, FIT_SAMPLE_BYTES // row_bytes)
+    if options.sample is None and n > k:
+        pick = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:k].sort().values
+        rows = rows[pick.to(rows.device)]
+    return Codec.fit(rows.to(device), threshold=options.threshold, chunk_bytes=options.chunk_bytes,
+                     sample=options.sample)
 
 
 class HostStore:
-    """Rows of one dataset in host memory, compressed or raw, plus the tables a fetch needs to read them.
+    """Rows of one table in host memory, compressed or raw, plus the tables a read needs.
 
-    ``rows`` may be non-contiguous (a slice, a transpose): it is copied once with ``.contiguous()`` while the
-    store is built, which copies or compresses every row into its own buffer anyway.
+    Args:
+        rows: ``[N, ...]`` tensor (copied once with ``.contiguous()`` if strided), or a ``CompressedRows``.
+        codec: the codec to compress with; or :class:`FitOptions` to fit one here (and at :meth:`refit`); None
+            only with ``compress=False`` or a ``CompressedRows``.
+        compress: True, False or ``"auto"`` (the planner decides; needs ``FitOptions`` or a codec).
+        device: where rows are read to (``cuda``: pinned host memory; ``cpu``: plain memory, Numba decoders).
+        layout: ``inplace`` (writable) or ``packed`` (read-only, smallest) for rows compressed here.
+        transfer: a :class:`Transfer` for CUDA reads, or ``"auto"``: the planner times zero-copy against cpu-gather
+            reads of this store at construction and keeps the faster (``stats()['transfer']``). A CPU store
+            always decodes on the host.
     """
 
-    def __init__(self, rows: "torch.Tensor | CompressedRows", *, codec: Codec | None, compress: bool,
-                 device: torch.device, layout: "str | Layout" = Layout.INPLACE) -> None:
+    adopted: Optional[CompressedRows] = None
+
+    def __init__(self, rows: "torch.Tensor | CompressedRows", *, codec: "Codec | FitOptions | None" = None,
+                 compress: "bool | str" = True, device: torch.device, layout: "str | Layout" = Layout.INPLACE,
+                 transfer: "str | Transfer" = "auto") -> None:
+        if compress not in (True, False, "auto"):
+            raise ValueError(f"compress must be True, False or 'auto', got {compress!r}")
         self.device = device
-        self.compress = bool(compress)
-        pin = device.type == "cuda"
-        self.packed: CompressedRows | None = None
+        auto = transfer == "auto"
+        self.transfer = Transfer.ZERO_COPY if auto else Transfer.coerce(transfer)
+        if device.type != "cuda":  # nothing crosses PCIe: rows are decoded where they are
+            self.transfer = Transfer.HOST_DECODE
+        self._pin = device.type == "cuda"
+        self.fit_options = codec if isinstance(codec, FitOptions) else None
+        self.compress_option: "bool | str" = compress
+        self.layout_choice: Any = None  # planner.LayoutChoice when compress="auto" decided
+        self.refits = 0
+        self.rows_read = 0
+        self.rows_written = 0
+        self.bytes_read = torch.zeros((), dtype=torch.int64, device=device)
+        self._flags_dev: Optional[torch.Tensor] = None
         if isinstance(rows, CompressedRows):
-            self._from_compressed(rows, codec, pin)
+            self._from_compressed(rows, codec if isinstance(codec, Codec) else None, compress)
         else:
-            self._from_tensor(check_rows(rows, "rows"), codec, pin, Layout.from_str(layout))
-        self._device_tables()
+            self._load(check_rows(rows, "rows"), codec if isinstance(codec, Codec) else None, Layout.from_str(layout))
+        self.transfer_choice: Any = None  # planner.TransferChoice when transfer="auto" was timed
+        if auto and device.type == "cuda":
+            from .planner import calibrate_transfer
+
+            self.transfer_choice = calibrate_transfer(self)
+            self.transfer = Transfer(self.transfer_choice.transfer)
+
+    @classmethod
+    def adopt(cls, rows: CompressedRows, *, device: torch.device,
+              transfer: "str | Transfer" = Transfer.ZERO_COPY) -> "HostStore":
+        """Serve ``rows`` as they are (no copy; an attached shared store is page-locked in place): read-only."""
+        return cls(rows, compress=True, device=device, transfer=transfer)
 
     # -- construction -----------------------------------------------------------------------------
 
-    def _from_compressed(self, packed: CompressedRows, codec: Codec | None, pin: bool) -> None:
+    def _from_compressed(self, packed: CompressedRows, codec: Optional[Codec], compress: "bool | str") -> None:
         if codec is not None and not codec.same_tables(packed.codec):
             raise ValueError("codec differs from the codec the CompressedRows were made with")
+        packed.check_shared()
+        self._geometry(packed.n_rows, packed.row_bytes, packed.dtype, tuple(packed.codec.row_shape))
+        if compress is False:  # the caller asked for raw host rows: a private decoded copy
+            self._use_raw(as_row_bytes(packed.decompress(device="cpu")))
+            self.compress = False
+        else:
+            self._use_packed(packed)
+            self.adopted = packed
+            self.compress = True
+
+    def _geometry(self, n_rows: int, row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> None:
+        self.n_rows, self.row_bytes, self.dtype, self.row_shape = n_rows, row_bytes, dtype, row_shape
+
+    def _load(self, rows: torch.Tensor, codec: Optional[Codec], layout: Layout) -> None:
+        """(Re)build the stored bytes from dense rows: plan (``"auto"``), fit if needed, encode or copy."""
+        u8 = as_row_bytes(rows)
+        self._geometry(int(rows.shape[0]), int(u8.shape[1]), rows.dtype, tuple(rows.shape[1:]))
+        self.adopted = None
+        self.compress = self.compress_option is not False
+        if self.compress_option == "auto" and self.layout_choice is None:
+            codec = codec or self._fit(rows)
+            from .planner import calibrate_layout
+
+            self.layout_choice = calibrate_layout(rows, codec, self.device)
+            self.compress = self.layout_choice.compress
+        elif self.compress_option == "auto":
+            self.compress = self.layout_choice.compress
+        if not self.compress:
+            self._use_raw(u8 if u8.device.type == "cpu" else u8.cpu())
+            return
+        if codec is None:
+            if self.fit_options is None:
+                raise ValueError("compress=True needs a codec (or FitOptions to fit one)")
+            codec = self._fit(rows)
+        run_on = rows.device if rows.is_cuda else self.device
+        self._use_packed(codec.compress(rows, layout=layout, pin=self._pin, device=run_on))
+
+    def _fit(self, rows: torch.Tensor) -> Codec:
+        return fit_codec(rows, self.device, self.fit_options or FitOptions())
+
+    def _use_packed(self, packed: CompressedRows) -> None:
+        self.packed: Optional[CompressedRows] = packed
         self.codec = packed.codec
-        self.n_rows, self.row_bytes = packed.n_rows, packed.row_bytes
-        self.dtype, self.row_shape = packed.dtype, packed.codec.row_shape
-        if self.compress:
-            self._use_packed(packed, pin)
-        else:
-            raw = packed.decompress(device="cpu")
-            self._use_raw(as_row_bytes(raw), pin)
-
-    def _from_tensor(self, rows: torch.Tensor, codec: Codec | None, pin: bool, layout: Layout) -> None:
-        self.n_rows = int(rows.shape[0])
-        self.dtype, self.row_shape = rows.dtype, tuple(rows.shape[1:])
-        rows_cpu = rows if rows.device.type == "cpu" else rows.cpu()
-        u8 = as_row_bytes(rows_cpu)
-        self.row_bytes = int(u8.shape[1])
-        self.codec = codec
-        if self.compress:
-            if codec is None:
-                raise ValueError("compress=True needs a codec")
-            run_on = rows.device if rows.is_cuda else self.device
-            self._use_packed(codec.compress(rows, layout=layout, pin=pin, device=run_on), pin)
-        else:
-            self._use_raw(u8, pin)
-
-    def _use_packed(self, packed: CompressedRows, pin: bool) -> None:
-        self.packed = packed
-        self.data = packed.host_data_for_gpu() if pin else packed.data
+        self.data = packed.host_data_for_gpu() if self._pin else packed.data
         self.layout = packed.layout
-        self.lengths_cpu = packed.lengths
-        self.compressed_cpu = packed.is_compressed()
-        self.offsets_cpu = packed.offsets if packed.layout is Layout.PACKED else None
+        self.lengths_cpu: Optional[torch.Tensor] = packed.lengths
+        self.offsets_cpu: Optional[torch.Tensor] = packed.offsets if packed.layout is Layout.PACKED else None
+        meta = packed.device_meta(self.device)  # per-row tables on the read device (the same tensors on a CPU)
+        self.lengths_dev: Optional[torch.Tensor] = meta["lengths"]
+        self.offsets_dev: Optional[torch.Tensor] = meta.get("offsets")
+        self._flags_dev = meta["flags"]
+        self.compressed_fraction_at_fit = self.compressed_fraction()
 
-    def _use_raw(self, rows_u8: torch.Tensor, pin: bool) -> None:
+    def _use_raw(self, rows_u8: torch.Tensor) -> None:
         flat = rows_u8.reshape(-1)
-        if pin and not flat.is_pinned():
+        if self._pin and not flat.is_pinned():
             flat = flat.pin_memory()
+        elif not self._pin and flat.data_ptr() == rows_u8.data_ptr() and self.adopted is None:
+            flat = flat.clone()  # writable stores own their bytes: never write into the caller's tensor
+        self.packed = None
+        self.codec = Codec.raw(self.dtype, self.row_shape)
         self.data = flat
         self.layout = Layout.INPLACE
-        self.lengths_cpu = None
-        self.compressed_cpu = None
-        self.offsets_cpu = None
-
-    def _device_tables(self) -> None:
-        """Per-row tables on the fetch device (only those that exist for this layout)."""
-        if self.packed is not None:
-            meta = self.packed.device_meta(self.device)
-            self.lengths_dev: torch.Tensor | None = meta["lengths"]
-            self.flags_dev: torch.Tensor | None = meta["flags"]
-            self.offsets_dev: torch.Tensor | None = meta.get("offsets")
-        else:
-            self.lengths_dev = self.flags_dev = self.offsets_dev = None
+        self.lengths_cpu = self.offsets_cpu = None
+        self.lengths_dev = self.offsets_dev = self._flags_dev = None
+        self.compressed_fraction_at_fit = 0.0
 
     # -- sizes ------------------------------------------------------------------------------------
+
+    @property
+    def dim(self) -> int:
+        """Elements per row of a 1-D-row (embedding) table."""
+        return int(np.prod(self.row_shape, dtype=np.int64)) if self.row_shape else 1
+
+    @property
+    def read_only(self) -> bool:
+        """Serving adopted rows (see :meth:`adopt`): no write-back, no training."""
+        return self.adopted is not None
 
     @property
     def raw_nbytes(self) -> int:
@@ -108,8 +238,8 @@ class HostStore:
 
     @property
     def stored_nbytes(self) -> int:
-        """Row bytes a full read moves (compressed lengths summed; raw size when uncompressed)."""
-        return self.packed.nbytes if self.packed is not None else self.raw_nbytes
+        """Row bytes a full read moves (compressed lengths summed; the raw size when uncompressed)."""
+        return self.stored_bytes() if self.compress else self.raw_nbytes
 
     @property
     def ratio(self) -> float:
@@ -118,46 +248,248 @@ class HostStore:
     @property
     def device_table_nbytes(self) -> int:
         """GPU bytes of the per-row tables (lengths, flags, offsets)."""
-        return sum(t.numel() * t.element_size() for t in (self.lengths_dev, self.flags_dev, self.offsets_dev)
+        return sum(t.numel() * t.element_size() for t in (self.lengths_dev, self._flags_dev, self.offsets_dev)
                    if t is not None)
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int32 [N] stored bytes per row on the CPU (current after :meth:`sync_host`)."""
+        return self.stored_lengths()
+
     def stored_lengths(self) -> torch.Tensor:
-        """int32 [N] stored bytes per row, on the CPU."""
+        """int32 [N] stored bytes per row, on the CPU (``row_bytes`` everywhere when raw)."""
         if self.lengths_cpu is not None:
             return self.lengths_cpu
         return torch.full((self.n_rows,), self.row_bytes, dtype=torch.int32)
 
+    def _current_lengths(self) -> Optional[torch.Tensor]:
+        """The authoritative lengths (device under zero-copy CUDA, else CPU); None when raw."""
+        if self.lengths_cpu is None:
+            return None
+        return self.lengths_dev if self._device_lengths else self.lengths_cpu
+
+    def compressed_fraction(self) -> float:
+        lens = self._current_lengths()
+        if lens is None or self.n_rows == 0:
+            return 0.0
+        return float((lens < self.row_bytes).sum()) / self.n_rows
+
+    def stored_bytes(self) -> int:
+        lens = self._current_lengths()
+        return self.raw_nbytes if lens is None else int(lens.sum(dtype=torch.int64))
+
+    @property
+    def _device_lengths(self) -> bool:
+        """Are the GPU lengths authoritative? On CUDA writes are GPU encodes that update them there (host-side
+        transfer paths also get the written rows' lengths mirrored, see :meth:`write_rows`)."""
+        return self.device.type == "cuda" and self.lengths_dev is not None
+
     # -- reads ------------------------------------------------------------------------------------
 
     def check_live(self) -> None:
-        """Raise StaleStoreError if the rows are an attached shared store that was replaced or stopped.
-
-        A few loads from the segment header; FeatureCache.fetch calls it first, so a fetch never mixes a
-        replaced store's rows (slab hits) with nothing to tell the caller."""
-        if self.packed is not None:
-            self.packed.check_shared()
+        """Raise StaleStoreError if the rows are an attached shared store that was replaced or stopped (a few
+        loads from the segment header): every read path calls it first, so rows of two generations never mix."""
+        if self.adopted is not None:
+            self.adopted.check_shared()
 
     def host_args(self) -> HostArgs:
         """What the probe kernel needs to address a miss (the base is valid on the GPU through UVA)."""
+        if self.lengths_dev is not None and self._flags_dev is None:  # rows were rewritten: flags follow lengths
+            self._flags_dev = _flags_from_lengths(self.lengths_dev, self.row_bytes)
         return HostArgs(base=int(self.data.data_ptr()), offsets=self.offsets_dev, stride=self.row_bytes,
-                        lengths=self.lengths_dev, row_bytes=self.row_bytes, flags=self.flags_dev)
+                        lengths=self.lengths_dev, row_bytes=self.row_bytes, flags=self._flags_dev)
 
     def cpu_descriptors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(offsets int64, lengths int32, compressed uint8) of rows ``ids`` for ``decode_rows_cpu``."""
+        """(offsets int64, lengths int32, compressed uint8) of rows ``ids`` from the CPU tables."""
         if self.offsets_cpu is not None:
             offsets = self.offsets_cpu.numpy()[ids]
         else:
             offsets = ids.astype(np.int64) * self.row_bytes
         if self.lengths_cpu is None:
             return offsets, np.full(ids.shape, self.row_bytes, np.int32), np.zeros(ids.shape, np.uint8)
-        return offsets, self.lengths_cpu.numpy()[ids], self.compressed_cpu.numpy()[ids]
+        lens = self.lengths_cpu.numpy()[ids]
+        return offsets, lens, (lens < self.row_bytes).astype(np.uint8)
+
+    def _gpu_descriptors(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(absolute source addresses, lengths, compressed) of rows ``ids`` (CUDA int64) for zero-copy decode."""
+        base = self.data.data_ptr()
+        src = (self.offsets_dev.index_select(0, ids) if self.offsets_dev is not None else ids * self.row_bytes) + base
+        if self.lengths_dev is None:
+            lens = torch.full_like(ids, self.row_bytes, dtype=torch.int32)
+        else:
+            lens = self.lengths_dev.index_select(0, ids)
+        return src, lens, (lens < self.row_bytes).to(torch.uint8)
+
+    def read_into(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: Optional[torch.Tensor] = None) -> None:
+        """Decode rows ``ids`` (int64, valid) into ``out_u8[out_rows]`` (``out_u8[0..M)`` when None); ``out_u8`` is
+        uint8 ``[K, row_bytes]`` on the store's device. On CUDA this is enqueued on the current stream through the
+        store's transfer path (``cpu_gather`` / ``host_decode`` first read the ids on the host)."""
+        if ids.numel() == 0:
+            return
+        self.check_live()
+        self.rows_read += int(ids.numel())
+        if self.device.type != "cuda":
+            self._decode_cpu(ids, out_u8, out_rows)
+        elif self.transfer is Transfer.ZERO_COPY:
+            from ..kernels.bitpack import decode_descriptors
+
+            src, lens, comp = self._gpu_descriptors(ids.to(self.device))
+            decode_descriptors(out_u8, src, lens, comp, out_rows, self.codec.kernel_tables(out_u8.device))
+            self.bytes_read += lens.sum(dtype=torch.int64)
+        elif self.transfer is Transfer.CPU_GATHER:
+            self._gather_cpu_decode_gpu(ids, out_u8, out_rows)
+        else:  # host decode: CPU decodes into pinned staging, one H2D copy
+            idx = ids.cpu()
+            staging = torch.empty((idx.numel(), self.row_bytes), dtype=torch.uint8, pin_memory=True)
+            self._decode_cpu(idx, staging, None)
+            rows = staging.to(self.device, non_blocking=True)
+            if out_rows is None:
+                out_u8[: idx.numel()].copy_(rows)
+            else:
+                out_u8.index_copy_(0, out_rows, rows)
+
+    def _gather_cpu_decode_gpu(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
+        """``cpu_gather``: stored bytes packed on the CPU into one pinned buffer [starts | lengths | flags | bytes],
+        ONE host-to-device copy, ONE decode launch reading the staged rows from device memory.
+
+        The pinned buffer comes from torch's caching host allocator, which does not hand a block out again before
+        the copy that reads it has completed, so no step waits on the previous one."""
+        from ..kernels.bitpack import decode_descriptors
+        from ..kernels.bitpack_cpu import gather_stored_cpu
+
+        idx = ids.cpu().numpy()
+        m = idx.shape[0]
+        offs, lens, comp = self.cpu_descriptors(idx)
+        starts = np.zeros(m, dtype=np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        head = _round_up(m * 13, _STAGE_ALIGN)
+        total = int(starts[-1]) + int(lens[-1])
+        buf = torch.empty(head + _round_up(total, _STAGE_ALIGN) + _STAGE_ALIGN, dtype=torch.uint8, pin_memory=True)
+        b = buf.numpy()
+        b[: 8 * m].view(np.int64)[:] = starts
+        b[8 * m : 12 * m].view(np.int32)[:] = lens
+        b[12 * m : 13 * m] = comp
+        gather_stored_cpu(self.data.numpy(), offs, lens, b[head:], starts)
+        dev = buf.to(self.device, non_blocking=True)
+        src = dev[: 8 * m].view(torch.int64) + (dev.data_ptr() + head)
+        lens_d = dev[8 * m : 12 * m].view(torch.int32)
+        decode_descriptors(out_u8, src, lens_d, dev[12 * m : 13 * m], out_rows, self.codec.kernel_tables(out_u8.device))
+        self.bytes_read += total
+
+    def _decode_cpu(self, idx: torch.Tensor, out: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
+        """Rows ``idx`` into ``out[out_rows]`` (``out[0..M)`` when None) on the host, multithreaded."""
+        ids_np = idx.numpy()
+        offs, lens, comp = self.cpu_descriptors(ids_np)
+        self.bytes_read += int(lens.sum(dtype=np.int64))
+        if not self.compress and self.offsets_cpu is None:
+            rows2d = self.data.view(self.n_rows, self.row_bytes)
+            if out_rows is None:
+                torch.index_select(rows2d, 0, idx, out=out[: idx.numel()])
+            else:
+                out.index_copy_(0, out_rows, rows2d.index_select(0, idx))
+            return
+        rows = np.arange(ids_np.shape[0], dtype=np.int64) if out_rows is None else out_rows.numpy()
+        self.codec.decode_rows_at(self.data.numpy(), offs, lens, out.numpy(), rows, compressed=comp)
 
     def raw_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """uint8 [len(ids), row_bytes] raw bytes of rows ``ids`` (cache fills, not the hot path).
+        """uint8 [len(ids), row_bytes] raw bytes of rows ``ids`` on the store's device (cache fills; not a hot path)."""
+        out = torch.empty((ids.numel(), self.row_bytes), dtype=torch.uint8, device=self.device)
+        self.read_into(ids.to(self.device) if self.transfer is Transfer.ZERO_COPY else ids.cpu(), out)
+        return out
 
-        Raw stores index on the CPU; compressed stores decode on the fetch device (the GPU decoder reads
-        the pinned store zero-copy)."""
-        if self.packed is None:
-            return self.data.view(self.n_rows, self.row_bytes)[ids.cpu()]
-        rows = self.packed.gather(ids.to(self.device), device=self.device)
-        return as_row_bytes(rows)
+    # -- writes -----------------------------------------------------------------------------------
+
+    def write_rows(self, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
+        """Store ``rows_u8`` (uint8 ``[M, row_bytes]``) as rows ``ids`` (distinct), re-encoded with the store's
+        codec in place: compressed if a row still matches the mask, raw otherwise (training write-back)."""
+        if self.read_only:
+            raise RuntimeError("this store serves adopted CompressedRows (read-only, inference only); build it "
+                               "from the dense table to write rows back (e.g. to train an embedding table)")
+        if self.layout is not Layout.INPLACE:
+            raise RuntimeError("rows can be written back only in the in-place layout (packed rows cannot grow)")
+        if ids.numel() == 0:
+            return
+        self.rows_written += int(ids.numel())
+        self._flags_dev = None  # recomputed from the lengths when the probe kernel next needs them
+        if self.device.type == "cuda":  # GPU encode straight into the pinned slots (UVA), any transfer path
+            from ..kernels.bitpack import encode_into
+
+            ids = ids.to(self.device)
+            lens = torch.empty(ids.numel(), dtype=torch.int32, device=self.device)
+            dst = ids * self.row_bytes + self.data.data_ptr()
+            encode_into(rows_u8.contiguous(), dst, lens, self.codec.kernel_tables(self.device))
+            if self.lengths_dev is not None:
+                self.lengths_dev.index_copy_(0, ids, lens)
+            if self.transfer is not Transfer.ZERO_COPY:  # host-side readers: mirror the lengths; waits for the write
+                if self.lengths_cpu is not None:
+                    self.lengths_cpu[ids.cpu()] = lens.cpu()
+                else:
+                    torch.cuda.current_stream(self.device).synchronize()
+            return
+        idx = ids.cpu().numpy()
+        rows = rows_u8.cpu().contiguous().numpy()
+        rows2d = self.data.view(self.n_rows, self.row_bytes).numpy()
+        if not self.compress:
+            rows2d[idx] = rows
+            return
+        rows2d[idx] = 0  # the format keeps each slot's tail after the stored bytes zero
+        self.lengths_cpu.numpy()[idx] = self.codec.encode_rows_at(rows, self.data.numpy(), idx * self.row_bytes)
+
+    def sync_host(self) -> None:
+        """Make the host bytes and CPU lengths current (waits for in-flight GPU writes)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self._device_lengths and not self.read_only:
+            self.lengths_cpu.copy_(self.lengths_dev.cpu())
+
+    # -- whole table ------------------------------------------------------------------------------
+
+    def dense(self) -> torch.Tensor:
+        """The decoded table as a new CPU tensor ``[N, ...]``."""
+        self.sync_host()
+        out = torch.empty((self.n_rows, *self.row_shape), dtype=self.dtype)
+        if self.n_rows:
+            self._decode_cpu(torch.arange(self.n_rows), as_row_bytes(out), None)
+        return out
+
+    def refit(self, table: torch.Tensor) -> None:
+        """Fit a new codec on ``table`` (the current full table) and re-encode every row with it (the planner's
+        compressed/raw choice stands). An adopted store becomes a private, writable copy (``load_state_dict``)."""
+        if self.fit_options is None and self.compress:  # adopted rows: refit like their codec was fitted
+            self.fit_options = FitOptions(self.codec.threshold, self.codec.chunk_bytes)
+        self.sync_host()  # no kernel may still read the old buffer
+        self._load(check_rows(table, "table").to("cpu"), None, self.layout)
+        self.refits += 1
+
+    # -- statistics -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        stored = self.stored_bytes()
+        raw = self.raw_nbytes
+        layout = (self.layout_choice.as_dict() if self.layout_choice is not None
+                  else {"compress": self.compress, "reason": f"compress={self.compress_option!r} (set)"})
+        return {
+            "host_compress": self.compress,
+            "host_layout": layout,
+            "host_raw_bytes": raw,
+            "host_stored_bytes": stored,
+            "host_ratio": raw / max(stored, 1),
+            "host_metadata_bytes": (self.codec.metadata_nbytes if self.compress else 0)
+            + (4 * self.n_rows if self.lengths_cpu is not None else 0),
+            "compressed_rows_fraction": self.compressed_fraction(),
+            "compressed_rows_fraction_at_fit": self.compressed_fraction_at_fit,
+            "chunk_bytes": self.codec.chunk_bytes if self.compress else None,
+            "threshold": self.codec.threshold if self.compress else None,
+            "refits": self.refits,
+            "rows_fetched": self.rows_read,
+            "bytes_fetched": int(self.bytes_read),
+            "raw_bytes_fetched": self.rows_read * self.row_bytes,
+            "rows_written_back": self.rows_written,
+            "fetch_path": self.transfer.value,
+            "transfer": (self.transfer_choice.as_dict() if self.transfer_choice is not None
+                         else {"transfer": self.transfer.value, "reason": "set"}),
+        }
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k

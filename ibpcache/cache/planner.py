@@ -19,11 +19,13 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..codec import Codec
 
-__all__ = ["LayoutChoice", "decide_layout", "calibrate_layout", "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN"]
+__all__ = ["LayoutChoice", "decide_layout", "calibrate_layout", "TransferChoice", "decide_transfer",
+           "calibrate_transfer", "PathPlanner", "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN"]
 
 CALIBRATION_BYTES = 32 << 20
 """Raw bytes of the pinned sample each layout is timed on (a sample this size streams from host memory, like
@@ -139,3 +141,152 @@ def calibrate_layout(table: torch.Tensor, codec: Codec, device: torch.device, ba
         t_c += _time_layout(ids, out, src_c, tables, sample.dtype, err, reps)
         t_r += _time_layout(ids, out, src_r, tables, sample.dtype, err, reps)
     return decide_layout(ratio, statistics.median(t_c), statistics.median(t_r), batch)
+
+
+# ------------------------------------------------------------------------------------------------
+# transfer: how a store's rows cross PCIe
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferChoice:
+    """Which transfer path a store reads misses through, and the timings that chose it (``stats()['transfer']``)."""
+
+    transfer: str
+    reason: str
+    timings_ms: dict
+    batch: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decide_transfer(timings_ms: dict, default: str = "zero_copy", margin: float = MARGIN, batch: int = 0
+                    ) -> TransferChoice:
+    """The rule, apart from the measuring: the fastest path, but ``default`` (zero-copy: no host work, no host
+    sync, CUDA-graph capturable) unless another path is at least ``margin`` faster than it."""
+    if not timings_ms:
+        return TransferChoice(default, "nothing timed (no CUDA)", {}, batch)
+    best = min(timings_ms, key=timings_ms.get)
+    base = timings_ms.get(default)
+    if best == default or base is None:
+        return TransferChoice(best, f"{best} fastest", dict(timings_ms), batch)
+    if timings_ms[best] <= base * (1.0 - margin):
+        return TransferChoice(best, f"{best} {base / timings_ms[best]:.2f}x faster than {default}", dict(timings_ms),
+                              batch)
+    return TransferChoice(default, f"{best} only {base / timings_ms[best]:.2f}x of {default} (< "
+                          f"{1 / (1 - margin):.2f}x)", dict(timings_ms), batch)
+
+
+def calibrate_transfer(store: Any, batch: int = 16384, reps: int = 5,
+                       candidates: tuple[str, ...] = ("zero_copy", "cpu_gather")) -> TransferChoice:
+    """Time ``store.read_into`` of ``batch`` random rows through each candidate path, on the store itself (a
+    multi-GB pinned table reads randomly at rates a small sample would not show), ids given on the CPU as a
+    sampler hands them over. Wall clock from the call to the rows being on the GPU, host work included (a path
+    that gathers on the CPU pays for it); candidates alternate, medians decide. The store's counters are left as
+    they were."""
+    import time
+
+    from .host_store import Transfer
+
+    if store.device.type != "cuda":
+        return decide_transfer({}, batch=batch)
+    n = store.n_rows
+    ids = torch.randint(0, n, (min(batch, max(n, 1)),), generator=torch.Generator().manual_seed(1))
+    out = torch.empty((ids.numel(), store.row_bytes), dtype=torch.uint8, device=store.device)
+    saved = (store.transfer, store.rows_read, store.bytes_read.clone())
+    times: dict[str, list[float]] = {c: [] for c in candidates}
+    try:
+        for rep in range(reps + 1):  # the first round warms up (kernel builds, Numba, pinned pools)
+            for name in candidates:
+                store.transfer = Transfer(name)
+                torch.cuda.synchronize(store.device)
+                t0 = time.perf_counter()
+                store.read_into(ids, out)
+                torch.cuda.synchronize(store.device)
+                if rep:
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        store.transfer, store.rows_read = saved[0], saved[1]
+        store.bytes_read.copy_(saved[2])
+    return decide_transfer({k: statistics.median(v) for k, v in times.items()}, batch=int(ids.numel()))
+
+
+class PathPlanner:
+    """Picks between two ways of running a fused lookup, per kind of lookup and size class (powers of two of the
+    bag count), from timings on this machine: the first ``trials`` lookups of a class alternate the two, timed with
+    CUDA events read only once they have completed (never a sync), then the faster median wins for good.
+
+    Kinds: ``"single"`` (one id per bag): take bags in row order (an argsort first; address-ordered host reads pay
+    off when many misses come from a large pinned table) or as given. ``"multi"`` (bags of several ids, only when a
+    staging buffer exists): read each missed row once into staging (CLAIM + STAGE) or every miss zero-copy.
+    """
+
+    LABELS = {"single": ("as given", "sorted"), "multi": ("zero-copy", "staged")}
+
+    def __init__(self, trials: int = 6) -> None:
+        self.trials = trials
+        self._times: dict[tuple[str, int], dict[bool, list[float]]] = {}
+        self._pending: list[tuple[tuple[str, int], bool, Any, Any]] = []
+        self._choice: dict[tuple[str, int], bool] = {}
+        self._fixed: dict[str, bool] = {}
+
+    @staticmethod
+    def _key(kind: str, n: int) -> tuple[str, int]:
+        return kind, max(n, 1).bit_length()
+
+    def fix(self, kind: str, second: "bool | None") -> None:
+        """Pin a kind of lookup to one way for every size (``None`` lets the timings decide again)."""
+        if kind not in self.LABELS:
+            raise ValueError(f"kind must be one of {sorted(self.LABELS)}, got {kind!r}")
+        if second is None:
+            self._fixed.pop(kind, None)
+        else:
+            self._fixed[kind] = bool(second)
+
+    def calibrating(self, n: int, kind: str = "single") -> bool:
+        return kind not in self._fixed and self._key(kind, n) not in self._choice
+
+    def choose(self, n: int, capturing: bool = False, kind: str = "single") -> bool:
+        """The second way (sorted / staged)? Decided classes keep their choice; while calibrating, alternate (the
+        first way while a CUDA graph is being captured)."""
+        if kind in self._fixed:
+            return self._fixed[kind]
+        key = self._key(kind, n)
+        if not capturing:  # querying events is not allowed while a stream is being captured
+            self._collect()
+        if key in self._choice:
+            return self._choice[key]
+        if capturing:
+            return False
+        runs = self._times.setdefault(key, {False: [], True: []})
+        pending = sum(1 for k, *_ in self._pending if k == key)
+        done = len(runs[False]) + len(runs[True])
+        if done >= 2 * self.trials:
+            self._choice[key] = float(np.median(runs[True])) < float(np.median(runs[False]))
+            return self._choice[key]
+        return (done + pending) % 2 == 1
+
+    def record(self, n: int, second: bool, start: Any, end: Any, kind: str = "single") -> None:
+        self._pending.append((self._key(kind, n), second, start, end))
+
+    def _collect(self) -> None:
+        keep = []
+        for key, second, start, end in self._pending:
+            if end.query():
+                self._times.setdefault(key, {False: [], True: []})[second].append(start.elapsed_time(end))
+            else:
+                keep.append((key, second, start, end))
+        self._pending = keep
+
+    def plan(self) -> dict[str, str]:
+        """For stats(): the way chosen per kind and size class (or "calibrating")."""
+        self._collect()
+        out = {}
+        for kind, b in sorted(set(self._times) | set(self._choice)):
+            label = f"{kind} {1 << (b - 1)}-{(1 << b) - 1} bags"
+            choice = self._choice.get((kind, b))
+            out[label] = "calibrating" if choice is None else self.LABELS[kind][int(choice)]
+        for kind, second in self._fixed.items():
+            out[f"{kind} (fixed)"] = self.LABELS[kind][int(second)]
+        return out

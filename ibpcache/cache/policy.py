@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,6 +31,7 @@ from ..errors import CapacityError
 
 __all__ = [
     "PolicyKind",
+    "EvictionStrategy",
     "CachePolicy",
     "StaticPolicy",
     "SlotPolicy",
@@ -60,6 +61,34 @@ class PolicyKind(str, enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             raise ValueError(f"policy must be one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+class EvictionStrategy(str, enum.Enum):
+    """Which row of the trainable row cache (``row_cache.py``) leaves when a missing one must come in.
+
+    ``LFU``: fewest uses since admission (Colossal-AI's default). ``LRU``: least recently used.
+    ``DATASET``: lowest dataset frequency from ``ids_freq_mapping`` (without one, higher ids are colder,
+    Colossal-AI's convention for frequency-sorted tables). Unlike Colossal-AI 0.5 we never renumber ids,
+    so a pretrained ``_weight`` keeps its meaning.
+    """
+
+    LFU = "lfu"
+    DATASET = "dataset"
+    LRU = "lru"
+
+    @classmethod
+    def coerce(cls, value: Any) -> "EvictionStrategy":
+        """Accept our members, their names/values as strings, or any enum member with a matching name
+        (so Colossal-AI's ``EvictionStrategy.LFU`` works unchanged)."""
+        if isinstance(value, cls):
+            return value
+        name = value.name if isinstance(value, enum.Enum) else value
+        if isinstance(name, str):
+            key = name.strip().upper()
+            if key in cls.__members__:
+                return cls[key]
+        raise ValueError(f"evict_strategy must be one of {[m.name for m in cls]} (or Colossal-AI's enum), "
+                         f"got {value!r}")
 
 
 class CachePolicy(abc.ABC):

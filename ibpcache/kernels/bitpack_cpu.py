@@ -22,6 +22,7 @@ __all__ = [
     "size_rows_cpu",
     "encode_rows_cpu",
     "decode_rows_cpu",
+    "gather_stored_cpu",
 ]
 
 _U0 = np.uint64(0)
@@ -268,6 +269,21 @@ def decode_rows_cpu(buf, offsets, lengths, compressed, mask, bitval, c: int, out
                     v = _read_bits(buf, start, bitpos, w)
                 bitpos += w
                 _store_chunk(out, dst, j, c, row_bytes, v)
+
+
+@nb.njit(parallel=True, cache=True)
+def gather_stored_cpu(buf, offsets, lengths, out, out_offsets) -> None:
+    """Copy stored row m (``lengths[m]`` bytes at ``buf[offsets[m]:]``) to ``out[out_offsets[m]:]``, as stored.
+
+    The CPU half of the engine's ``cpu_gather`` transfer: the rows' *stored* (compressed) bytes are packed
+    back to back into a pinned staging buffer that crosses PCIe in one copy and is decoded on the GPU, so the
+    copy moves compressed bytes and the host does no decoding. Rows in parallel over the CPU's threads.
+    """
+    for m in nb.prange(offsets.shape[0]):
+        src = offsets[m]
+        dst = out_offsets[m]
+        for b in range(lengths[m]):
+            out[dst + b] = buf[src + b]
 
 
 @nb.njit(parallel=True)

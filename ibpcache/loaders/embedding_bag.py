@@ -9,8 +9,10 @@ The constructor and ``forward`` take Colossal-AI 0.5's arguments with the same n
 followed by keyword-only compression options. What differs, and why:
 
 * The full table lives in host memory *compressed* with the table's IBP mask (in place, pinned when the
-  cache is on a GPU). Misses are fetched by one GPU kernel that reads the stored rows zero-copy and decodes
-  them straight into their cache slots, instead of a CPU gather plus a copy.
+  cache is on a GPU): the engine's ``HostStore`` (``ibpcache.cache``), the same store FeatureCache uses. Misses
+  are fetched by one GPU kernel that reads the stored rows zero-copy and decodes them straight into their cache
+  slots, or, where the planner measured it faster, gathered as stored bytes on the CPU, copied once, decoded on
+  the GPU.
 * ``device`` is the device of the cache (default: CUDA when available, else the CPU, where everything
   also works); Colossal-AI used it for the initial CPU weight and always cached on CUDA.
 * ``DATASET`` eviction uses ``ids_freq_mapping`` as a priority without renumbering ids, so a pretrained
@@ -58,7 +60,9 @@ from torch import nn
 from .._validation import resolve_device
 from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidIdsError
-from ._embedding_cache import CachedRowManager, EvictionStrategy, FetchPath, HostRowStore, Prepared, RowGather
+from ..cache.host_store import FitOptions, HostStore, Transfer
+from ..cache.policy import EvictionStrategy
+from ..cache.row_cache import CachedRowManager, Prepared
 
 __all__ = [
     "CachedEmbeddingBag",
@@ -195,7 +199,7 @@ class _CachedBagBase(nn.Module):
         threshold: "float | str",
         chunk_bytes: "int | str",
         refit_threshold: Optional[float],
-        fetch: "str | FetchPath",
+        fetch: "str | Transfer",
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
@@ -235,13 +239,14 @@ class _CachedBagBase(nn.Module):
         self.device = _default_device(device)
         self.cache_op = True
 
+        fetch = fetch if fetch == "auto" else Transfer.coerce(fetch, "fetch")
         if isinstance(weight, CompressedRows):  # serve the given store's bytes: no second host copy
             self._check_rows(weight, dtype)
-            store = HostRowStore.adopt(weight, device=self.device, fetch=FetchPath.coerce(fetch))
+            store = HostStore.adopt(weight, device=self.device, transfer=fetch)
         else:
-            weight = self._initial_weight(weight, dtype)
-            store = HostRowStore(weight, compress=compress, threshold=threshold, chunk_bytes=chunk_bytes,
-                                 device=self.device, fetch=FetchPath.coerce(fetch))
+            weight = self._initial_weight(weight, dtype).to("cpu")
+            store = HostStore(weight, codec=FitOptions(threshold, chunk_bytes), compress=compress, device=self.device,
+                              transfer=fetch)
         del weight
         capacity = max(1, int(num_embeddings * self.cache_ratio))
         self.cache_weight_mgr = CachedRowManager(
@@ -256,11 +261,16 @@ class _CachedBagBase(nn.Module):
         self.refresh_every = refresh_every
         self.stage_bytes = int(stage_bytes)
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
-                                and store.fetch is FetchPath.ZERO_COPY
                                 and pool_supported(store.dtype, store.row_bytes))
 
     def _check_rows(self, rows: CompressedRows, dtype: Optional[torch.dtype]) -> None:
-        """``_weight`` given as CompressedRows: its shape must be the table's, its dtype ``dtype`` if given."""
+        """``_weight`` given as CompressedRows: its shape must be the table's, its dtype ``dtype`` if given, and its
+        layout in place (the lookups read row i at ``i * row_bytes``)."""
+        from ..format import Layout
+
+        if rows.layout is not Layout.INPLACE:
+            raise ValueError("_weight: the embedding bags read rows at i * row_bytes; compress them with "
+                             f"layout='inplace' (got {rows.layout.value!r})")
         shape = (self.num_embeddings, self.embedding_dim)
         if tuple(rows.shape) != shape:
             raise ValueError(f"_weight: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
@@ -288,7 +298,7 @@ class _CachedBagBase(nn.Module):
 
     # -- the cached lookup ------------------------------------------------------------------------
     def _check_ready(self) -> None:
-        self.cache_weight_mgr.store.check_shared()  # a replaced shared store: StaleStoreError, never mixed rows
+        self.cache_weight_mgr.store.check_live()  # a replaced shared store: StaleStoreError, never mixed rows
         w = self.cached_weight
         if w.device != self.device or w.dtype != self.cache_weight_mgr.store.dtype:
             raise RuntimeError(f"the cached rows were moved/cast to {w.device}/{w.dtype}; a cached embedding stays on "
@@ -511,13 +521,16 @@ class CachedEmbeddingBag(_CachedBagBase):
     rest IBP-compressed in host memory. Arguments as Colossal-AI 0.5's ``CachedEmbeddingBag``;
     ``_weight`` may also be a :class:`~ibpcache.CompressedRows` of the table (in-place layout; e.g. one attached from
     shared memory with ``CompressedRows.attach``): the module then serves those bytes with no second host copy,
-    for inference only (``HostRowStore.adopt`` says why). The
+    for inference only (``HostStore`` adopts them read-only). The
     keyword-only ones: ``compress`` (IBP host table: True, False, or "auto", the default: the planner in
     ``ibpcache.cache.planner`` times compressed vs raw misses on this machine at construction and keeps the
     faster; ``stats()['host_layout']`` says which and why), ``threshold`` / ``chunk_bytes`` (codec fit,
     "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
-    its value at the last fit; None never refits), ``fetch`` ("zero_copy" or "host_gather", CUDA only),
-    ``fused_inference`` (inference forwards on CUDA as one fused lookup, see ``_embedding_cache.FusedLookup``),
+    its value at the last fit; None never refits), ``fetch`` (how cache fills cross PCIe on CUDA: "zero_copy",
+    "cpu_gather", "host_decode" (was "host_gather"), or "auto", the default: the engine's planner times zero-copy
+    against cpu-gather reads of this table at construction and keeps the faster; ``stats()["transfer"]`` says
+    which; fused inference lookups read misses zero-copy either way),
+    ``fused_inference`` (inference forwards on CUDA as one fused lookup, see ``ibpcache.cache.row_cache.FusedLookup``),
     ``refresh_every`` (lookups between two count-driven cache refreshes of the fused path), ``validate``
     ("lazy": ids are checked in the kernel with no host sync and a bad one raises at the next forward or at
     ``check_errors()``; "eager": checked before the lookup, one sync), ``stage_bytes`` (device buffer that lets a
@@ -550,7 +563,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         threshold: "float | str" = "auto",
         chunk_bytes: "int | str" = "auto",
         refit_threshold: Optional[float] = 0.5,
-        fetch: str = "zero_copy",
+        fetch: str = "auto",
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
@@ -652,7 +665,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         threshold: "float | str" = "auto",
         chunk_bytes: "int | str" = "auto",
         refit_threshold: Optional[float] = 0.5,
-        fetch: str = "zero_copy",
+        fetch: str = "auto",
         fused_inference: bool = True,
         refresh_every: int = 256,
         validate: str = "lazy",
@@ -812,3 +825,45 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         """The current rows of one table as a CPU tensor."""
         lo, hi = self.table_offsets[table].item(), self.table_offsets[table + 1].item()
         return self.weight[lo:hi]
+
+
+class RowGather(torch.autograd.Function):
+    """``weight[slot_u]`` whose backward hands the cache parameter the gradient the reference would get.
+
+    Why: torch's CPU ``embedding_bag`` backward sorts indices with an unstable sort, so the order in which a
+    row's duplicate contributions are summed depends on the index *values*. Reducing over each id's rank
+    among the batch's distinct ids (a monotone relabeling of the ids) reproduces the reference's order
+    exactly; slot numbers cannot. Dense gradients are copied into their slots (each slot once, no
+    arithmetic). A sparse gradient is coalesced in rank space (the order ``Tensor.coalesce`` on the ids
+    would use), one ``segments`` range at a time (one per table, as each table's optimizer would), then
+    relabeled to slots and marked coalesced: what Adagrad/SparseAdam compute with.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, slot_u: torch.Tensor,
+                segments: Optional[Sequence[int]] = None) -> torch.Tensor:
+        ctx.save_for_backward(slot_u)
+        ctx.weight_shape = tuple(weight.shape)
+        ctx.segments = segments
+        return weight.index_select(0, slot_u)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (slot_u,) = ctx.saved_tensors
+        shape = ctx.weight_shape
+        if not grad.is_sparse:
+            out = grad.new_zeros(shape)
+            out.index_copy_(0, slot_u, grad)
+            return out, None, None
+        bounds = ctx.segments or (0, grad.shape[0])
+        idx, vals = grad._indices()[0], grad._values()
+        parts_i, parts_v = [], []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            keep = (idx >= lo) & (idx < hi)  # keeps each table's occurrences in their order
+            part = torch.sparse_coo_tensor(idx[keep].unsqueeze(0), vals[keep], grad.shape).coalesce()
+            parts_i.append(part.indices()[0])
+            parts_v.append(part.values())
+        rows = slot_u.index_select(0, torch.cat(parts_i))
+        order = torch.argsort(rows)
+        out = torch.sparse_coo_tensor(rows[order].unsqueeze(0), torch.cat(parts_v)[order], shape, is_coalesced=True)
+        return out, None, None

@@ -406,10 +406,10 @@ def test_rows_that_stop_matching_are_stored_raw_and_refit(table: torch.Tensor) -
 
 
 def test_host_store_raw_fallback_roundtrip(table: torch.Tensor) -> None:
-    """HostRowStore alone: a row that no longer matches is stored raw in its own slot, others compressed."""
-    from ibpcache.loaders._embedding_cache import HostRowStore
+    """The engine's HostStore alone: a row that no longer matches is stored raw in its own slot, others compressed."""
+    from ibpcache.cache.host_store import FitOptions, HostStore
 
-    store = HostRowStore(table, compress=True, threshold="auto", chunk_bytes="auto", device=torch.device("cpu"))
+    store = HostStore(table, codec=FitOptions(), compress=True, device=torch.device("cpu"))
     rows = table[[3, 4]].clone()
     rows[0] = float("inf")
     store.write_rows(torch.tensor([3, 4]), rows.view(torch.uint8))
@@ -909,7 +909,7 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
 def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
     """The fused lookup's path planner (CPU test with stand-in events): per size class it alternates the two
     ways while calibrating, ignores timings that have not completed, then keeps the faster one."""
-    from ibpcache.loaders._embedding_cache import PathPlanner as OrderPlanner
+    from ibpcache.cache.planner import PathPlanner as OrderPlanner
 
     class Ev:
         def __init__(self, done: bool) -> None:

@@ -1,377 +1,42 @@
-"""The machinery behind ``CachedEmbeddingBag``: a compressed host table and a raw, trainable row cache.
+"""The engine's trainable row cache: raw rows on the compute device in front of a :class:`HostStore`.
 
-Two objects, kept apart so each can be tested alone (policy/storage split, see docs/ARCHITECTURE.md):
+Where :class:`~ibpcache.cache.feature_cache.FeatureCache` is a read cache (a batch's surplus misses are served from
+the host store and may stay uncached), this cache makes EVERY row of a batch resident, because the rows are what an
+optimizer updates (Colossal-AI's ``CachedParamMgr`` role; the embedding bags in ``ibpcache.loaders.embedding_bag``
+are thin adapters over it):
 
-* :class:`HostRowStore` holds the *whole* table in host memory in the codec's in-place layout (row ``i``
-  at ``i * row_bytes``, compressed or raw, ``lengths[i]`` stored bytes). The in-place layout is what makes
-  training possible: a row written back after an update always fits its own slot, compressed with the
-  table's mask when it still matches and raw otherwise, so nothing has to move.
-* :class:`CachedRowManager` owns the cache: ``C`` rows kept RAW on the compute device as one
-  ``nn.Parameter`` (what the optimizer updates, as in Colossal-AI), an id -> slot map, a slot -> id map
-  and a per-slot eviction score (LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot indices,
-  fetching misses with one decode launch and writing evicted rows back re-compressed.
+* :class:`CachedRowManager` owns ``C`` rows kept RAW on the compute device as one ``nn.Parameter``, an id -> slot
+  map, a slot -> id map and a per-slot eviction score (:class:`~ibpcache.cache.policy.EvictionStrategy`: LFU / LRU /
+  DATASET). ``prepare_ids`` turns ids into slot indices, reading misses through the host store's transfer path and
+  writing evicted rows back re-compressed (:meth:`HostStore.write_rows`, the engine's write-back).
+* :class:`FusedLookup` serves inference lookups over the same cache and host store in ONE kernel launch
+  (``kernels/lookup.cu``), with no host sync.
 
-A batch with more distinct ids than cache rows is served by growing the parameter for that one batch
-(so the rows stay trainable: the optimizer step that follows updates them too) and shrinking it back at
-the start of the next batch; Colossal-AI refuses such batches.
+A batch with more distinct ids than cache rows is served by growing the parameter for that one batch (so the rows
+stay trainable: the optimizer step that follows updates them too) and shrinking it back at the start of the next
+batch; Colossal-AI refuses such batches.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import numpy as np
 import torch
 
-from ..cache.ordering import StreamOrder
-from ..cache.planner import LayoutChoice
-from ..compressed import CompressedRows
 from ..codec import Codec
+from .host_store import HostStore, Transfer
+from .ordering import StreamOrder
+from .planner import PathPlanner
+from .policy import EvictionStrategy
 
-__all__ = ["EvictionStrategy", "FetchPath", "HostRowStore", "CachedRowManager", "Prepared", "RowGather",
-           "FusedLookup"]
+__all__ = ["CachedRowManager", "Prepared", "FusedLookup"]
 
 _MIN = torch.iinfo(torch.int64).min
 _MAX = torch.iinfo(torch.int64).max
-_FIT_SAMPLE_BYTES = 1 << 28
-"""Tables larger than this are fitted on a random sample of rows of about this many bytes."""
 _REFIT_CHECK_EVERY = 64
 """Write-back batches between two checks of the host store's compressed fraction (each check syncs)."""
-
-
-class EvictionStrategy(str, enum.Enum):
-    """Which cached row leaves when a missing one must come in.
-
-    ``LFU``: fewest uses since admission (Colossal-AI's default). ``LRU``: least recently used.
-    ``DATASET``: lowest dataset frequency from ``ids_freq_mapping`` (without one, higher ids are colder,
-    Colossal-AI's convention for frequency-sorted tables). Unlike Colossal-AI 0.5 we never renumber ids,
-    so a pretrained ``_weight`` keeps its meaning.
-    """
-
-    LFU = "lfu"
-    DATASET = "dataset"
-    LRU = "lru"
-
-    @classmethod
-    def coerce(cls, value: Any) -> "EvictionStrategy":
-        """Accept our members, their names/values as strings, or any enum member with a matching name
-        (so Colossal-AI's ``EvictionStrategy.LFU`` works unchanged)."""
-        if isinstance(value, cls):
-            return value
-        name = value.name if isinstance(value, enum.Enum) else value
-        if isinstance(name, str):
-            key = name.strip().upper()
-            if key in cls.__members__:
-                return cls[key]
-        raise ValueError(f"evict_strategy must be one of {[m.name for m in cls]} (or Colossal-AI's enum), "
-                         f"got {value!r}")
-
-
-class FetchPath(str, enum.Enum):
-    """How misses reach a CUDA cache.
-
-    ``zero_copy``: one GPU kernel reads the stored rows straight from pinned host memory and decodes them
-    into their cache slots (the paper's path). ``host_gather``: the CPU decodes/gathers the rows into a
-    pinned staging buffer that is then copied (Colossal-AI's style; kept for comparisons and as a fallback).
-    A CPU cache always works on the host.
-    """
-
-    ZERO_COPY = "zero_copy"
-    HOST_GATHER = "host_gather"
-
-    @classmethod
-    def coerce(cls, value: "str | FetchPath") -> "FetchPath":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"fetch must be one of {[m.value for m in cls]}, got {value!r}") from None
-
-
-def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-    return buf[:nbytes]
-
-
-class HostRowStore:
-    """The full ``[N, D]`` table in host memory, one ``row_bytes`` slot per row (in-place layout).
-
-    ``lengths[i] < row_bytes`` <=> row ``i`` is stored compressed. With a CUDA cache the buffer is pinned
-    and the authoritative lengths live on the GPU (the decode/encode kernels read and write them without a
-    host round trip); the CPU copy is refreshed lazily by :meth:`sync_host`.
-    """
-
-    def __init__(
-        self,
-        table: torch.Tensor,
-        *,
-        compress: "bool | str",
-        threshold: "float | str",
-        chunk_bytes: "int | str",
-        device: torch.device,
-        fetch: FetchPath = FetchPath.ZERO_COPY,
-        fit_sample: "float | int | None" = None,
-    ) -> None:
-        if table.dim() != 2:
-            raise ValueError(f"table: expected a 2-D [num_embeddings, embedding_dim] tensor, got {tuple(table.shape)}")
-        self.n_rows, self.dim = int(table.shape[0]), int(table.shape[1])
-        self.dtype = table.dtype
-        self.row_bytes = self.dim * table.element_size()
-        self.device = device
-        if compress not in (True, False, "auto"):
-            raise ValueError(f"compress must be True, False or 'auto', got {compress!r}")
-        self.compress_option = compress
-        self.compress = compress is True  # "auto" decides in _load (the planner), once
-        self.layout_choice: "LayoutChoice | None" = None
-        self.threshold = threshold
-        self.chunk_bytes_option = chunk_bytes
-        self.fit_sample = fit_sample
-        self.fetch = fetch if device.type == "cuda" else FetchPath.HOST_GATHER
-        self._pin = device.type == "cuda"
-        self.refits = 0
-        self.bytes_read = torch.zeros((), dtype=torch.int64, device=device)
-        self.rows_read = 0
-        self.rows_written = 0
-        self._load(table.detach())
-
-    @classmethod
-    def adopt(cls, rows: "CompressedRows", *, device: torch.device, fetch: FetchPath = FetchPath.ZERO_COPY
-              ) -> "HostRowStore":
-        """Serve an existing :class:`~ibpcache.compressed.CompressedRows` (in-place layout) without copying its
-        bytes: one host store for the embedding bags and everything else that reads those rows, including a
-        store attached from shared memory (``CompressedRows.attach``), which is page-locked in place.
-
-        The adopted bytes belong to their owner, so the store is read-only: inference only. Training writes
-        rows back re-encoded, which would change the owner's rows under it (and is impossible for a shared,
-        read-only mapping); build the module from the dense table for that. ``load_state_dict`` replaces the
-        table with a private copy, which is then writable.
-        """
-        from ..format import Layout
-
-        if rows.layout is not Layout.INPLACE:
-            raise ValueError("rows: the embedding bags read rows at i * row_bytes; compress them with "
-                             f"layout='inplace' (got {rows.layout.value!r})")
-        if len(rows.codec.row_shape) != 1:
-            raise ValueError(f"rows: expected 1-D rows [embedding_dim], got row shape {rows.codec.row_shape}")
-        rows.check_shared()
-        self = cls.__new__(cls)
-        self.n_rows, self.dim = rows.n_rows, int(rows.codec.row_shape[0])
-        self.dtype, self.row_bytes, self.device = rows.dtype, rows.row_bytes, device
-        self.compress_option, self.compress = "adopted", True
-        self.layout_choice = None
-        self.threshold, self.chunk_bytes_option, self.fit_sample = rows.codec.threshold, rows.codec.chunk_bytes, None
-        self.fetch = fetch if device.type == "cuda" else FetchPath.HOST_GATHER
-        self._pin = device.type == "cuda"
-        self.refits = 0
-        self.bytes_read = torch.zeros((), dtype=torch.int64, device=device)
-        self.rows_read = self.rows_written = 0
-        self.codec = rows.codec
-        self.data = rows.host_data_for_gpu() if self._device_lengths else rows.data
-        self.lengths = rows.lengths
-        self._lengths_dev = self.lengths.to(self.device) if self._device_lengths else None
-        self.compressed_fraction_at_fit = self.compressed_fraction()
-        self.adopted = rows
-        return self
-
-    adopted: "CompressedRows | None" = None
-
-    @property
-    def read_only(self) -> bool:
-        """Serving adopted rows (see :meth:`adopt`): no write-back, no training."""
-        return self.adopted is not None
-
-    def check_shared(self) -> None:
-        """For adopted rows attached from shared memory: raise StaleStoreError if the store was replaced."""
-        if self.adopted is not None:
-            self.adopted.check_shared()
-
-    # -- building ---------------------------------------------------------------------------------
-    def _load(self, table: torch.Tensor) -> None:
-        """(Re)build the stored bytes from a dense table: fit a codec (or the raw one) and encode."""
-        table = table.to("cpu").contiguous()
-        self.adopted = None  # a private copy from here on
-        if self.compress_option == "adopted":
-            self.compress_option = True
-        if self.compress_option == "auto" and self.layout_choice is None:
-            self._plan(table)
-        if self.compress:
-            self.codec = self._fit(table) if self._planned_codec is None else self._planned_codec
-            self._planned_codec = None
-            packed = self.codec.compress(table, layout="inplace", pin=self._pin, device=self.device)
-            self.data = packed.data
-            self.lengths = packed.lengths.to(torch.int32).contiguous()
-        else:
-            self.codec = Codec.raw(self.dtype, (self.dim,))
-            self.data = _host_buffer(self.n_rows * self.row_bytes, self._pin)
-            self.data.copy_(table.view(torch.uint8).reshape(-1))
-            self.lengths = torch.full((self.n_rows,), self.row_bytes, dtype=torch.int32)
-        self._lengths_dev = self.lengths.to(self.device) if self._device_lengths else None
-        self.compressed_fraction_at_fit = self.compressed_fraction()
-
-    _planned_codec: "Codec | None" = None
-
-    def _plan(self, table: torch.Tensor) -> None:
-        """``compress='auto'``: fit the codec, then let the planner time compressed vs raw misses on this machine
-        (CUDA) and keep whichever is faster; the choice holds for the store's life (refits keep it)."""
-        from ..cache.planner import calibrate_layout
-
-        codec = self._fit(table)
-        self.layout_choice = calibrate_layout(table, codec, self.device if self._device_lengths else
-                                              torch.device("cpu"))
-        self.compress = self.layout_choice.compress
-        self._planned_codec = codec if self.compress else None
-
-    def _fit(self, table: torch.Tensor) -> Codec:
-        """Fit on the cache's device. Tables over ``_FIT_SAMPLE_BYTES`` are fitted on a seeded random sample
-        of rows (the paper's Table 5: a 10% sample loses almost nothing) so a multi-GB table is never copied
-        to the GPU whole; ``fit_sample`` overrides this with the codec's own sampling."""
-        rows = table
-        if self.fit_sample is None and table.numel() * table.element_size() > _FIT_SAMPLE_BYTES:
-            k = max(1, _FIT_SAMPLE_BYTES // self.row_bytes)
-            idx = torch.randint(0, table.shape[0], (k,), generator=torch.Generator().manual_seed(0)).sort().values
-            rows = table.index_select(0, idx)
-        if self.device.type == "cuda":
-            rows = rows.to(self.device)
-        return Codec.fit(rows, threshold=self.threshold, chunk_bytes=self.chunk_bytes_option, sample=self.fit_sample)
-
-    @property
-    def _device_lengths(self) -> bool:
-        return self.device.type == "cuda" and self.fetch is FetchPath.ZERO_COPY
-
-    @property
-    def _rows2d(self) -> torch.Tensor:
-        return self.data.view(self.n_rows, self.row_bytes)
-
-    def sync_host(self) -> None:
-        """Make the host bytes and CPU lengths current (waits for in-flight GPU writes)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self._lengths_dev is not None:
-            self.lengths.copy_(self._lengths_dev.cpu())
-
-    # -- reads ------------------------------------------------------------------------------------
-    def read_into(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: torch.Tensor) -> None:
-        """Decode rows ``ids`` into ``out_u8[out_rows]`` (uint8 ``[K, row_bytes]`` on the cache device)."""
-        if ids.numel() == 0:
-            return
-        self.rows_read += int(ids.numel())
-        if self.device.type == "cuda" and self.fetch is FetchPath.ZERO_COPY:
-            from ..kernels.bitpack import decode_descriptors
-
-            lens = self._lengths_dev.index_select(0, ids)
-            src = ids * self.row_bytes + self.data.data_ptr()
-            decode_descriptors(out_u8, src, lens, (lens < self.row_bytes).to(torch.uint8), out_rows,
-                               self.codec.kernel_tables(out_u8.device))
-            self.bytes_read += lens.sum(dtype=torch.int64)
-            return
-        if self.device.type == "cuda":  # host gather: CPU decodes into pinned staging, one H2D copy
-            idx = ids.cpu()
-            staging = torch.empty((idx.numel(), self.row_bytes), dtype=torch.uint8, pin_memory=True)
-            self._decode_cpu(idx, staging, None)
-            out_u8.index_copy_(0, out_rows, staging.to(self.device, non_blocking=True))
-            return
-        self._decode_cpu(ids, out_u8, out_rows)
-
-    def _decode_cpu(self, idx: torch.Tensor, out: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
-        """Rows ``idx`` into ``out[out_rows]`` (``out[0..M)`` when None) on the host, multithreaded."""
-        lens = self.lengths.index_select(0, idx)
-        self.bytes_read += int(lens.sum(dtype=torch.int64))
-        if not self.compress:
-            if out_rows is None:
-                torch.index_select(self._rows2d, 0, idx, out=out)
-            else:
-                out.index_copy_(0, out_rows, self._rows2d.index_select(0, idx))
-            return
-        rows = np.arange(idx.numel(), dtype=np.int64) if out_rows is None else out_rows.numpy()
-        self.codec.decode_rows_at(self.data.numpy(), idx.numpy() * self.row_bytes, lens.numpy(), out.numpy(), rows)
-
-    # -- writes -----------------------------------------------------------------------------------
-    def write_rows(self, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
-        """Store ``rows_u8`` (uint8 ``[M, row_bytes]``) as rows ``ids`` (distinct), re-encoded with the
-        table's codec: compressed if a row still matches the mask, raw otherwise."""
-        if self.read_only:
-            raise RuntimeError("this embedding table serves adopted CompressedRows (read-only, inference only); "
-                               "build the module from the dense table to train it")
-        if ids.numel() == 0:
-            return
-        self.rows_written += int(ids.numel())
-        if self.device.type == "cuda" and self.fetch is FetchPath.ZERO_COPY:
-            from ..kernels.bitpack import encode_into
-
-            lens = torch.empty(ids.numel(), dtype=torch.int32, device=self.device)
-            dst = ids * self.row_bytes + self.data.data_ptr()
-            encode_into(rows_u8.contiguous(), dst, lens, self.codec.kernel_tables(self.device))
-            self._lengths_dev.index_copy_(0, ids, lens)
-            return
-        if self.device.type == "cuda":
-            rows_u8 = rows_u8.cpu()
-            ids = ids.cpu()
-        self._encode_cpu(ids.numpy(), rows_u8.contiguous().numpy())
-
-    def _encode_cpu(self, idx: np.ndarray, rows: np.ndarray) -> None:
-        if not self.compress:
-            self._rows2d.numpy()[idx] = rows
-            return
-        self._rows2d.numpy()[idx] = 0  # the format keeps each slot's tail after the stored bytes zero
-        self.lengths.numpy()[idx] = self.codec.encode_rows_at(rows, self.data.numpy(), idx * self.row_bytes)
-
-    # -- whole table ------------------------------------------------------------------------------
-    def dense(self) -> torch.Tensor:
-        """The decoded table as a new CPU tensor ``[N, D]`` (the stored rows; cached rows not overlaid)."""
-        self.sync_host()
-        out = torch.empty((self.n_rows, self.dim), dtype=self.dtype)
-        if self.n_rows == 0:
-            return out
-        if not self.compress:
-            out.view(torch.uint8).view(self.n_rows, self.row_bytes).copy_(self._rows2d)
-            return out
-        idx = np.arange(self.n_rows, dtype=np.int64)
-        self.codec.decode_rows_at(self.data.numpy(), idx * self.row_bytes, self.lengths.numpy(),
-                                  out.view(torch.uint8).view(self.n_rows, self.row_bytes).numpy(), idx)
-        return out
-
-    def refit(self, table: torch.Tensor) -> None:
-        """Fit a new mask/bitval on ``table`` (the current full table) and re-encode every row with it."""
-        self.sync_host()  # no kernel may still read the old buffer
-        self._load(table)
-        self.refits += 1
-
-    # -- statistics -------------------------------------------------------------------------------
-    def _current_lengths(self) -> torch.Tensor:
-        return self._lengths_dev if self._lengths_dev is not None else self.lengths
-
-    def compressed_fraction(self) -> float:
-        if self.n_rows == 0:
-            return 0.0
-        return float((self._current_lengths() < self.row_bytes).sum()) / self.n_rows
-
-    def stored_bytes(self) -> int:
-        return int(self._current_lengths().sum(dtype=torch.int64))
-
-    def stats(self) -> dict[str, Any]:
-        stored = self.stored_bytes()
-        raw = self.n_rows * self.row_bytes
-        return {
-            "host_compress": self.compress,
-            "host_layout": (self.layout_choice.as_dict() if self.layout_choice is not None
-                            else {"compress": self.compress, "reason": f"compress={self.compress_option!r} (set)"}),
-            "host_raw_bytes": raw,
-            "host_stored_bytes": stored,
-            "host_ratio": raw / max(stored, 1),
-            "host_metadata_bytes": (self.codec.metadata_nbytes if self.compress else 0) + 4 * self.n_rows,
-            "compressed_rows_fraction": self.compressed_fraction(),
-            "compressed_rows_fraction_at_fit": self.compressed_fraction_at_fit,
-            "chunk_bytes": self.codec.chunk_bytes if self.compress else None,
-            "threshold": self.codec.threshold if self.compress else None,
-            "refits": self.refits,
-            "rows_fetched": self.rows_read,
-            "bytes_fetched": int(self.bytes_read),
-            "raw_bytes_fetched": self.rows_read * self.row_bytes,
-            "rows_written_back": self.rows_written,
-            "fetch_path": self.fetch.value,
-        }
 
 
 @dataclass
@@ -391,7 +56,7 @@ class Prepared:
 
 
 class CachedRowManager:
-    """The trainable row cache in front of a :class:`HostRowStore` (Colossal-AI's ``CachedParamMgr`` role).
+    """The trainable row cache in front of a :class:`HostStore` (Colossal-AI's ``CachedParamMgr`` role).
 
     Slots ``[0, P)`` are pinned (the padding row, never evicted); ``[P, P + C)`` are the cache proper;
     during an oversized batch the parameter grows past ``P + C`` until the next call. ``slot_of`` (int32,
@@ -400,7 +65,7 @@ class CachedRowManager:
 
     def __init__(
         self,
-        store: HostRowStore,
+        store: HostStore,
         capacity: int,
         *,
         strategy: EvictionStrategy,
@@ -803,86 +468,6 @@ class CachedRowManager:
             print(f"{k}: {v}")
 
 
-class PathPlanner:
-    """Picks between two ways of running a fused lookup, per kind of lookup and size class (powers of two of the
-    bag count), from timings on this machine: the first ``trials`` lookups of a class alternate the two, timed with
-    CUDA events read only once they have completed (never a sync), then the faster median wins for good.
-
-    Kinds: ``"single"`` (one id per bag): take bags in row order (an argsort first; address-ordered host reads pay
-    off when many misses come from a large pinned table) or as given. ``"multi"`` (bags of several ids, only when a
-    staging buffer exists): read each missed row once into staging (CLAIM + STAGE) or every miss zero-copy.
-    """
-
-    LABELS = {"single": ("as given", "sorted"), "multi": ("zero-copy", "staged")}
-
-    def __init__(self, trials: int = 6) -> None:
-        self.trials = trials
-        self._times: dict[tuple[str, int], dict[bool, list[float]]] = {}
-        self._pending: list[tuple[tuple[str, int], bool, Any, Any]] = []
-        self._choice: dict[tuple[str, int], bool] = {}
-        self._fixed: dict[str, bool] = {}
-
-    @staticmethod
-    def _key(kind: str, n: int) -> tuple[str, int]:
-        return kind, max(n, 1).bit_length()
-
-    def fix(self, kind: str, second: "bool | None") -> None:
-        """Pin a kind of lookup to one way for every size (``None`` lets the timings decide again)."""
-        if kind not in self.LABELS:
-            raise ValueError(f"kind must be one of {sorted(self.LABELS)}, got {kind!r}")
-        if second is None:
-            self._fixed.pop(kind, None)
-        else:
-            self._fixed[kind] = bool(second)
-
-    def calibrating(self, n: int, kind: str = "single") -> bool:
-        return kind not in self._fixed and self._key(kind, n) not in self._choice
-
-    def choose(self, n: int, capturing: bool = False, kind: str = "single") -> bool:
-        """The second way (sorted / staged)? Decided classes keep their choice; while calibrating, alternate (the
-        first way while a CUDA graph is being captured)."""
-        if kind in self._fixed:
-            return self._fixed[kind]
-        key = self._key(kind, n)
-        if not capturing:  # querying events is not allowed while a stream is being captured
-            self._collect()
-        if key in self._choice:
-            return self._choice[key]
-        if capturing:
-            return False
-        runs = self._times.setdefault(key, {False: [], True: []})
-        pending = sum(1 for k, *_ in self._pending if k == key)
-        done = len(runs[False]) + len(runs[True])
-        if done >= 2 * self.trials:
-            self._choice[key] = float(np.median(runs[True])) < float(np.median(runs[False]))
-            return self._choice[key]
-        return (done + pending) % 2 == 1
-
-    def record(self, n: int, second: bool, start: Any, end: Any, kind: str = "single") -> None:
-        self._pending.append((self._key(kind, n), second, start, end))
-
-    def _collect(self) -> None:
-        keep = []
-        for key, second, start, end in self._pending:
-            if end.query():
-                self._times.setdefault(key, {False: [], True: []})[second].append(start.elapsed_time(end))
-            else:
-                keep.append((key, second, start, end))
-        self._pending = keep
-
-    def plan(self) -> dict[str, str]:
-        """For stats(): the way chosen per kind and size class (or "calibrating")."""
-        self._collect()
-        out = {}
-        for kind, b in sorted(set(self._times) | set(self._choice)):
-            label = f"{kind} {1 << (b - 1)}-{(1 << b) - 1} bags"
-            choice = self._choice.get((kind, b))
-            out[label] = "calibrating" if choice is None else self.LABELS[kind][int(choice)]
-        for kind, second in self._fixed.items():
-            out[f"{kind} (fixed)"] = self.LABELS[kind][int(second)]
-        return out
-
-
 class FusedLookup:
     """Inference lookups of a :class:`CachedRowManager` in ONE kernel launch (``kernels/lookup.cu``).
 
@@ -940,13 +525,13 @@ class FusedLookup:
         if ptr != self._weight_ptr:  # the cache grew/shrank for an oversized batch: a new slab address
             self.slab_bases[0] = ptr
             self._weight_ptr = ptr
-        key = (store.data.data_ptr(), id(store._lengths_dev))
+        key = (store.data.data_ptr(), id(store.lengths_dev))
         if store.codec is not self._codec or self._src is None or key != self._src_key:  # a refit replaces them
             self._codec = store.codec
             self._src_key = key
             self._tables = store.codec.kernel_tables(mgr.device)
             index = self._index_args(self._index_mode, self._empty, mgr.slot_of, 0, 0)
-            lengths = store._lengths_dev if store.compress else None
+            lengths = store.lengths_dev if store.compress else None
             self._src = RowSource(index, self.slab_bases, store.data.data_ptr(), None, store.row_bytes, lengths,
                                   mgr.num_embeddings)
         return self._src
@@ -1036,45 +621,3 @@ def _shrink_grad(grad: torch.Tensor, rows: int) -> torch.Tensor:
         keep = g.indices()[0] < rows
         return torch.sparse_coo_tensor(g.indices()[:, keep], g.values()[keep], (rows, *grad.shape[1:]))
     return grad[:rows].clone()
-
-
-class RowGather(torch.autograd.Function):
-    """``weight[slot_u]`` whose backward hands the cache parameter the gradient the reference would get.
-
-    Why: torch's CPU ``embedding_bag`` backward sorts indices with an unstable sort, so the order in which a
-    row's duplicate contributions are summed depends on the index *values*. Reducing over each id's rank
-    among the batch's distinct ids (a monotone relabeling of the ids) reproduces the reference's order
-    exactly; slot numbers cannot. Dense gradients are copied into their slots (each slot once, no
-    arithmetic). A sparse gradient is coalesced in rank space (the order ``Tensor.coalesce`` on the ids
-    would use), one ``segments`` range at a time (one per table, as each table's optimizer would), then
-    relabeled to slots and marked coalesced: what Adagrad/SparseAdam compute with.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, slot_u: torch.Tensor,
-                segments: Optional[Sequence[int]] = None) -> torch.Tensor:
-        ctx.save_for_backward(slot_u)
-        ctx.weight_shape = tuple(weight.shape)
-        ctx.segments = segments
-        return weight.index_select(0, slot_u)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (slot_u,) = ctx.saved_tensors
-        shape = ctx.weight_shape
-        if not grad.is_sparse:
-            out = grad.new_zeros(shape)
-            out.index_copy_(0, slot_u, grad)
-            return out, None, None
-        bounds = ctx.segments or (0, grad.shape[0])
-        idx, vals = grad._indices()[0], grad._values()
-        parts_i, parts_v = [], []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            keep = (idx >= lo) & (idx < hi)  # keeps each table's occurrences in their order
-            part = torch.sparse_coo_tensor(idx[keep].unsqueeze(0), vals[keep], grad.shape).coalesce()
-            parts_i.append(part.indices()[0])
-            parts_v.append(part.values())
-        rows = slot_u.index_select(0, torch.cat(parts_i))
-        order = torch.argsort(rows)
-        out = torch.sparse_coo_tensor(rows[order].unsqueeze(0), torch.cat(parts_v)[order], shape, is_coalesced=True)
-        return out, None, None

@@ -1,0 +1,196 @@
+"""The engine's transfer paths (``host_store.Transfer``) and the transfer planner.
+
+CPU: the planner's rule with injected timings, argument checks, and the host store's write-back + read on every
+path a CPU store has. GPU: every path reads the same bytes (zero-copy, cpu-gather of stored bytes, host decode),
+FeatureCache's cpu-gather fetch equals the zero-copy lookup (rows and counters) for every compress combination and
+from several threads on their own streams, write-back then read through each path, and the planner's timed choice.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from cache_helpers import zipf
+
+from ibpcache.cache.host_store import FitOptions, HostStore, Transfer
+from ibpcache.cache.planner import decide_transfer
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
+COMBOS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+
+
+def test_decide_transfer_keeps_zero_copy_unless_clearly_slower() -> None:
+    assert decide_transfer({"zero_copy": 1.0, "cpu_gather": 0.99}).transfer == "zero_copy"  # within the margin
+    got = decide_transfer({"zero_copy": 1.0, "cpu_gather": 0.5})
+    assert got.transfer == "cpu_gather" and "2.00x" in got.reason and got.timings_ms["zero_copy"] == 1.0
+    assert decide_transfer({"zero_copy": 0.4, "cpu_gather": 0.5}).transfer == "zero_copy"
+    assert decide_transfer({}).transfer == "zero_copy"  # nothing timed: the sync-free default
+
+
+def test_transfer_names_are_checked() -> None:
+    assert Transfer.coerce("host_gather") is Transfer.HOST_DECODE  # the embedding bags' older name
+    with pytest.raises(ValueError, match="fetch must be one of"):
+        Transfer.coerce("dma", "fetch")
+    with pytest.raises(ValueError, match="transfer must be one of"):
+        HostStore(torch.zeros(4, 4), compress=False, device=CPU, transfer="dma")
+
+
+def test_cpu_store_writes_back_and_reads_exactly(minilm_x: torch.Tensor) -> None:
+    """One store, the embedding bags' write-back: re-encoded rows (some no longer compressible) read back exact,
+    the caller's tensor untouched, lengths and the compressed share follow the writes."""
+    table = minilm_x[:300].clone()
+    keep = table.clone()
+    store = HostStore(table, codec=FitOptions(), compress=True, device=CPU)
+    before = store.compressed_fraction()
+    new = table[:20] * 3.0
+    new[0, 0] = float("nan")
+    ids = torch.arange(0, 40, 2)
+    store.write_rows(ids, new.view(torch.uint8))
+    want = keep.clone()
+    want[ids] = new
+    assert torch.equal(_bits(store.dense()), _bits(want)) and torch.equal(_bits(table), _bits(keep))
+    out = torch.empty((5, store.row_bytes), dtype=torch.uint8)
+    store.read_into(torch.tensor([2, 0, 299, 2, 7]), out)
+    assert torch.equal(out, _bits(want[[2, 0, 299, 2, 7]]).reshape(5, -1))
+    assert store.compressed_fraction() <= before and store.stats()["rows_written_back"] == 20
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compress", [True, False])
+@pytest.mark.parametrize("layout", ["inplace", "packed"])
+def test_every_transfer_reads_the_same_bytes(cora_x: torch.Tensor, cora_codec: Any, compress: bool,
+                                             layout: str) -> None:
+    store = HostStore(cora_x, codec=cora_codec, compress=compress, device=CUDA, layout=layout,
+                      transfer="zero_copy")
+    ids = zipf(cora_x.shape[0], 3000, seed=3)
+    want = _bits(cora_x[ids]).reshape(ids.numel(), -1)
+    for path in Transfer:
+        store.transfer = path
+        out = torch.full((ids.numel() + 5, store.row_bytes), 0xAB, dtype=torch.uint8, device=CUDA)
+        rows = torch.randperm(ids.numel() + 5, device=CUDA)[: ids.numel()]
+        store.read_into(ids.to(CUDA) if path is Transfer.ZERO_COPY else ids, out, rows)
+        assert torch.equal(out[rows].cpu(), want), path
+        assert bool((out[torch.ones(ids.numel() + 5, dtype=torch.bool, device=CUDA).index_fill_(0, rows, False)]
+                     == 0xAB).all()), path  # nothing else written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transfer", ["zero_copy", "cpu_gather", "host_decode"])
+def test_gpu_write_back_then_read_on_every_path(minilm_x: torch.Tensor, transfer: str) -> None:
+    """Rows are written back by a GPU encode whatever the read path; host-side paths then see the new bytes."""
+    table = minilm_x[:500].clone()
+    store = HostStore(table, codec=FitOptions(), compress=True, device=CUDA, transfer=transfer)
+    new = (table[:64] * -2.5).contiguous()
+    new[3, 7] = float("inf")
+    ids = torch.arange(100, 164)
+    store.write_rows(ids.to(CUDA), new.view(torch.uint8).to(CUDA))
+    want = table.clone()
+    want[ids] = new
+    probe = torch.cat([ids, torch.tensor([0, 499, 100])])
+    out = torch.empty((probe.numel(), store.row_bytes), dtype=torch.uint8, device=CUDA)
+    store.read_into(probe.to(CUDA) if transfer == "zero_copy" else probe, out)
+    assert torch.equal(out.cpu(), _bits(want[probe]).reshape(probe.numel(), -1))
+    assert torch.equal(_bits(store.dense()), _bits(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", COMBOS)
+def test_feature_cache_cpu_gather_equals_zero_copy(cora_x: torch.Tensor, cora_codec: Any, cora_degrees: torch.Tensor,
+                                                   combo: tuple[bool, bool]) -> None:
+    """CPU ids through the cpu-gather fetch: the same rows and the same hit/miss/byte counters as the one-launch
+    zero-copy lookup of the same ids, and no device sync on the way (sync debug mode)."""
+    from ibpcache.cache.feature_cache import FeatureCache
+
+    cc, ch = combo
+    kw = dict(budget_bytes=0.05, hotness=cora_degrees, device="cuda", codec=cora_codec if (cc or ch) else None,
+              compress_cache=cc, compress_host=ch)
+    zc = FeatureCache(cora_x, transfer="zero_copy", **kw)
+    cg = FeatureCache(cora_x, transfer="cpu_gather", **kw)
+    assert cg.stats()["transfer"]["transfer"] == "cpu_gather"
+    for seed in range(4):
+        ids = zipf(cora_x.shape[0], 2500 + seed, seed=seed)
+        a = zc.fetch(ids.to(CUDA))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            b = cg.fetch(ids)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.equal(_bits(b), _bits(cora_x[ids])) and torch.equal(_bits(a), _bits(b))
+    sa, sb = zc.stats(), cg.stats()
+    for key in ("requests", "hits", "misses", "host_bytes_read"):
+        assert sa[key] == sb[key], key
+    assert sb["fetch_paths"]["cpu_gather"] == 4 and sb["fetch_paths"]["zero_copy"] == 0
+    with pytest.raises(Exception, match="out of range"):
+        cg.fetch(torch.tensor([0, cora_x.shape[0]]))
+    assert torch.equal(_bits(cg.fetch(torch.tensor([], dtype=torch.int64))), _bits(cora_x[:0]))
+
+
+@pytest.mark.gpu
+def test_feature_cache_cpu_gather_from_threads_on_streams(cora_x: torch.Tensor, cora_codec: Any) -> None:
+    from ibpcache.cache.feature_cache import FeatureCache
+
+    fc = FeatureCache(cora_x, 0.02, device="cuda", codec=cora_codec, transfer="cpu_gather")
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for k in range(25):
+                    ids = zipf(cora_x.shape[0], 1500, seed=100 * seed + k)
+                    got = fc.fetch(ids)
+                    stream.synchronize()
+                    assert torch.equal(_bits(got), _bits(cora_x[ids]))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.mark.gpu
+def test_planner_times_both_paths_on_the_store(minilm_x: torch.Tensor) -> None:
+    store = HostStore(minilm_x, codec=FitOptions(), compress=True, device=CUDA, transfer="auto")
+    choice = store.stats()["transfer"]
+    assert set(choice["timings_ms"]) == {"zero_copy", "cpu_gather"} and choice["transfer"] in choice["timings_ms"]
+    assert store.transfer.value == choice["transfer"] and store.rows_read == 0  # calibration left no counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fetch", ["cpu_gather", "host_decode"])
+def test_embedding_bag_trains_exactly_over_host_paths(minilm_x: torch.Tensor, fetch: str) -> None:
+    """Training with cache fills through a host-side path and GPU write-back: weights equal nn.EmbeddingBag's."""
+    from ibpcache.loaders.embedding_bag import CachedEmbeddingBag
+
+    w = minilm_x[:1000, :64].contiguous()
+    m = CachedEmbeddingBag(1000, 64, _weight=w, mode="sum", cache_ratio=0.05, device="cuda", fetch=fetch)
+    ref = torch.nn.EmbeddingBag.from_pretrained(w.clone().cuda(), freeze=False, mode="sum")
+    opt, ropt = torch.optim.SGD(m.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        ids = torch.randint(0, 1000, (64, 3), generator=gen).cuda()
+        for mod, o in ((m, opt), (ref, ropt)):
+            o.zero_grad()
+            mod(ids).square().sum().backward()
+            o.step()
+    m.flush()
+    assert torch.equal(_bits(m.weight), _bits(ref.weight))
+    assert m.stats()["fetch_path"] == fetch and m.stats()["write_backs"] > 0
