@@ -3,7 +3,8 @@
 ``compute-sanitizer --tool memcheck python scripts/sanitize_cache.py`` (scripts/gpu_check.sh runs every
 ``scripts/sanitize_*.py``). Covers the hash insert/erase/lookup kernels, the probe kernel with every index
 kind (hash, direct, none) and host layout (raw, in place, packed), the decode of hits and misses, and the
-dynamic policies' slot writes. Exits non-zero if any fetched row differs from ``rows[ids]``.
+dynamic policies' slot writes, and the cpu-gather transfer (CPU ids: staged stored bytes decoded from device memory,
+static caches; and the host store's read path). Exits non-zero if any fetched row differs from ``rows[ids]``.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ def main() -> int:
         for policy in ("static", "lru", "lfu"):
             for index in ("hash", "direct"):
                 for budget in (0, 0.05):
-                    fc = FeatureCache(src, budget, policy=policy, device="cuda", codec=codec, index=index, **kw)
-                    for b in range(3):
-                        ids = torch.randint(0, rows.shape[0], (97 + b,), device="cuda")
-                        good = _same(fc.fetch(ids), rows, ids)
-                        ok &= good
-                    torch.cuda.synchronize()
-                    ok &= fc.stats()["kernel_status"] == 0
+                    for transfer in ("zero_copy", "cpu_gather"):
+                        fc = FeatureCache(src, budget, policy=policy, device="cuda", codec=codec, index=index,
+                                          transfer=transfer, **kw)
+                        for b in range(3):
+                            ids = torch.randint(0, rows.shape[0], (97 + b,))
+                            ok &= _same(fc.fetch(ids if transfer == "cpu_gather" else ids.cuda()), rows, ids)
+                        torch.cuda.synchronize()
+                        ok &= fc.stats()["kernel_status"] == 0
         print(f"{name}: ok={ok}")
     return 0 if ok else 1
 
