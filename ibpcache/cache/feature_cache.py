@@ -155,6 +155,7 @@ class FeatureCache:
         from ..kernels.lookup import LookupErrors
 
         self._errors = LookupErrors(pin=self.device.type == "cuda")  # the lookup kernel's bad-id report
+        self._hits_host: "tuple[np.ndarray, np.ndarray, np.ndarray] | None" = None  # cpu-gather's index mirror
         if self.policy_kind is PolicyKind.STATIC:
             self._build_static(StaticPolicy(hotness))
         else:
@@ -162,9 +163,12 @@ class FeatureCache:
         self.slab_bases = torch.zeros(MAX_SLABS, dtype=torch.int64)
         self.slab_bases[self.slab.slab_id] = self.slab.base_ptr
         self.slab_bases = self.slab_bases.to(self.device)
+        if self._host_gathers_enabled:
+            self._hit_table()  # built now: the first cpu-gather fetch does no set-up work
         self._rows = None  # the slab is filled; keep no second reference to the caller's rows
         self._source = None  # the fused lookup's view of index + slab + host store (built on first use)
-        self._hits_host: "tuple[np.ndarray, np.ndarray, np.ndarray] | None" = None  # cpu-gather's index mirror
+        if self.device.type == "cuda":  # uploaded now: a fetch never pays (or syncs) for it
+            self._tables = self._decode_codec.kernel_tables(self.device)
         self.path_counts = {"zero_copy": 0, "cpu_gather": 0, "probe_decode": 0, "cpu": 0}  # fetches per path
 
     # ------------------------------------------------------------------------------------------------
@@ -349,15 +353,19 @@ class FeatureCache:
             h = self.host.host_args()
             self._source = RowSource(self.index.kernel_args(), self.slab_bases, h.base, h.offsets, h.stride,
                                      h.lengths, self.n_rows)
-            self._tables = self._decode_codec.kernel_tables(self.device)
         lookup_rows(ids, out_u8, self._source, self._tables, self.stats_.counters, self._errors.ptr)
+
+    @property
+    def _host_gathers_enabled(self) -> bool:
+        """A static CUDA cache whose host store reads through the cpu-gather path."""
+        from .host_store import Transfer
+
+        return self.device.type == "cuda" and not self.dynamic and self.host.transfer is Transfer.CPU_GATHER
 
     def _host_gathers(self, ids: object) -> bool:
         """Take the cpu-gather path? Static CUDA caches whose planner chose it, for ids handed over on the CPU."""
-        from .host_store import Transfer
-
-        return (self.host.transfer is Transfer.CPU_GATHER and isinstance(ids, torch.Tensor)
-                and ids.device.type == "cpu" and not torch.cuda.is_current_stream_capturing())
+        return (self._host_gathers_enabled and isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
+                and not torch.cuda.is_current_stream_capturing())
 
     def _hit_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host mirror of a static cache's index, built once: per row its position among the cached rows (-1:
@@ -419,7 +427,7 @@ class FeatureCache:
                 gather_stored_cpu(self.host.data.numpy(), offs, mlens, h[head:], starts)
             dev.copy_(buf, non_blocking=True)
             decode_descriptors(out_u8, dev[: 8 * b].view(torch.int64), dev[8 * b : 12 * b].view(torch.int32),
-                               dev[12 * b : 13 * b], None, self._decode_codec.kernel_tables(self.device))
+                               dev[12 * b : 13 * b], None, self._tables)
             self.stats_.counters += dev[cpos : cpos + 32].view(torch.int64)
             self.path_counts["cpu_gather"] += 1
             self.stats_.stop(t0, b)

@@ -18,7 +18,7 @@ Transfer paths (:class:`Transfer`) for :meth:`HostStore.read_into`, i.e. how row
 * ``cpu_gather``: the CPU packs the rows' *stored* (compressed) bytes into pinned staging, which crosses PCIe in
   one bulk copy and is decoded on the GPU; wins where random small reads from a large pinned table are bound by
   I/O address translation rather than bandwidth (<= 128 B rows);
-* ``host_decode``: the CPU decodes into pinned staging, one bulk copy (Colossal-AI's style; for comparison).
+* ``host_gather``: the CPU decodes into pinned staging, one bulk copy (Colossal-AI's style; for comparison).
 
 On CUDA the authoritative per-row lengths live on the GPU (the encode/decode kernels read and write them without a
 host round trip; rows are written back by a GPU encode whatever the read path); :meth:`sync_host` refreshes the CPU
@@ -58,16 +58,13 @@ class Transfer(str, enum.Enum):
 
     ZERO_COPY = "zero_copy"
     CPU_GATHER = "cpu_gather"
-    HOST_DECODE = "host_decode"
+    HOST_GATHER = "host_gather"
 
     @classmethod
     def coerce(cls, value: "str | Transfer", name: str = "transfer") -> "Transfer":
-        """Parse a name (``name`` is the argument's name in the message); ``"host_gather"`` is the embedding bags'
-        older name of ``host_decode``."""
+        """Parse a name (``name`` is the argument's name in the message)."""
         if isinstance(value, cls):
             return value
-        if value == "host_gather":
-            return cls.HOST_DECODE
         try:
             return cls(value)
         except ValueError:
@@ -121,7 +118,7 @@ class HostStore:
         auto = transfer == "auto"
         self.transfer = Transfer.ZERO_COPY if auto else Transfer.coerce(transfer)
         if device.type != "cuda":  # nothing crosses PCIe: rows are decoded where they are
-            self.transfer = Transfer.HOST_DECODE
+            self.transfer = Transfer.HOST_GATHER
         self._pin = device.type == "cuda"
         self.fit_options = codec if isinstance(codec, FitOptions) else None
         self.compress_option: "bool | str" = compress
@@ -256,6 +253,11 @@ class HostStore:
         """int32 [N] stored bytes per row on the CPU (current after :meth:`sync_host`)."""
         return self.stored_lengths()
 
+    @property
+    def compressed_cpu(self) -> Optional[torch.Tensor]:
+        """uint8 [N] 1 = row stored compressed (CPU; None when raw): the format's flag, ``lengths < row_bytes``."""
+        return None if self.lengths_cpu is None else (self.lengths_cpu < self.row_bytes).to(torch.uint8)
+
     def stored_lengths(self) -> torch.Tensor:
         """int32 [N] stored bytes per row, on the CPU (``row_bytes`` everywhere when raw)."""
         if self.lengths_cpu is not None:
@@ -323,7 +325,7 @@ class HostStore:
     def read_into(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: Optional[torch.Tensor] = None) -> None:
         """Decode rows ``ids`` (int64, valid) into ``out_u8[out_rows]`` (``out_u8[0..M)`` when None); ``out_u8`` is
         uint8 ``[K, row_bytes]`` on the store's device. On CUDA this is enqueued on the current stream through the
-        store's transfer path (``cpu_gather`` / ``host_decode`` first read the ids on the host)."""
+        store's transfer path (``cpu_gather`` / ``host_gather`` first read the ids on the host)."""
         if ids.numel() == 0:
             return
         self.check_live()

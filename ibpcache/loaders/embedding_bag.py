@@ -527,7 +527,7 @@ class CachedEmbeddingBag(_CachedBagBase):
     faster; ``stats()['host_layout']`` says which and why), ``threshold`` / ``chunk_bytes`` (codec fit,
     "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
     its value at the last fit; None never refits), ``fetch`` (how cache fills cross PCIe on CUDA: "zero_copy",
-    "cpu_gather", "host_decode" (was "host_gather"), or "auto", the default: the engine's planner times zero-copy
+    "cpu_gather" (stored bytes gathered on the CPU, one copy, GPU decode), "host_gather" (decoded on the CPU), or "auto", the default: the engine's planner times zero-copy
     against cpu-gather reads of this table at construction and keeps the faster; ``stats()["transfer"]`` says
     which; fused inference lookups read misses zero-copy either way),
     ``fused_inference`` (inference forwards on CUDA as one fused lookup, see ``ibpcache.cache.row_cache.FusedLookup``),

@@ -39,7 +39,7 @@ def test_decide_transfer_keeps_zero_copy_unless_clearly_slower() -> None:
 
 
 def test_transfer_names_are_checked() -> None:
-    assert Transfer.coerce("host_gather") is Transfer.HOST_DECODE  # the embedding bags' older name
+    assert Transfer.coerce("host_gather") is Transfer.HOST_GATHER
     with pytest.raises(ValueError, match="fetch must be one of"):
         Transfer.coerce("dma", "fetch")
     with pytest.raises(ValueError, match="transfer must be one of"):
@@ -89,7 +89,7 @@ def test_every_transfer_reads_the_same_bytes(cora_x: torch.Tensor, cora_codec: A
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transfer", ["zero_copy", "cpu_gather", "host_decode"])
+@pytest.mark.parametrize("transfer", ["zero_copy", "cpu_gather", "host_gather"])
 def test_gpu_write_back_then_read_on_every_path(minilm_x: torch.Tensor, transfer: str) -> None:
     """Rows are written back by a GPU encode whatever the read path; host-side paths then see the new bytes."""
     table = minilm_x[:500].clone()
@@ -175,7 +175,7 @@ def test_planner_times_both_paths_on_the_store(minilm_x: torch.Tensor) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fetch", ["cpu_gather", "host_decode"])
+@pytest.mark.parametrize("fetch", ["cpu_gather", "host_gather"])
 def test_embedding_bag_trains_exactly_over_host_paths(minilm_x: torch.Tensor, fetch: str) -> None:
     """Training with cache fills through a host-side path and GPU write-back: weights equal nn.EmbeddingBag's."""
     from ibpcache.loaders.embedding_bag import CachedEmbeddingBag
