@@ -364,7 +364,7 @@ class FeatureCache:
 
     def _host_gathers(self, ids: object) -> bool:
         """Take the cpu-gather path? Static CUDA caches whose planner chose it, for ids handed over on the CPU."""
-        return (self._host_gathers_enabled and isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
+        return (self._hits_host is not None and isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
                 and not torch.cuda.is_current_stream_capturing())
 
     def _hit_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

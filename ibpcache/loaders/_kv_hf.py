@@ -207,7 +207,8 @@ class IBPOffloadedCache(Cache):
         for i, layer in enumerate(self._decoder):
             def hook(module: torch.nn.Module, args: tuple, kwargs: dict, i: int = i) -> Any:
                 cache = ref()
-                if cache is None or kwargs.get("past_key_values") is not cache:
+                # transformers <= 5.23 hands decoder layers the cache as past_key_values=, 5.24 as cache=
+                if cache is None or kwargs.get("past_key_values", kwargs.get("cache")) is not cache:
                     return None
                 with torch.no_grad():
                     return cache._on_layer_start(i, args, kwargs)

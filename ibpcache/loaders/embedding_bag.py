@@ -260,7 +260,10 @@ class _CachedBagBase(nn.Module):
         self.validate = validate
         self.refresh_every = refresh_every
         self.stage_bytes = int(stage_bytes)
+        # an explicitly chosen host-side path is honoured for every read; with "auto" the planner's choice serves
+        # cache fills (training, prefetch, refresh) and fused inference lookups read misses zero-copy, sync-free
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
+                                and (fetch == "auto" or store.transfer is Transfer.ZERO_COPY)
                                 and pool_supported(store.dtype, store.row_bytes))
 
     def _check_rows(self, rows: CompressedRows, dtype: Optional[torch.dtype]) -> None:
@@ -529,7 +532,8 @@ class CachedEmbeddingBag(_CachedBagBase):
     its value at the last fit; None never refits), ``fetch`` (how cache fills cross PCIe on CUDA: "zero_copy",
     "cpu_gather" (stored bytes gathered on the CPU, one copy, GPU decode), "host_gather" (decoded on the CPU), or "auto", the default: the engine's planner times zero-copy
     against cpu-gather reads of this table at construction and keeps the faster; ``stats()["transfer"]`` says
-    which; fused inference lookups read misses zero-copy either way),
+    which; with "auto" fused inference lookups still read misses zero-copy, with no host sync; an explicitly
+    chosen host-side path turns them off),
     ``fused_inference`` (inference forwards on CUDA as one fused lookup, see ``ibpcache.cache.row_cache.FusedLookup``),
     ``refresh_every`` (lookups between two count-driven cache refreshes of the fused path), ``validate``
     ("lazy": ids are checked in the kernel with no host sync and a bad one raises at the next forward or at
