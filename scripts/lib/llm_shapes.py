@@ -44,6 +44,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -198,12 +199,12 @@ def host_snapshot() -> dict[str, Any]:
     if torch.cuda.is_available():
         try:
             st = torch.cuda.host_memory_stats()
-            for key in ("allocated_bytes.current", "reserved_bytes.current"):
-                if key in st:
-                    snap["pinned_pool_gb"] = st[key] / GB
-                    break
-            if "active_bytes.current" in st:
+            # torch >= 2.9 (at least): allocated_bytes = blocks owned (active + cached), active_bytes = in use
+            if "allocated_bytes.current" in st and "active_bytes.current" in st:
+                snap["pinned_pool_gb"] = st["allocated_bytes.current"] / GB
                 snap["pinned_active_gb"] = st["active_bytes.current"] / GB
+            else:
+                snap["pinned_stats"] = {k: v for k, v in st.items() if k.endswith(".current")}
         except Exception:  # noqa: BLE001 - older torch without host stats
             pass
     return snap
@@ -239,17 +240,23 @@ class KvSource:
     source heads h, h+1, ... (mod 3). Seeds depend only on (seed, layer, K/V), so every method gets the same bytes.
     """
 
-    def __init__(self, name: str, dtype: str, device: str, num_layers: int, seed: int) -> None:
+    def __init__(self, name: str, dtype: str, device: str, num_layers: int, seed: int,
+                 root: "str | None" = None) -> None:
         from ibpcache.datasets import load_kv, shared_data_dir
 
         self.name, self.device, self.seed = name, device, seed
-        self.pools = [load_kv(name, which, dtype, flat=False).to(device) for which in ("k", "v")]  # [30, 3, T, 64]
+        try:
+            pools = [load_kv(name, which, dtype, root=root, flat=False) for which in ("k", "v")]  # [30, 3, T, 64]
+        except FileNotFoundError as exc:
+            raise SystemExit(f"real SmolLM2 KV rows not found ({exc}): pass --data-root DIR (the folder holding "
+                             "llm/chat_gnn_fp32.npz) or set IBPCACHE_SHARED") from exc
+        self.pools = [x.to(device) for x in pools]
         src_layers = self.pools[0].shape[0]
         self.layer_map = [round(l * (src_layers - 1) / max(1, num_layers - 1)) for l in range(num_layers)]
         try:
-            self.path = str(shared_data_dir() / "llm")
-        except FileNotFoundError:
-            self.path = None
+            self.path = str((root if root is not None else shared_data_dir()) / "llm")
+        except (FileNotFoundError, TypeError):
+            self.path = str(root)
 
     def describe(self) -> dict:
         src = self.pools[0]
@@ -737,6 +744,8 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     p.add_argument("--kv-source", default="chat", choices=("chat", "code"),
                    help="real SmolLM2 KV to scale up (chat: fp32 source, so bf16 is the real top 16 bits)")
+    p.add_argument("--data-root", type=Path, default=None,
+                   help="folder holding llm/chat_gnn_fp32.npz (default: $IBPCACHE_SHARED, ../shared/data, ...)")
     p.add_argument("--codec", default=None, help="IBPOffloadedCache(codec=...) if the installed version has it")
     p.add_argument("--sample-rows", type=int, default=4096)
     p.add_argument("--chunk-bytes", default="auto", choices=("auto", "auto_once", "1", "2", "4", "8"))
@@ -787,7 +796,7 @@ def main(argv: "list | None" = None) -> None:
     model = build_model(args.shape, dtype, args.device, args.attn, args.seed)
     build_s = time.perf_counter() - t
     cfg = model.config
-    src = KvSource(args.kv_source, args.dtype, args.device, geometry(cfg)[0], args.seed)
+    src = KvSource(args.kv_source, args.dtype, args.device, geometry(cfg)[0], args.seed, args.data_root)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{SHAPES[args.shape]['label']}: {n_params / 1e9:.2f} B parameters on {args.device} in {build_s:.1f} s; "
           f"host budget {max_host / GB:.1f} GB; deadline {args.deadline_s:.0f} s", flush=True)
@@ -821,16 +830,22 @@ def main(argv: "list | None" = None) -> None:
     modes = args.modes.split(",")
     prev_class: list = [None]
 
-    def prepare_pinned(method: str, need: int) -> str:
-        """Release torch's cached pinned blocks when the next method cannot reuse them or memory is short."""
+    def prepare_pinned(method: str, need: int) -> "tuple[str, str | None]":
+        """Release torch's cached pinned blocks when the next method cannot reuse them or memory is short; then
+        (state, None), or (state, reason) when the host still lacks the memory (skip rather than be OOM-killed)."""
         cls = PINNED_CLASS[method]
-        avail = _meminfo().get("MemAvailable", 1 << 50)
-        snap = host_snapshot()
-        cached_free = max(0.0, snap.get("pinned_pool_gb", 0.0) - snap.get("pinned_active_gb", 0.0)) * GB
+
+        def room() -> float:
+            snap = host_snapshot()
+            cached_free = 0.0  # reusable only if the stats say so (older torch: unknown, assume none)
+            if "pinned_pool_gb" in snap and "pinned_active_gb" in snap:
+                cached_free = max(0.0, snap["pinned_pool_gb"] - snap["pinned_active_gb"]) * GB
+            return _meminfo().get("MemAvailable", 1 << 50) + (cached_free if cls == prev_class[0] else 0.0)
+
         why = None
         if cls is not None and prev_class[0] is not None and cls != prev_class[0]:
             why = "block sizes differ"
-        elif need + (4 << 30) > avail + (cached_free if cls == prev_class[0] else 0):
+        elif need + (4 << 30) > room():
             why = "memory"
         state = "kept"
         if why is not None and args.device == "cuda":
@@ -839,7 +854,12 @@ def main(argv: "list | None" = None) -> None:
             state = f"released ({why}; {how}; {time.perf_counter() - t0:.1f} s)"
         if cls is not None:
             prev_class[0] = cls
-        return state
+        for _ in range(10):  # freed pinned memory may take a moment to show up as available
+            if need + (2 << 30) <= room():
+                return state, None
+            time.sleep(0.3)
+        return state, (f"host memory: the store needs ~{need / GB:.1f} GB, {room() / GB:.1f} GB available "
+                       f"after releasing the pinned pool ({state})")
 
     if not args.no_warmup_run:  # kernels, allocator, Numba/JIT: once per method and mode, small, not recorded
         t0 = time.perf_counter()
@@ -853,7 +873,6 @@ def main(argv: "list | None" = None) -> None:
                     run_method(method, mode, model, src, batches[0], min(256, min(contexts)), args, False, first, 2)
                 except Exception as exc:  # noqa: BLE001 - recorded by the real runs
                     print(f"  warm-up {mode} {method}: {type(exc).__name__}: {exc}"[:300], flush=True)
-        prepare_pinned("dynamic_gpu", 0)
         meta["warmup_run_s"] = time.perf_counter() - t0
         print(f"warm-up runs: {meta['warmup_run_s']:.1f} s", flush=True)
 
@@ -901,10 +920,15 @@ def main(argv: "list | None" = None) -> None:
                             skipped.setdefault(method, []).append(f"round {rnd}: {reason}")
                             print(f"  [b{batch} ctx{context} {mode} r{rnd}] {method}: skipped ({reason})", flush=True)
                             continue
-                        pinned = prepare_pinned(method, need)
+                        pinned, short = prepare_pinned(method, need)
+                        if short is not None:
+                            skipped.setdefault(method, []).append(f"round {rnd}: {short}")
+                            print(f"  [b{batch} ctx{context} {mode} r{rnd}] {method}: skipped ({short})", flush=True)
+                            continue
+                        keep = not any(isinstance(r, RunOut) for r in runs.get(method, []))
                         t0 = time.perf_counter()
                         try:
-                            out = run_method(method, mode, model, src, batch, context, args, rnd == 0, first, steps)
+                            out = run_method(method, mode, model, src, batch, context, args, keep, first, steps)
                             out.pinned = pinned
                             deadline.learn(method, fill_gb, out.fill_s, steps, step_gb,
                                            sum(out.wall_ms) / 1e3 * steps / max(1, len(out.wall_ms)))
