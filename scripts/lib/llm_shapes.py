@@ -375,6 +375,10 @@ def fill_cache(cache: Any, method: str, mode: str, model: Any, src: KvSource, ba
                 checksum += float(k.float().sum()) + float(v.float().sum())
             if queries is not None:
                 _set_prefill_query(cache, layer, queries[layer])
+            if layer == layers - 1 and k.is_cuda:
+                # Every earlier layer's copy to the host has landed before the last update starts layer 0's
+                # prefetch (transformers <= 5.17's offloaded cache does not order its prefetch after them).
+                torch.cuda.synchronize()
             cache.update(k, v, layer)
             del k, v
     return checksum
