@@ -25,7 +25,8 @@ it ran, else hf_offloaded, else infinigen_cpu_gather). Sparse mode (InfiniGen-st
 Host memory is the hard limit (llama8b, batch 16, 32k tokens = 68.7 GB of KV): a method whose estimated host
 memory exceeds ``--max-host-gb`` is skipped with the reason recorded, as is one that would not fit on the GPU,
 and runs that would end after ``--deadline-s`` (so a command limit still leaves a complete JSON). Repeats go
-round-robin over the methods (alternating direction, so methods sharing pinned block sizes run next to each other).
+round-robin over the methods (alternating direction, so methods sharing pinned block sizes run next to each other;
+torch's cached pinned blocks are returned only when the next store would not fit beside them).
 ``context`` is the number of tokens in the cache after the last decode step: the fill is ``context - steps``, so
 every store ends at exactly ``context`` tokens (power-of-two pinned blocks are never exceeded by a few tokens).
 
@@ -372,7 +373,7 @@ def fill_cache(cache: Any, method: str, mode: str, model: Any, src: KvSource, ba
             k = src.make(layer, 0, batch, heads, filled, hd)
             v = src.make(layer, 1, batch, heads, filled, hd)
             if layer in (0, layers - 1):
-                checksum += float(k.float().sum()) + float(v.float().sum())
+                checksum += float(k.sum(dtype=torch.float32)) + float(v.sum(dtype=torch.float32))
             if queries is not None:
                 _set_prefill_query(cache, layer, queries[layer])
             if layer == layers - 1 and k.is_cuda:
@@ -834,10 +835,10 @@ def main(argv: "list | None" = None) -> None:
     modes = args.modes.split(",")
     prev_class: list = [None]
 
-    def prepare_pinned(method: str, need: int) -> "tuple[str, str | None]":
-        """Release torch's cached pinned blocks when the next method cannot reuse them or memory is short; then
+    def prepare_pinned(method: str, need: int, batch: int, context: int) -> "tuple[str, str | None]":
+        """Release torch's cached pinned blocks when the next store would not fit beside them; then
         (state, None), or (state, reason) when the host still lacks the memory (skip rather than be OOM-killed)."""
-        cls = PINNED_CLASS[method]
+        cls = (PINNED_CLASS[method], batch, context)  # block sizes depend on the method class and the point
 
         def room() -> float:
             snap = host_snapshot()
@@ -846,17 +847,14 @@ def main(argv: "list | None" = None) -> None:
                 cached_free = max(0.0, snap["pinned_pool_gb"] - snap["pinned_active_gb"]) * GB
             return _meminfo().get("MemAvailable", 1 << 50) + (cached_free if cls == prev_class[0] else 0.0)
 
-        why = None
-        if cls is not None and prev_class[0] is not None and cls != prev_class[0]:
-            why = "block sizes differ"
-        elif need + (4 << 30) > room():
-            why = "memory"
+        # Cached blocks of another method class (other block sizes) cannot be reused: they only count against
+        # MemAvailable, so they are released exactly when the next store would not fit beside them.
         state = "kept"
-        if why is not None and args.device == "cuda":
+        if need + (4 << 30) > room() and args.device == "cuda":
             t0 = time.perf_counter()
             how = release_pinned_pool()
-            state = f"released ({why}; {how}; {time.perf_counter() - t0:.1f} s)"
-        if cls is not None:
+            state = f"released ({how}; {time.perf_counter() - t0:.1f} s)"
+        if cls[0] is not None:
             prev_class[0] = cls
         for _ in range(10):  # freed pinned memory may take a moment to show up as available
             if need + (2 << 30) <= room():
@@ -924,7 +922,7 @@ def main(argv: "list | None" = None) -> None:
                             skipped.setdefault(method, []).append(f"round {rnd}: {reason}")
                             print(f"  [b{batch} ctx{context} {mode} r{rnd}] {method}: skipped ({reason})", flush=True)
                             continue
-                        pinned, short = prepare_pinned(method, need)
+                        pinned, short = prepare_pinned(method, need, batch, context)
                         if short is not None:
                             skipped.setdefault(method, []).append(f"round {rnd}: {short}")
                             print(f"  [b{batch} ctx{context} {mode} r{rnd}] {method}: skipped ({short})", flush=True)
