@@ -145,3 +145,17 @@ def test_bench_llm_dispatches_on_shape() -> None:
     res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "llama8b", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0 and "--max-host-gb" in res.stdout and "--deadline-s" in res.stdout
+
+
+def test_plan_lists_every_run_and_what_would_not_fit() -> None:
+    from scripts.lib.llm_shapes import parse_args, plan
+
+    rows = plan(parse_args(["--shape", "llama8b", "--contexts", "32768,8192", "--max-host-gb", "115",
+                            "--gpu-gb", "80"]))
+    assert len(rows) == 2 * (5 + 3)
+    skips = {(r["context"], r["mode"], r["method"]): r["skip"] for r in rows}
+    assert skips[(32768, "dense", "dynamic_gpu")].startswith("GPU")  # 68.7 GB of KV + 16 GB of weights
+    assert skips[(8192, "dense", "dynamic_gpu")] is None
+    assert all(v is None for k, v in skips.items() if k[2] != "dynamic_gpu")
+    tight = plan(parse_args(["--shape", "llama8b", "--contexts", "32768", "--max-host-gb", "60"]))
+    assert all(r["skip"] and r["skip"].startswith("host") for r in tight if r["method"] != "dynamic_gpu")

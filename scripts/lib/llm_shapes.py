@@ -763,6 +763,10 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cudnn-sdpa", action="store_true", help="allow cuDNN attention (not deterministic on H200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plan", action="store_true",
+                   help="print every run with its host / GPU memory estimate and exit (no model, no GPU needed; "
+                        "give --max-host-gb and --gpu-gb for the target machine)")
+    p.add_argument("--gpu-gb", type=float, default=80.0, help="--plan only: device memory to assume")
     p.add_argument("--tag", default="", help="suffix of the output name: bench_llm_<shape>[_<tag>].json")
     p.add_argument("--quick", action="store_true", help="small sizes (one batch of 2, short contexts, 1 round)")
     add_out_argument(p)
@@ -782,8 +786,52 @@ def parse_args(argv: list) -> argparse.Namespace:
     return args
 
 
+def plan(args: argparse.Namespace) -> list:
+    """The sweep's runs with their memory estimates (what main() would run or skip, before time limits)."""
+    cfg = build_config(args.shape)
+    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    max_host = args.max_host_gb * GB if args.max_host_gb else 0.9 * _meminfo().get("MemAvailable", 1 << 40)
+    n_params = sum(p.numel() for p in _meta_model(cfg).parameters())
+    weights = n_params * itemsize
+    rows = []
+    steps = args.warmup_tokens + args.decode_tokens
+    for batch in (int(b) for b in args.batches.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            for mode in args.modes.split(","):
+                for method in ORDER:
+                    if method not in args.methods.split(",") or (mode == "sparse" and method not in SPARSE_METHODS):
+                        continue
+                    host = host_estimate(method, cfg, batch, context, itemsize)
+                    layer = kv_layer_tensor_bytes(cfg, batch, context, itemsize)
+                    gpu = weights + (raw_kv_bytes(cfg, batch, context, itemsize) if method == "dynamic_gpu" else 0) \
+                        + 6 * layer + (3 << 30)
+                    why = None
+                    if host > max_host:
+                        why = f"host ~{host / GB:.1f} GB > {max_host / GB:.1f} GB"
+                    elif gpu > args.gpu_gb * GB:
+                        why = f"GPU ~{gpu / GB:.1f} GB > {args.gpu_gb:.0f} GB"
+                    rows.append({"batch": batch, "context": context, "filled": context - steps, "mode": mode,
+                                 "method": method, "raw_kv_gb": raw_kv_bytes(cfg, batch, context, itemsize) / GB,
+                                 "host_gb_est": host / GB, "gpu_gb_est": gpu / GB, "runs": args.repeats,
+                                 "skip": why})
+    return rows
+
+
+def _meta_model(cfg: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
 def main(argv: "list | None" = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.plan:
+        rows = plan(args)
+        print(format_table(rows))
+        print(f"{sum(r['runs'] for r in rows if not r['skip'])} runs of {args.warmup_tokens} + {args.decode_tokens} "
+              f"decode steps; raw KV filled in total {sum(r['raw_kv_gb'] * r['runs'] for r in rows if not r['skip']):.0f} GB")
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--shape runs need a CUDA GPU (--device cpu runs the smoke test)")
     if args.cpu_threads:
