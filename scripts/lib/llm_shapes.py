@@ -430,7 +430,8 @@ def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int,
     return out
 
 
-def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, itemsize: int) -> dict:
+def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, itemsize: int,
+                count_bytes: bool = False) -> dict:
     """Store size and traffic of a method's cache after its decode steps."""
     raw = raw_kv_bytes(cfg, batch, tokens, itemsize)
     st: dict = {"raw_bytes": raw}
@@ -466,7 +467,7 @@ def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, item
         # layers under another keyword), so every step fetched all tokens: not a sparse measurement
         st["sparse_selection_active"] = any(k > 0 for k in ks)
     # the CPU-gather path counts its bytes on the host; the zero-copy kernels only with count_bytes=True
-    exact = method == "infinigen_cpu_gather" or bool(getattr(cache, "_manager_kwargs", {}).get("count_bytes"))
+    exact = method == "infinigen_cpu_gather" or count_bytes
     if exact and s.get("pcie_read_bytes_per_step") is not None:
         st["pcie_h2d_bytes_per_step"] = s["pcie_read_bytes_per_step"]
     elif cache.mode == "dense":  # every stored byte crosses once per step
@@ -539,7 +540,8 @@ def run_method(method: str, mode: str, model: Any, src: KvSource, batch: int, co
         out = decode(model, cache, first, filled, steps, args.warmup_tokens, keep_logits, args.device)
         out.fill_s, out.fill_checksum = fill_s, checksum
         itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
-        out.stats = cache_stats(cache, method, model.config, batch, context, itemsize)
+        out.stats = cache_stats(cache, method, model.config, batch, context, itemsize,
+                                args.count_bytes or args.device == "cpu")  # the host path counts its bytes
         out.host = {"after_fill": host_after_fill, "after_decode": host_snapshot()}
         return out
     finally:
