@@ -298,6 +298,7 @@ class RunOut:
     stats: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
     pinned: str = ""
+    run_s: float = 0.0
 
 
 def ibp_kwargs(args: argparse.Namespace) -> dict:
@@ -598,7 +599,8 @@ def summarize_point(point: dict, runs: dict, skipped: dict, args: argparse.Names
                 ms_per_round=[_median(r.step_ms) for r in done], rounds=len(done),
                 round_index=[i for i, r in enumerate(rounds) if isinstance(r, RunOut)],
                 steps_ms_per_round=[r.step_ms for r in done],
-                fill_s_per_round=[r.fill_s for r in done], pinned_pool_per_round=[r.pinned for r in done],
+                fill_s_per_round=[r.fill_s for r in done], run_s_per_round=[r.run_s for r in done],
+                pinned_pool_per_round=[r.pinned for r in done],
                 fill_checksum=done[0].fill_checksum,
                 repeat_outputs_identical=len({round(r.digest, 6) for r in done}) == 1
                 and all(torch.equal(r.tokens, done[0].tokens) for r in done),
@@ -932,7 +934,7 @@ def main(argv: "list | None" = None) -> None:
 
     total = sum(len([m for m in methods if mode == "dense" or m in SPARSE_METHODS])
                 for _ in batches for _ in contexts for mode in modes) * args.repeats
-    bar = tqdm(total=total, desc="runs", file=sys.stdout, mininterval=0, dynamic_ncols=False, ncols=100)
+    bar = tqdm(total=total, desc="runs", file=sys.stdout, mininterval=30, dynamic_ncols=False, ncols=100)
     for batch in batches:
         for context in contexts:
             for mode in modes:
@@ -982,6 +984,7 @@ def main(argv: "list | None" = None) -> None:
                         try:
                             out = run_method(method, mode, model, src, batch, context, args, keep, first, steps)
                             out.pinned = pinned
+                            out.run_s = time.perf_counter() - t0
                             deadline.learn(method, fill_gb, out.fill_s, steps, step_gb,
                                            sum(out.wall_ms) / 1e3 * steps / max(1, len(out.wall_ms)))
                             runs.setdefault(method, []).append(out)
