@@ -155,7 +155,7 @@ class FeatureCache:
         from ..kernels.lookup import LookupErrors
 
         self._errors = LookupErrors(pin=self.device.type == "cuda")  # the lookup kernel's bad-id report
-        self._hits_host: "tuple[np.ndarray, np.ndarray, np.ndarray] | None" = None  # cpu-gather's index mirror
+        self._hits_host: Any = None  # host_store.CacheMirror of a static index (the cpu-gather path)
         if self.policy_kind is PolicyKind.STATIC:
             self._build_static(StaticPolicy(hotness))
         else:
@@ -367,27 +367,25 @@ class FeatureCache:
         return (self._hits_host is not None and isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
                 and not torch.cuda.is_current_stream_capturing())
 
-    def _hit_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Host mirror of a static cache's index, built once: per row its position among the cached rows (-1:
-        not cached; int32), and per cached row its slab address and stored length."""
+    def _hit_table(self) -> "CacheMirror":
+        """Host mirror of a static cache's index (built once; 4 bytes of host memory per row): what the cpu-gather
+        path needs to send hits to the slab and read only misses on the host."""
         if self._hits_host is None:
+            from .host_store import CacheMirror
+
             pos = np.full(self.n_rows, -1, dtype=np.int32)
             chosen = self.cached_ids.cpu().numpy()
             pos[chosen] = np.arange(chosen.shape[0], dtype=np.int32)
-            lens = self.cache_lengths[self.cached_ids.cpu()].numpy().astype(np.int32)
-            offsets = np.zeros(chosen.shape[0], dtype=np.int64)
-            offsets[:] = self._slab_offsets.cpu().numpy()
-            self._hits_host = (pos, offsets + self.slab.base_ptr, lens)
+            lens = np.ascontiguousarray(self.cache_lengths[self.cached_ids.cpu()].numpy(), dtype=np.int32)
+            src = self._slab_offsets.cpu().numpy().astype(np.int64) + self.slab.base_ptr
+            self._hits_host = CacheMirror(pos, src, lens)
         return self._hits_host
 
     def _fetch_cpu_gather(self, ids: torch.Tensor, out: "torch.Tensor | None") -> torch.Tensor:
-        """Static CUDA cache, ids on the CPU: the CPU decides hit or miss from the index's host mirror, packs every
-        id's decode descriptor (slab address of a hit, staged address of a miss), the misses' STORED bytes and the
-        fetch's counters into one pinned buffer; one host-to-device copy and one decode launch follow. Ids are
-        range-checked on the CPU (no device sync); nothing waits for the GPU."""
+        """Static CUDA cache, ids on the CPU: the host store stages every id's decode descriptor (slab address of a
+        hit, staged address of a miss), the misses' STORED bytes and the fetch's counters in one pinned buffer; one
+        copy and one decode launch follow. Ids are range-checked on the CPU; nothing waits for the GPU."""
         from ..kernels.bitpack import decode_descriptors
-        from ..kernels.bitpack_cpu import gather_stored_cpu
-        from .host_store import _STAGE_ALIGN, _round_up
 
         ids = check_ids(ids, self.n_rows, torch.device("cpu"))
         self.host.check_live()
@@ -398,37 +396,9 @@ class FeatureCache:
         out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
         with self._order.exclusive():
             t0 = self.stats_.start()
-            pos, hit_src, hit_len = self._hit_table()
-            idx = ids.numpy()
-            p = pos[idx]
-            miss = p < 0
-            miss_ids = idx[miss]
-            offs, mlens, _ = self.host.cpu_descriptors(miss_ids)
-            starts = np.zeros(miss_ids.shape[0], dtype=np.int64)
-            if starts.shape[0] > 1:
-                np.cumsum(mlens[:-1], out=starts[1:])
-            staged = int(starts[-1]) + int(mlens[-1]) if starts.shape[0] else 0
-            cpos = _round_up(13 * b, 8)
-            head = _round_up(cpos + 32, _STAGE_ALIGN)  # src | lengths | compressed | 4 counters | staged bytes
-            dev = torch.empty(head + _round_up(staged, _STAGE_ALIGN) + _STAGE_ALIGN, dtype=torch.uint8,
-                              device=self.device)  # stream-ordered: its address is known before the copy
-            buf = torch.empty(dev.numel(), dtype=torch.uint8, pin_memory=True)
-            h = buf.numpy()
-            src, lens = h[: 8 * b].view(np.int64), h[8 * b : 12 * b].view(np.int32)
-            hit = ~miss
-            src[hit] = hit_src[p[hit]]
-            lens[hit] = hit_len[p[hit]]
-            src[miss] = starts + (dev.data_ptr() + head)
-            lens[miss] = mlens
-            np.less(lens, self.row_bytes, out=h[12 * b : 13 * b].view(np.bool_))
-            h[cpos : cpos + 32].view(np.int64)[:] = (b, b - miss_ids.shape[0], staged,
-                                                     int(lens[hit].sum(dtype=np.int64)))
-            if staged:
-                gather_stored_cpu(self.host.data.numpy(), offs, mlens, h[head:], starts)
-            dev.copy_(buf, non_blocking=True)
-            decode_descriptors(out_u8, dev[: 8 * b].view(torch.int64), dev[8 * b : 12 * b].view(torch.int32),
-                               dev[12 * b : 13 * b], None, self._tables)
-            self.stats_.counters += dev[cpos : cpos + 32].view(torch.int64)
+            st = self.host.stage(ids.numpy(), self._hit_table())
+            decode_descriptors(out_u8, st.src, st.lengths, st.compressed, None, self._tables)
+            self.stats_.counters += st.counters
             self.path_counts["cpu_gather"] += 1
             self.stats_.stop(t0, b)
         return out

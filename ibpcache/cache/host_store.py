@@ -40,7 +40,8 @@ from ..compressed import CompressedRows, _flags_from_lengths
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
 
-__all__ = ["HostStore", "Transfer", "FitOptions", "fit_codec", "FIT_SAMPLE_ROWS", "FIT_SAMPLE_BYTES"]
+__all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "FIT_SAMPLE_ROWS",
+           "FIT_SAMPLE_BYTES"]
 
 FIT_SAMPLE_ROWS = 1 << 18
 FIT_SAMPLE_BYTES = 1 << 28
@@ -90,6 +91,36 @@ def fit_codec(rows: torch.Tensor, device: torch.device, options: FitOptions = Fi
         rows = rows[pick.to(rows.device)]
     return Codec.fit(rows.to(device), threshold=options.threshold, chunk_bytes=options.chunk_bytes,
                      sample=options.sample)
+
+
+_EMPTY_I32 = np.empty(0, np.int32)
+_EMPTY_I64 = np.empty(0, np.int64)
+
+
+@dataclass(frozen=True)
+class CacheMirror:
+    """A GPU cache's index as the host sees it, for the ``cpu_gather`` transfer: ``pos`` (int32 per table row: its
+    position among the cached rows, -1 = not cached), and per cached row its absolute slab address (``src``) and
+    stored length. Only a cache whose contents the host knows (a static one) has one."""
+
+    pos: np.ndarray
+    src: np.ndarray
+    length: np.ndarray
+
+
+_NO_HITS = CacheMirror(_EMPTY_I32, _EMPTY_I64, _EMPTY_I32)
+
+
+@dataclass(frozen=True)
+class StagedRows:
+    """Decode descriptors on the device after :meth:`HostStore.stage` (views into one staged buffer): per id the
+    source address, stored length and compressed flag; ``counters`` int64 [requests, hits, staged bytes, hit bytes]
+    in FetchStats order."""
+
+    src: torch.Tensor
+    lengths: torch.Tensor
+    compressed: torch.Tensor
+    counters: torch.Tensor
 
 
 class HostStore:
@@ -351,32 +382,51 @@ class HostStore:
                 out_u8.index_copy_(0, out_rows, rows)
 
     def _gather_cpu_decode_gpu(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
-        """``cpu_gather``: stored bytes packed on the CPU into one pinned buffer [starts | lengths | flags | bytes],
-        ONE host-to-device copy, ONE decode launch reading the staged rows from device memory.
-
-        The pinned buffer comes from torch's caching host allocator, which does not hand a block out again before
-        the copy that reads it has completed, so no step waits on the previous one."""
+        """``cpu_gather`` read: stage the rows (:meth:`stage`), ONE decode launch from device memory."""
         from ..kernels.bitpack import decode_descriptors
-        from ..kernels.bitpack_cpu import gather_stored_cpu
 
-        idx = ids.cpu().numpy()
-        m = idx.shape[0]
-        offs, lens, comp = self.cpu_descriptors(idx)
-        starts = np.zeros(m, dtype=np.int64)
-        np.cumsum(lens[:-1], out=starts[1:])
-        head = _round_up(m * 13, _STAGE_ALIGN)
-        total = int(starts[-1]) + int(lens[-1])
-        buf = torch.empty(head + _round_up(total, _STAGE_ALIGN) + _STAGE_ALIGN, dtype=torch.uint8, pin_memory=True)
-        b = buf.numpy()
-        b[: 8 * m].view(np.int64)[:] = starts
-        b[8 * m : 12 * m].view(np.int32)[:] = lens
-        b[12 * m : 13 * m] = comp
-        gather_stored_cpu(self.data.numpy(), offs, lens, b[head:], starts)
-        dev = buf.to(self.device, non_blocking=True)
-        src = dev[: 8 * m].view(torch.int64) + (dev.data_ptr() + head)
-        lens_d = dev[8 * m : 12 * m].view(torch.int32)
-        decode_descriptors(out_u8, src, lens_d, dev[12 * m : 13 * m], out_rows, self.codec.kernel_tables(out_u8.device))
-        self.bytes_read += total
+        st = self.stage(ids.cpu().numpy())
+        decode_descriptors(out_u8, st.src, st.lengths, st.compressed, out_rows, self.codec.kernel_tables(out_u8.device))
+        self.bytes_read += st.counters[2]
+
+    def stage(self, ids: np.ndarray, hits: "CacheMirror | None" = None) -> "StagedRows":
+        """The ``cpu_gather`` transfer's host half: for each id (int64, valid) its decode descriptor -- the slab
+        address of a GPU-cache hit (``hits``: the cache's host mirror) or the staged address of a row read here --
+        and the staged rows' STORED bytes, packed into one pinned buffer that crosses PCIe in ONE copy, enqueued on
+        the current stream. Three Numba passes over the ids (lengths, scan, descriptors + bytes), two in parallel.
+
+        The device buffer is allocated first (stream-ordered), so the host writes final addresses; the pinned
+        buffer comes from torch's caching host allocator, which does not hand a block out again before the copy
+        that reads it has completed: nothing here waits for the GPU."""
+        from ..kernels.bitpack_cpu import stage_lengths_cpu, stage_rows_cpu, stage_scan_cpu
+
+        hits = hits or _NO_HITS
+        b = int(ids.shape[0])
+        lens = np.empty(b, np.int32)
+        miss = np.empty(b, np.uint8)
+        starts = np.empty(b, np.int64)
+        host_lens = self.lengths_cpu.numpy() if self.lengths_cpu is not None else _EMPTY_I32
+        stage_lengths_cpu(ids, hits.pos, hits.length, host_lens, self.row_bytes, lens, miss)
+        n_hits, staged, hit_bytes = stage_scan_cpu(lens, miss, starts)
+        cpos = _round_up(13 * b, 8)
+        head = _round_up(cpos + 32, _STAGE_ALIGN)  # src | lengths | compressed | 4 counters | staged bytes
+        size = head + _round_up(staged, _STAGE_ALIGN) + _STAGE_ALIGN
+        dev = torch.empty(size, dtype=torch.uint8, device=self.device)
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+        h = buf.numpy()
+        offsets = self.offsets_cpu.numpy() if self.offsets_cpu is not None else _EMPTY_I64
+        raw = self.lengths_cpu is None  # raw rows are whole slots: torch's multithreaded row gather copies them
+        stage_rows_cpu(ids, hits.pos, hits.src, offsets, self.row_bytes, self.data.numpy(), lens, miss, starts,
+                       self.row_bytes, dev.data_ptr() + head, h[: 8 * b].view(np.int64), h[8 * b : 12 * b].view(np.int32),
+                       h[12 * b : 13 * b], h[head:], not raw)
+        if raw and staged:
+            rows = torch.from_numpy(ids[miss.view(np.bool_)])
+            torch.index_select(self.data.view(self.n_rows, self.row_bytes), 0, rows,
+                               out=buf[head : head + staged].view(-1, self.row_bytes))
+        h[cpos : cpos + 32].view(np.int64)[:] = (b, n_hits, staged, hit_bytes)
+        dev[: head + staged].copy_(buf[: head + staged], non_blocking=True)
+        return StagedRows(dev[: 8 * b].view(torch.int64), dev[8 * b : 12 * b].view(torch.int32), dev[12 * b : 13 * b],
+                          dev[cpos : cpos + 32].view(torch.int64))
 
     def _decode_cpu(self, idx: torch.Tensor, out: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
         """Rows ``idx`` into ``out[out_rows]`` (``out[0..M)`` when None) on the host, multithreaded."""

@@ -22,7 +22,9 @@ __all__ = [
     "size_rows_cpu",
     "encode_rows_cpu",
     "decode_rows_cpu",
-    "gather_stored_cpu",
+    "stage_lengths_cpu",
+    "stage_scan_cpu",
+    "stage_rows_cpu",
 ]
 
 _U0 = np.uint64(0)
@@ -272,18 +274,66 @@ def decode_rows_cpu(buf, offsets, lengths, compressed, mask, bitval, c: int, out
 
 
 @nb.njit(parallel=True, cache=True)
-def gather_stored_cpu(buf, offsets, lengths, out, out_offsets) -> None:
-    """Copy stored row m (``lengths[m]`` bytes at ``buf[offsets[m]:]``) to ``out[out_offsets[m]:]``, as stored.
+def stage_lengths_cpu(ids, hit_pos, hit_len, lengths, row_bytes: int, out_len, out_miss) -> None:
+    """Pass 1 of the engine's ``cpu_gather`` transfer: per id, its stored length and whether it is staged.
 
-    The CPU half of the engine's ``cpu_gather`` transfer: the rows' *stored* (compressed) bytes are packed
-    back to back into a pinned staging buffer that crosses PCIe in one copy and is decoded on the GPU, so the
-    copy moves compressed bytes and the host does no decoding. Rows in parallel over the CPU's threads.
+    ``hit_pos`` (int32 per table row, -1 = not cached; empty = no cache) and ``hit_len`` (per cached row) describe
+    the GPU cache; ``lengths`` (int32 per table row; empty = raw rows of ``row_bytes``) the host store.
     """
-    for m in nb.prange(offsets.shape[0]):
-        src = offsets[m]
-        dst = out_offsets[m]
-        for b in range(lengths[m]):
-            out[dst + b] = buf[src + b]
+    cached = hit_pos.shape[0] > 0
+    raw = lengths.shape[0] == 0
+    for i in nb.prange(ids.shape[0]):
+        r = ids[i]
+        p = hit_pos[r] if cached else -1
+        if p >= 0:
+            out_len[i] = hit_len[p]
+            out_miss[i] = 0
+        else:
+            out_len[i] = row_bytes if raw else lengths[r]
+            out_miss[i] = 1
+
+
+@nb.njit(cache=True)
+def stage_scan_cpu(out_len, out_miss, starts):
+    """Pass 2 (serial): byte offset of each staged row in the staging area; returns (hits, staged bytes, hit
+    bytes)."""
+    acc = 0
+    hits = 0
+    hit_bytes = 0
+    for i in range(out_len.shape[0]):
+        starts[i] = acc
+        if out_miss[i]:
+            acc += out_len[i]
+        else:
+            hits += 1
+            hit_bytes += out_len[i]
+    return hits, acc, hit_bytes
+
+
+@nb.njit(parallel=True, cache=True)
+def stage_rows_cpu(ids, hit_pos, hit_src, offsets, stride: int, data, out_len, out_miss, starts, row_bytes: int,
+                   staged_base: int, src_out, len_out, comp_out, staged, copy_bytes: bool) -> None:
+    """Pass 3: every id's decode descriptor (absolute device address, stored length, compressed flag) and the
+    staged rows' STORED bytes packed into ``staged`` (whose device copy starts at ``staged_base``).
+
+    The rows cross PCIe as stored (compressed), the host decodes nothing; ``offsets`` (int64 per row; empty = row r
+    at ``r * stride``) locate a row in ``data``. Rows in parallel over the CPU's threads. ``copy_bytes=False`` writes
+    the descriptors only (the caller copies whole raw rows with a faster gather).
+    """
+    packed = offsets.shape[0] > 0
+    for i in nb.prange(ids.shape[0]):
+        n = out_len[i]
+        len_out[i] = n
+        comp_out[i] = 1 if n < row_bytes else 0
+        if out_miss[i]:
+            r = ids[i]
+            s = offsets[r] if packed else r * stride
+            d = starts[i]
+            if copy_bytes:
+                staged[d : d + n] = data[s : s + n]
+            src_out[i] = staged_base + d
+        else:
+            src_out[i] = hit_src[hit_pos[ids[i]]]
 
 
 @nb.njit(parallel=True)

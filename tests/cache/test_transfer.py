@@ -194,3 +194,38 @@ def test_embedding_bag_trains_exactly_over_host_paths(minilm_x: torch.Tensor, fe
     m.flush()
     assert torch.equal(_bits(m.weight), _bits(ref.weight))
     assert m.stats()["fetch_path"] == fetch and m.stats()["write_backs"] > 0
+
+
+@pytest.mark.parametrize("compress", [True, False])
+@pytest.mark.parametrize("layout", ["inplace", "packed"])
+def test_stage_builds_descriptors_and_packs_stored_bytes(cora_x: torch.Tensor, cora_codec: Any, compress: bool,
+                                                         layout: str) -> None:
+    """The cpu-gather host half on a CPU store (its "device" buffer is host memory here): hits point at the cache
+    mirror's addresses, every other row is staged as STORED bytes back to back, and decoding the descriptors gives
+    the rows; the counters add up."""
+    import numpy as np
+
+    from ibpcache.cache.host_store import CacheMirror
+
+    store = HostStore(cora_x, codec=cora_codec, compress=compress, device=CPU, layout=layout)
+    ids = zipf(cora_x.shape[0], 700, seed=5).numpy()
+    cached = np.array([ids[0], ids[3], 17], dtype=np.int64)  # a pretend cache of three rows
+    pos = np.full(cora_x.shape[0], -1, np.int32)
+    pos[cached] = np.arange(3, dtype=np.int32)
+    slab_src = np.array([1 << 40, (1 << 40) + 9000, (1 << 40) + 20000], np.int64)
+    slab_len = np.array([100, 5732, 64], np.int32)
+    st = store.stage(ids, CacheMirror(pos, slab_src, slab_len))
+    hit = pos[ids] >= 0
+    src, lens, comp = st.src.numpy(), st.lengths.numpy(), st.compressed.numpy()
+    assert (src[hit] == slab_src[pos[ids[hit]]]).all() and (lens[hit] == slab_len[pos[ids[hit]]]).all()
+    _, want_len, _ = store.cpu_descriptors(ids[~hit])
+    assert (lens[~hit] == want_len).all() and (comp == (lens < store.row_bytes)).all()
+    staged = torch.from_numpy(np.ascontiguousarray(src[~hit]))
+    assert bool((staged[1:] - staged[:-1] == torch.from_numpy(lens[~hit][:-1]).to(torch.int64)).all())  # packed
+    raw = torch.empty((int((~hit).sum()), store.row_bytes), dtype=torch.uint8)
+    whole = st.src.untyped_storage()  # staged rows live in the same buffer as the descriptors
+    flat = torch.empty(0, dtype=torch.uint8).set_(whole, 0, (whole.nbytes(),))
+    store.codec.decode_rows_at(flat.numpy(), src[~hit] - flat.data_ptr(), lens[~hit], raw.numpy(),
+                               np.arange(raw.shape[0], dtype=np.int64), compressed=comp[~hit])
+    assert torch.equal(raw, cora_x[torch.from_numpy(ids[~hit])].view(torch.uint8).reshape(raw.shape[0], -1))
+    assert st.counters.tolist() == [700, int(hit.sum()), int(lens[~hit].sum()), int(lens[hit].sum())]
