@@ -748,6 +748,17 @@ class KVOffloadManager:
         for st in self._layers_for(layer):
             st.n_tokens = min(st.n_tokens, n_tokens)
 
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def capture_decode_step(self, layer: int, max_tokens: int) -> "KVStepGraph":
+        """Capture ``layer``'s decode-step KV work in a CUDA graph: fetch every stored token, append one new token.
+
+        Replays (:meth:`KVStepGraph.replay`) need no host work beyond a little bookkeeping, which is what bounds
+        decoding of small models. The layer must hold its prompt already (the codecs are chosen there), use the
+        identity slot layout (no beam reorder / batch selection since the prompt) and ``transfer='zero_copy'``.
+        ``max_tokens``: the most tokens a replay may return (prompt + steps); the output buffers have that width.
+        """
+        return KVStepGraph(self, layer, max_tokens)
+
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Memory and traffic so far. Synchronises the device (reads GPU counters and timing events).
@@ -827,3 +838,70 @@ class KVOffloadManager:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._release_stores()
+
+
+class KVStepGraph:
+    """One layer's decode-step KV work (fetch of every stored token + append of the new one) as a CUDA graph.
+
+    Write the new token's K/V into :attr:`keys_in` / :attr:`values_in` ([B, H, 1, D]) and call :meth:`replay`: it
+    returns the attention input [B, H, T + 1, D] (views of :attr:`keys_out` / :attr:`values_out`), every earlier token
+    decoded from host memory and the new one at position T, and the new token is stored. The graph reads the token
+    count and the store's pointers from device memory, so it stays valid while the store grows; the host only moves
+    its cursor bound and adds chunks before each replay (no sync). Any other change to the layer (an eager append,
+    crop, reorder, reset) makes the next replay raise: capture again.
+    """
+
+    def __init__(self, mgr: KVOffloadManager, layer: int, max_tokens: int) -> None:
+        from ..kernels._build import get_function
+
+        st = mgr._state(layer)
+        mgr._flush_pending()
+        mgr._retire(st)
+        if mgr.transfer != "zero_copy" or st.kv is None or not st.kv.cuda:
+            raise ValueError("capture_decode_step: needs transfer='zero_copy' on CUDA and a layer that holds its prompt")
+        if st.row0 is not None or not st.segments or st.segments[-1][2] != mgr.rows_per_token:
+            raise ValueError("capture_decode_step: the layer's slots were reordered or selected (beam search); only the "
+                             "identity layout can be captured")
+        t0 = st.n_tokens
+        if not isinstance(max_tokens, int) or max_tokens < t0 + 1:
+            raise ValueError(f"max_tokens: expected an int >= {t0 + 1} (stored tokens + 1), got {max_tokens!r}")
+        self.mgr, self.layer, self.max_tokens = mgr, layer, max_tokens
+        shape = (mgr.batch_size, mgr.num_kv_heads, 1, mgr.head_dim)
+        dev = mgr.device
+        self.keys_in = torch.zeros(shape, dtype=mgr.dtype, device=dev)
+        self.values_in = torch.zeros(shape, dtype=mgr.dtype, device=dev)
+        self.keys_out = torch.zeros((*shape[:2], max_tokens, shape[3]), dtype=mgr.dtype, device=dev)
+        self.values_out = torch.zeros_like(self.keys_out)
+        store = st.kv
+        slot0 = mgr._slot_of_token(st, t0)
+        store.reserve(slot0 + mgr.rows_per_token)
+        store._scratch_room(2 * mgr.rows_per_token)
+        for symbol in ("ibp_kvp_size", "ibp_kvp_encode", "ibp_kvp_fetch"):  # no module loads while capturing
+            get_function("kv_packed.cu", symbol, dev.index)
+        torch.cuda.synchronize(dev)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            store.fetch(None, max_tokens, self.keys_out, self.values_out, read=mgr._dev_read, k_dyn=True)
+            store.launch_dynamic(self.keys_in, self.values_in, slot0, t0, into=(self.keys_out, self.values_out),
+                                 att_pos0=t0, written=mgr._dev_written)
+        self._store = store
+        self._tokens = t0  # what the layer must hold before the next replay
+
+    def replay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the captured step; returns (keys, values) [B, H, T + 1, D] views of the output buffers."""
+        mgr = self.mgr
+        st = mgr._state(self.layer)
+        mgr._flush_pending()
+        mgr._retire(st)
+        if st.kv is not self._store or st.n_tokens != self._tokens or st.row0 is not None:
+            raise RuntimeError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
+                               "or reset): capture again")
+        n = st.n_tokens
+        if n + 1 > self.max_tokens:
+            raise CapacityError(f"the captured step of layer {self.layer} holds at most {self.max_tokens} tokens")
+        self._store.prepare_dynamic(mgr.rows_per_token)
+        self.graph.replay()
+        st.n_tokens = self._tokens = n + 1
+        if self.layer == 0:
+            mgr.decode_steps += 1
+        return self.keys_out[:, :, : n + 1], self.values_out[:, :, : n + 1]

@@ -169,22 +169,21 @@ def test_speculated_query_is_the_layers_own_query() -> None:
 
 
 def test_kv_kernel_launchers_reject_bad_input() -> None:
-    """The fused KV launchers check what they are handed before any launch: a clear ValueError, never a bad pointer."""
-    from ibpcache.kernels.kv_rows import KvSide, kv_append, kv_fetch
+    """The packed KV launchers check what they are handed before any launch: a clear ValueError, never a bad pointer."""
+    from ibpcache.kernels.kv_packed import kvp_append, kvp_fetch
     from ibpcache.kernels.kv_select import partial_scores
 
-    table = torch.zeros(1, dtype=torch.int64)
-    side = KvSide(table, None, table, table, 8, 16)
+    desc = torch.zeros(48, dtype=torch.int64)
     k = torch.zeros(2, 3, 4, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="differ"):
-        kv_append(k, k[:, :, :3], 0, 64, side, side)
+        kvp_append(desc, k, k[:, :, :3], 0, 0)
     with pytest.raises(ValueError, match="CUDA"):
-        kv_append(k, k, 0, 64, side, side)  # host tensors: the kernel would read host pointers as device ones
+        kvp_append(desc, k, k, 0, 0)  # host tensors: the kernel would read host pointers as device ones
     out = torch.empty(2, 3, 5, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="CUDA"):
-        kv_fetch(None, 4, out, out, 64, side, side)
+        kvp_fetch(desc, None, 4, out, out)
     with pytest.raises(ValueError, match="out_k/out_v"):
-        kv_fetch(None, 6, out, out, 64, side, side)  # 6 tokens do not fit 5 positions
+        kvp_fetch(desc, None, 6, out, out)  # 6 tokens do not fit 5 positions
     q = torch.zeros(2, 9, 1, 64, dtype=torch.float16)
     dims = torch.zeros(9, 13, dtype=torch.int64)
     with pytest.raises(ValueError, match="dtype"):
