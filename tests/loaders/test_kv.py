@@ -262,7 +262,8 @@ def test_host_and_stored_bytes_accounting(code_kv: Any) -> None:
     # packed layout: host memory follows the stored bytes (prompt chunk at its exact size + one partly filled
     # decode chunk of the smallest size), not the raw size
     kv = mgr._layers[0].kv
-    assert st["stored_bytes"] < st["host_bytes"] <= st["stored_bytes"] + kv.min_chunk + 16 * len(kv._chunks.caps)
+    slack = kv.min_chunk + len(kv._chunks.caps) * (16 + 2 * 3 * kv.row_bytes * 6)  # free part + per-chunk tails
+    assert st["stored_bytes"] < st["host_bytes"] <= st["stored_bytes"] + slack
     assert st["host_bytes"] < st["raw_bytes"]
     assert st["pcie_read_bytes"] == st["stored_bytes"]  # one dense fetch moves exactly the stored bytes
     assert st["fit_s"] > 0 and len(st["fit_s_per_layer"]) == 2
