@@ -185,7 +185,7 @@ def host_alloc(nbytes: int) -> int:
     same address (UVA). torch's pinned allocator rounds every block up to a power of two, which would hide most of
     what a compressed store saves; the packed KV store sizes its chunks itself. Free with :func:`host_free`."""
     cupy = import_cupy()
-    return int(cupy.cuda.runtime.hostAlloc(int(nbytes), 0))
+    return int(cupy.cuda.runtime.hostAlloc(int(nbytes), 1))  # cudaHostAllocPortable: pinned for every device
 
 
 def host_free(ptr: int) -> None:

@@ -531,3 +531,38 @@ def test_gpu_decode_steps_never_sync(chat_kv: Any) -> None:
                        kd.gather(2, idx[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
     mgr.stats()  # raises if a kernel set a status bit
     mgr.close()
+
+
+def test_cursor_bound_keeps_a_chunk_ahead_of_a_lagging_device() -> None:
+    """The CUDA path's host bookkeeping (note_append / the pinned mirror), run against a simulated device that places
+    appends with the kernel's rule and publishes its cursor late: every chunk an append opens already exists and is
+    large enough, and the host never holds more than two chunks beyond the device's cursor."""
+    from ibpcache.cache.append_store import AppendStore, place
+    from ibpcache.codec import Codec
+
+    codec = Codec.raw(torch.bfloat16, (64,))
+    rng = np.random.default_rng(0)
+    for lag in (0, 1, 7, 40):
+        store = AppendStore(codec, codec, "cpu", rows_per_token=6, min_chunk_bytes=4096, max_chunk_bytes=16384)
+        # the CUDA bookkeeping's fields, as _init_device makes them (the CPU store exact path is not used here)
+        store._mirror_np = np.zeros(4, dtype=np.int64)
+        store._issued, store._known_seq, store._known_cursor, store._bound = 0, 0, 0, 0
+        from collections import deque
+
+        store._history = deque()
+        device_cursor, done, published = 0, 0, []
+        for step in range(3000):
+            worst = int(rng.integers(1, 4)) * 768  # 1..3 tokens of 6 rows x 128 B
+            store.note_append(worst)
+            total = int(rng.integers(worst // 2, worst + 1))  # what the rows really took
+            base = place(device_cursor, total, store._chunks.caps[device_cursor >> 40])
+            c = base >> 40
+            assert c < len(store._chunks.caps), f"append {step} opened chunk {c}, which the host never allocated"
+            assert (base & ((1 << 40) - 1)) + total <= store._chunks.caps[c]
+            device_cursor = base + total
+            done += 1
+            published.append((done, device_cursor))
+            if len(published) > lag:  # the mirror shows the state of `lag` appends ago
+                seq, cur = published[-1 - lag]
+                store._mirror_np[1], store._mirror_np[0] = seq, cur
+            assert len(store._chunks.caps) - 1 <= (device_cursor >> 40) + 2
