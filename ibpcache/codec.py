@@ -263,6 +263,13 @@ class Codec:
             return size_rows(rows, self.kernel_tables(rows.device))
         return torch.from_numpy(cpu.size_rows_cpu(rows.numpy(), self.mask, self.bitval, self.chunk_bytes))
 
+    def row_lengths(self, rows_u8: np.ndarray) -> np.ndarray:
+        """CPU: int32 stored bytes of each row of ``rows_u8`` (uint8 [M, row_bytes]); ``row_bytes`` where raw.
+
+        Stores that place rows back to back need the lengths before they encode (same method on
+        :class:`~ibpcache.exponent.ExponentCodec`)."""
+        return cpu.size_rows_cpu(rows_u8, self.mask, self.bitval, self.chunk_bytes)
+
     def encode_rows_at(self, rows_u8: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
                        lengths: "np.ndarray | None" = None) -> np.ndarray:
         """CPU: store row m of ``rows_u8`` (uint8 [M, row_bytes]) at ``buf[offsets[m]:]``; return int32 lengths.

@@ -18,8 +18,10 @@ bit pattern is encodable: NaN payloads, infinities, -0.0, denormals), limited to
 can use a fixed-size table. Only the code lengths are stored (canonical codes follow from them).
 
 This module is the CPU reference (Numba) and the GPU entry points (``encode_gpu``/``decode_gpu``, kernels in
-``kernels/exponent.cu``; same bytes). The stores, caches and KV manager do not take it yet: they accept IBP
-:class:`~ibpcache.codec.Codec` only and raise a clear TypeError for this one.
+``kernels/exponent.cu``; same bytes). The packed KV append store (``cache/append_store.py``) takes it per layer and
+K/V (``row_lengths``/``encode_rows_at``/``decode_rows_at``, the interface IBP's :class:`~ibpcache.codec.Codec` has;
+on the GPU ``kernels/kv_packed.cu`` encodes on append and decodes inside the KV fetch). The feature caches and
+``CompressedRows`` accept IBP codecs only and raise a clear TypeError for this one.
 """
 
 from __future__ import annotations
@@ -292,6 +294,55 @@ class ExponentCodec:
         except ValueError as exc:
             raise FormatError(str(exc)) from None
         return torch.from_numpy(out.view(np.int16)).view(self.dtype).reshape(lens.size, *self.row_shape)
+
+    # -- the store interface (same methods as Codec's: stores place, encode and decode rows by offset) ---------
+    @property
+    def metadata_nbytes(self) -> int:
+        """Bytes of the code (its lengths) a store keeps per codec."""
+        return int(self.code_lengths.nbytes)
+
+    def same_tables(self, other: object) -> bool:
+        return (isinstance(other, ExponentCodec) and self.dtype == other.dtype and self.row_shape == other.row_shape
+                and np.array_equal(self.code_lengths, other.code_lengths))
+
+    def _u16_rows(self, rows_u8: np.ndarray) -> np.ndarray:
+        if rows_u8.ndim != 2 or rows_u8.shape[1] != self.row_bytes or rows_u8.dtype != np.uint8:
+            raise ValueError(f"rows: expected uint8 [M, {self.row_bytes}], got {rows_u8.dtype} {rows_u8.shape}")
+        return np.ascontiguousarray(rows_u8).view(np.uint16)
+
+    def row_lengths(self, rows_u8: np.ndarray) -> np.ndarray:
+        """CPU: int32 stored bytes of each row of ``rows_u8`` (uint8 [M, row_bytes]); ``row_bytes`` where raw."""
+        bits = _row_bits(self._u16_rows(rows_u8), self.code_lengths, self.eshift, self.emask, self.raw_bits)
+        return np.minimum((bits + 7) >> 3, self.row_bytes).astype(np.int32)
+
+    def encode_rows_at(self, rows_u8: np.ndarray, buf: np.ndarray, offsets: np.ndarray,
+                       lengths: "np.ndarray | None" = None) -> np.ndarray:
+        """CPU: store row m of ``rows_u8`` at ``buf[offsets[m]:]`` (exactly ``lengths[m]`` bytes); return lengths."""
+        if lengths is None:
+            lengths = self.row_lengths(rows_u8)
+        out_len = np.empty(rows_u8.shape[0], dtype=np.int32)
+        if rows_u8.shape[0]:
+            _encode(self._u16_rows(rows_u8), self.code_lengths.astype(np.int64), self._codes, self.eshift, self.emask,
+                    self.raw_bits, self.row_bytes, buf, np.ascontiguousarray(offsets, dtype=np.int64), out_len)
+            if not np.array_equal(out_len, lengths):
+                raise FormatError("encode_rows_at: the lengths passed are not this code's lengths for these rows")
+        return out_len
+
+    def decode_rows_at(self, buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out_u8: np.ndarray,
+                       out_rows: np.ndarray, compressed: "np.ndarray | None" = None) -> None:
+        """CPU: decode the row at ``buf[offsets[m]:]`` (``lengths[m]`` bytes) into ``out_u8[out_rows[m]]``.
+        ``compressed`` is implied by the lengths (accepted for the Codec signature, ignored)."""
+        n = int(np.asarray(offsets).size)
+        if n == 0:
+            return
+        tmp = np.empty((n, self.row_elems), dtype=np.uint16)
+        order, first, count, offset = self._tables
+        try:
+            _decode(buf, np.ascontiguousarray(offsets, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
+                    self.row_elems, self.eshift, self.raw_bits, self.row_bytes, order, first, count, offset, tmp)
+        except ValueError as exc:
+            raise FormatError(str(exc)) from None
+        out_u8.view(np.uint16).reshape(out_u8.shape[0], -1)[out_rows] = tmp
 
     # -- GPU ----------------------------------------------------------------------------------------
     def kernel_tables(self, device: "str | torch.device") -> "ExponentTables":

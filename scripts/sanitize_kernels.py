@@ -1,4 +1,4 @@
-"""Run every bitpack, kv_rows, kv_select and exponent kernel once on a small real case, for compute-sanitizer memcheck/racecheck.
+"""Run every bitpack, kv_packed (through the manager; scripts/sanitize_kv.py covers every codec), kv_select and exponent kernel once on a small real case, for compute-sanitizer memcheck/racecheck.
 
 `compute-sanitizer --tool memcheck python scripts/sanitize_kernels.py` (scripts/gpu_check.sh does this).
 Exits non-zero if any output is wrong, so a sanitizer-clean run is also a correct one.

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import KernelBuildError
 
 __all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy",
-           "cupy_install_hint", "check_cupy_cuda_major"]
+           "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free"]
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
@@ -178,3 +178,16 @@ def launch(source_file: str, symbol: str, device_id: int, grid: "int | tuple[int
 
     with cupy.cuda.Device(device_id):
         fn(grid_t, (block,), args, stream=stream)
+
+
+def host_alloc(nbytes: int) -> int:
+    """Page-locked host memory of exactly ``nbytes`` (``cudaHostAlloc``), readable and writable by kernels at the
+    same address (UVA). torch's pinned allocator rounds every block up to a power of two, which would hide most of
+    what a compressed store saves; the packed KV store sizes its chunks itself. Free with :func:`host_free`."""
+    cupy = import_cupy()
+    return int(cupy.cuda.runtime.hostAlloc(int(nbytes), 1))  # cudaHostAllocPortable: pinned for every device
+
+
+def host_free(ptr: int) -> None:
+    """Release memory from :func:`host_alloc` (the caller makes sure no kernel still reads or writes it)."""
+    import_cupy().cuda.runtime.freeHost(int(ptr))

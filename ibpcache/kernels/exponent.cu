@@ -98,15 +98,22 @@ extern "C" __global__ void ibp_exp_decode(const unsigned char* __restrict__ base
   }
 }
 
+// Stored bytes of one row of d elements (row_bytes when it would not shrink). Shared with kv_packed.cu.
+__device__ __forceinline__ int ibp_exp_row_bytes(const unsigned short* __restrict__ src, int d, int eshift,
+                                                 int emask, int raw_bits, int row_bytes,
+                                                 const unsigned char* __restrict__ code_len) {
+  i64 bits = (i64)d * raw_bits;
+  for (int j = 0; j < d; ++j) bits += code_len[(src[j] >> eshift) & emask];
+  const i64 bytes = (bits + 7) >> 3;
+  return bytes >= row_bytes ? row_bytes : (int)bytes;
+}
+
 // Stored length of every row (bytes; row_bytes when it would not shrink).
 extern "C" __global__ void ibp_exp_sizes(const unsigned short* __restrict__ x, i64 n, int d, int eshift, int emask,
                                          int raw_bits, int row_bytes, const unsigned char* __restrict__ code_len,
                                          int* __restrict__ lengths) {
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-    i64 bits = (i64)d * raw_bits;
-    for (int j = 0; j < d; ++j) bits += code_len[(x[i * d + j] >> eshift) & emask];
-    const i64 bytes = (bits + 7) >> 3;
-    lengths[i] = bytes >= row_bytes ? row_bytes : (int)bytes;
+    lengths[i] = ibp_exp_row_bytes(x + i * d, d, eshift, emask, raw_bits, row_bytes, code_len);
   }
 }
 
@@ -122,34 +129,43 @@ __device__ __forceinline__ void ibp_exp_put(unsigned char* __restrict__ dst, i64
   }
 }
 
+// Encode one row (d elements at src) into exactly `len` bytes at row (len from ibp_exp_row_bytes; len ==
+// row_bytes: stored raw, little-endian elements). Writes bytes in order, never reads row. Shared with kv_packed.cu.
+__device__ __forceinline__ void ibp_exp_encode_row(const unsigned short* __restrict__ src, int d, int eshift,
+                                                   int emask, int raw_bits, int row_bytes, int len,
+                                                   const unsigned char* __restrict__ code_len,
+                                                   const unsigned int* __restrict__ code_rev,
+                                                   unsigned char* __restrict__ row) {
+  if (len == row_bytes) {
+    for (int j = 0; j < d; ++j) {
+      row[2 * j] = (unsigned char)(src[j] & 0xFF);
+      row[2 * j + 1] = (unsigned char)(src[j] >> 8);
+    }
+    return;
+  }
+  const unsigned mant_mask = (1u << eshift) - 1u;
+  i64 byte = 0;
+  u64 acc = 0;
+  int fill = 0;
+  for (int j = 0; j < d; ++j) {
+    const unsigned v = src[j];
+    ibp_exp_put(row, byte, acc, fill, ((v >> 15) << eshift) | (v & mant_mask), raw_bits);
+  }
+  for (int j = 0; j < d; ++j) {
+    const unsigned e = (src[j] >> eshift) & (unsigned)emask;
+    ibp_exp_put(row, byte, acc, fill, code_rev[e], code_len[e]);  // codeword bit-reversed: MSB goes first
+  }
+  if (fill > 0) row[byte++] = (unsigned char)(acc & 0xFF);
+}
+
 // Encode row i of x (uint16 [n, d]) at dst + offsets[i]; lengths from ibp_exp_sizes.
 extern "C" __global__ void ibp_exp_encode(const unsigned short* __restrict__ x, i64 n, int d, int eshift, int emask,
                                           int raw_bits, int row_bytes, const unsigned char* __restrict__ code_len,
                                           const unsigned int* __restrict__ code_rev,
                                           const i64* __restrict__ offsets, const int* __restrict__ lengths,
                                           unsigned char* __restrict__ dst) {
-  const unsigned mant_mask = (1u << eshift) - 1u;
   for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-    unsigned char* row = dst + offsets[i];
-    const unsigned short* src = x + i * d;
-    if (lengths[i] == row_bytes) {
-      for (int j = 0; j < d; ++j) {
-        row[2 * j] = (unsigned char)(src[j] & 0xFF);
-        row[2 * j + 1] = (unsigned char)(src[j] >> 8);
-      }
-      continue;
-    }
-    i64 byte = 0;
-    u64 acc = 0;
-    int fill = 0;
-    for (int j = 0; j < d; ++j) {
-      const unsigned v = src[j];
-      ibp_exp_put(row, byte, acc, fill, ((v >> 15) << eshift) | (v & mant_mask), raw_bits);
-    }
-    for (int j = 0; j < d; ++j) {
-      const unsigned e = (src[j] >> eshift) & (unsigned)emask;
-      ibp_exp_put(row, byte, acc, fill, code_rev[e], code_len[e]);  // codeword bit-reversed: MSB goes first
-    }
-    if (fill > 0) row[byte++] = (unsigned char)(acc & 0xFF);
+    ibp_exp_encode_row(x + i * d, d, eshift, emask, raw_bits, row_bytes, lengths[i], code_len, code_rev,
+                       dst + offsets[i]);
   }
 }

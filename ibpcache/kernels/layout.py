@@ -43,3 +43,53 @@ EMPTY_KEY = -1
 
 TOMBSTONE_KEY = -2
 """Hash table key of a bucket whose id was erased: lookups probe past it, inserts may reuse it."""
+
+# ---- The packed KV append store (ibpcache/cache/append_store.py, kernels/kv_packed.cu; keep in sync) -------------
+# A stored row's position is one int64: chunk index << KVP_POS_SHIFT | byte offset inside that pinned host chunk.
+# Chunk 0 is a placeholder of capacity 0, so an empty store's cursor (0) opens chunk 1 at its first append.
+KVP_POS_SHIFT = 40
+KVP_OFF_MASK = (1 << KVP_POS_SHIFT) - 1
+
+# Codec methods a side (K or V) of the store can use.
+KVP_RAW, KVP_IBP, KVP_EXPONENT = 0, 1, 2
+
+# The store descriptor: an int64 tensor on the device the kernels read their pointers and codecs from, so that
+# growing a table rewrites descriptor entries (stream-ordered) instead of invalidating captured CUDA graphs.
+KVP_D_TABLE = 0  # int64 [max_chunks]: base address of each pinned chunk (0: not allocated)
+KVP_D_CAPS = 1  # int64 [max_chunks]: usable bytes of each chunk
+KVP_D_MAX_CHUNKS = 2
+KVP_D_POS = 3  # int64 [2, slot_cap]: position of the row of (side, slot)
+KVP_D_LEN = 4  # int32 [2, slot_cap]: stored bytes of the row of (side, slot)
+KVP_D_SLOT_CAP = 5
+KVP_D_STATE = 6  # int64 [KVP_STATE_WORDS] on the device
+KVP_D_MIRROR = 7  # int64 [KVP_MIRROR_WORDS] in pinned host memory: what the host may read without a sync
+KVP_D_SCRATCH = 8  # int64 [scratch_cap]: offsets of one append's rows relative to its base
+KVP_D_SCRATCH_CAP = 9
+KVP_D_ROW_BYTES = 10
+KVP_D_SIDE0 = 16  # the K side's codec fields; the V side's start at KVP_D_SIDE0 + KVP_D_SIDE_WORDS
+KVP_D_SIDE_WORDS = 16
+KVP_D_WORDS = KVP_D_SIDE0 + 2 * KVP_D_SIDE_WORDS
+# codec fields of one side, relative to its start
+KVP_S_METHOD, KVP_S_MASK, KVP_S_BITVAL, KVP_S_CHUNK, KVP_S_NCHUNKS = 0, 1, 2, 3, 4
+KVP_S_CODE_LEN, KVP_S_CODE_REV, KVP_S_LUT, KVP_S_MAX_BITS = 5, 6, 7, 8
+KVP_S_ESHIFT, KVP_S_EMASK, KVP_S_RAW_BITS, KVP_S_ELEMS = 9, 10, 11, 12
+
+# The device state words.
+KVP_ST_CURSOR = 0  # position where the next append starts (before the chunk rule)
+KVP_ST_SEQ = 1  # appends placed so far
+KVP_ST_BASE = 2  # position of the last append's first row
+KVP_ST_TOTAL = 3  # stored bytes of the last append
+KVP_ST_DONE = 4  # blocks of the size kernel finished (the last one places the append and resets it)
+KVP_ST_STATUS = 5  # KVP_STATUS_* bits, sticky
+KVP_ST_TOKENS = 6  # tokens stored (graph-captured steps read their token position here)
+KVP_ST_SLOT0 = 7  # first slot of the last append
+KVP_ST_T0 = 8  # first token of the last append
+KVP_STATE_WORDS = 16
+# The pinned mirror words (written by the size kernel's last block: cursor, then seq after a system fence).
+KVP_MR_CURSOR, KVP_MR_SEQ, KVP_MR_STATUS = 0, 1, 2
+KVP_MIRROR_WORDS = 4
+
+KVP_STATUS_NO_CHUNK = 1  # an append was placed in a chunk the host had not allocated (nothing written)
+KVP_STATUS_CORRUPT = 2  # a fetched exponent-coded row ran past its stored length
+
+__all__ += [name for name in list(globals()) if name.startswith("KVP_")]

@@ -142,14 +142,14 @@ def _decoder_layers(model: torch.nn.Module) -> "torch.nn.ModuleList":
 
 
 class IBPOffloadedCache(Cache):
-    """A transformers ``Cache`` whose K/V live in host memory as IBP-compressed rows.
+    """A transformers ``Cache`` whose K/V live in host memory as losslessly compressed rows (packed per append).
 
     Args:
         config: the model config (full-attention Llama-family decoders).
         mode: "dense" (lossless, all tokens) or "sparse" (InfiniGen-style selection; needs ``model``).
         model: the causal LM, for sparse mode's query speculation (hooks are removed by :meth:`close` or
             when the cache is garbage-collected).
-        compress, transfer, sample_rows, threshold, chunk_bytes, reserve_tokens, timing, count_bytes,
+        compress, codec, transfer, sample_rows, threshold, chunk_bytes, reserve_tokens, timing, count_bytes,
             defer_prompt_bytes: see :class:`KVOffloadManager`.
         alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
@@ -159,7 +159,8 @@ class IBPOffloadedCache(Cache):
                  compress: bool = True, transfer: str = "auto", alpha: float = 4.0, partial_ratio: float = 0.2,
                  max_num_kv: int = 400, sample_rows: int = 4096, threshold: "float | str" = "auto",
                  chunk_bytes: "int | str" = "auto", reserve_tokens: int = 0, prefetch: bool = True,
-                 timing: bool = False, count_bytes: bool = True, defer_prompt_bytes: "int | None" = None) -> None:
+                 timing: bool = False, count_bytes: bool = True, defer_prompt_bytes: "int | None" = None,
+                 codec: str = "auto") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
@@ -173,7 +174,7 @@ class IBPOffloadedCache(Cache):
         super().__init__(layers=[IBPOffloadedLayer(self, i) for i in range(self.num_layers)])
         self.mode = mode
         self.use_prefetch = bool(prefetch)
-        self._manager_kwargs = dict(compress=compress, transfer=transfer, sample_rows=sample_rows,
+        self._manager_kwargs = dict(compress=compress, codec=codec, transfer=transfer, sample_rows=sample_rows,
                                     threshold=threshold, chunk_bytes=chunk_bytes, reserve_tokens=reserve_tokens,
                                     timing=timing, count_bytes=count_bytes,
                                     defer_prompt_bytes=defer_prompt_bytes)

@@ -1,12 +1,15 @@
-"""KV-cache offload for LLM decoding: K/V rows kept (IBP-compressed) in host memory, fetched by the GPU.
+"""KV-cache offload for LLM decoding: K/V rows kept (losslessly compressed) in host memory, fetched by the GPU.
 
 Long-context decoding that keeps the KV cache in CPU memory is bound by PCIe (paper section 6.4). The
 manager stores every layer's K and V as rows of ``head_dim`` values, one per (token, batch, head) — the
-unit InfiniGen fetches — in fixed-size slots of pinned host memory (in-place layout: a row's address is
-its slot times ``row_bytes``, so appends need no offsets). Per request it fits one mask/bitval pair per
-layer and tensor on a sample of the prompt (no offline preprocessing), compresses on the GPU and writes
-straight into pinned memory; a fetch turns token indices into source pointers on the GPU and decodes all
-rows of K and V in one launch, with no host sync (appends likewise: one encode launch per layer and step).
+unit InfiniGen fetches — numbered by *slot* (token-major). It is a thin adapter over the engine's
+:class:`~ibpcache.cache.append_store.AppendStore`: per request it chooses one codec per layer and tensor on a
+sample of the prompt (IBP, exponent coding or raw, whichever stores the sample smallest, see
+:func:`~ibpcache.cache.planner.choose_row_codecs`), and each append's rows are encoded on the GPU and packed back
+to back in pinned host memory, so host memory and PCIe bytes shrink with the ratio. A fetch turns token indices
+into (position, length) pairs on the GPU and decodes K and V in one launch; an append is two launches. Neither
+waits for the device (a prompt-sized append waits once). A layer's decode step can be captured in a CUDA graph
+(:meth:`KVOffloadManager.capture_decode_step`).
 
 ``IBPOffloadedCache`` (a transformers 5.x ``Cache``) puts the manager under ``model.generate``; it lives in
 ``_kv_hf`` and is imported on first use, so importing this module needs no transformers.
@@ -21,19 +24,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..codec import Codec
-from ..errors import InvalidIdsError
-from ._kv_store import CpuGatherStore, NumbaHostStore, RowStore, ZeroCopyKV, identity_codec
+from ..cache.append_store import AppendStore, RowCodec
+from ..cache.planner import ROW_METHODS, RowCodecChoice, choose_row_codecs
+from ..errors import CapacityError, InvalidIdsError
+from ._kv_store import CpuGatherStore, RowStore, identity_codec
 
 if TYPE_CHECKING:
     from ._kv_hf import IBPOffloadedCache, IBPOffloadedLayer
 
-__all__ = ["KVOffloadManager", "IBPOffloadedCache", "IBPOffloadedLayer", "TRANSFERS"]
+__all__ = ["KVOffloadManager", "KVStepGraph", "IBPOffloadedCache", "IBPOffloadedLayer", "TRANSFERS"]
 
 TRANSFERS = ("zero_copy", "cpu_gather", "host")
-"""``zero_copy``: GPU reads pinned host rows through UVA and decodes them (ours). ``cpu_gather``: InfiniGen's
+"""``zero_copy``: GPU reads packed pinned host rows through UVA and decodes them (ours). ``cpu_gather``: InfiniGen's
 path, the CPU gathers the rows into a staging buffer and copies it in bulk (baseline, raw rows only).
-``host``: no CUDA; plain memory and the Numba twins (CI)."""
+``host``: no CUDA; the same packed store in plain memory with the Numba twins (CI): identical stored bytes."""
 
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -72,14 +76,15 @@ class _Pending:
 
 @dataclass
 class _LayerState:
-    """One layer: ``kv`` (zero-copy: K and V together) or ``k_store``/``v_store`` (CPU-gather and host paths)."""
+    """One layer: ``kv`` (the packed append store: zero-copy and host paths) or ``k_store``/``v_store`` (CPU-gather)."""
 
-    kv: "ZeroCopyKV | None" = None
+    kv: "AppendStore | None" = None
     k_store: "RowStore | None" = None
     v_store: "RowStore | None" = None
     prompt: "tuple[torch.Tensor, torch.Tensor] | None" = None  # kept back until flush() (see defer_prompt_bytes)
     n_tokens: int = 0
     fit_s: float = 0.0
+    choices: tuple = ()  # (K, V) RowCodecChoice of the planner
     pending: "_Pending | None" = None
     written: list = field(default_factory=list)
     # Physical layout. segments: (first token, its first slot, slots per token), one per batch size the layer
@@ -90,19 +95,23 @@ class _LayerState:
 
 
 class KVOffloadManager:
-    """Per-layer K/V of a decoder, offloaded to host memory as IBP-compressed rows.
+    """Per-layer K/V of a decoder, offloaded to host memory as losslessly compressed rows, packed per append.
 
     Args:
         num_layers, num_kv_heads, head_dim, dtype: the decoder's KV geometry (fp16, bf16 or fp32).
         batch_size: sequences decoded together; rows are kept per (token, batch, head).
         device: where attention runs ("cuda" for the GPU paths, "cpu" for the Numba path); default cuda if present.
-        compress: IBP-compress the rows (fit per layer at the first append). False stores raw rows.
+        compress: compress the rows (codecs chosen per layer and K/V at the first append). False stores raw rows.
+        codec: with ``compress``, the codec of every layer and tensor: ``"auto"`` (default: per layer and K/V,
+            whichever of IBP, exponent coding and raw stores the prompt's sample in the fewest bytes), ``"ibp"``,
+            ``"exponent"`` (bf16/fp16 only) or ``"raw"``.
         transfer: one of :data:`TRANSFERS`, or "auto" (``zero_copy`` on CUDA, ``host`` on CPU).
         sample_rows: rows of the prompt the per-layer fit looks at (the paper samples; 10% loses ~nothing).
         threshold, chunk_bytes: passed to :meth:`Codec.fit` ("auto" searches both). ``chunk_bytes="auto_once"``
             searches the chunk size on the first layer fitted (K and V separately) and reuses it for the others:
             one fit-size pass per codec instead of four (prefill fit time), same stored format.
-        reserve_tokens: host capacity to allocate up front per layer (prompt + new tokens avoids growth).
+        reserve_tokens: per-slot metadata to allocate up front per layer (prompt + new tokens avoids growth).
+        host_chunk_bytes: the largest host chunk of the packed store (chunks grow from a small size to this).
         timing: record CUDA events around every transfer, summarised by :meth:`stats` (benchmarks).
         count_bytes: keep exact PCIe byte counters (an atomic add per row in the transfer kernels; turn off
             when timing end-to-end latency).
@@ -128,6 +137,7 @@ class KVOffloadManager:
         chunk_bytes: "int | str" = "auto",
         reserve_tokens: int = 0,
         host_chunk_bytes: int = 4 << 20,
+        codec: str = "auto",
         timing: bool = False,
         count_bytes: bool = True,
         defer_prompt_bytes: "int | None" = None,
@@ -157,9 +167,14 @@ class KVOffloadManager:
                              f"'zero_copy' and 'cpu_gather' need CUDA)")
         if transfer == "cpu_gather" and compress:
             raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
+        if codec not in ROW_METHODS:
+            raise ValueError(f"codec must be one of {ROW_METHODS}, got {codec!r}")
+        if compress and codec == "exponent" and dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"codec='exponent' codes bfloat16/float16 rows, not {dtype} (use 'auto', 'ibp' or 'raw')")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.batch_size, self.dtype, self.device = batch_size, dtype, dev
         self.compress, self.transfer = bool(compress), transfer
+        self.codec_method = codec if compress else "raw"
         self.sample_rows, self.threshold, self.chunk_bytes = sample_rows, threshold, chunk_bytes
         self.reserve_tokens, self.host_chunk_bytes = int(reserve_tokens), int(host_chunk_bytes)
         self.timing = bool(timing)
@@ -223,8 +238,8 @@ class KVOffloadManager:
         """Tokens stored for ``layer``."""
         return self._state(layer).n_tokens
 
-    def codecs(self, layer: int) -> "tuple[Codec, Codec] | None":
-        """The (K, V) codecs fitted for ``layer`` (None before its first append)."""
+    def codecs(self, layer: int) -> "tuple[RowCodec, RowCodec] | None":
+        """The (K, V) codecs chosen for ``layer`` (None before its first append)."""
         st = self._state(layer)
         self._flush_pending()
         if st.kv is not None:
@@ -259,27 +274,27 @@ class KVOffloadManager:
             gen = self._generators[rows.device] = torch.Generator(device=rows.device).manual_seed(0)
         return rows[torch.randint(0, n, (self.sample_rows,), device=rows.device, generator=gen)]
 
-    def _make_codecs(self, prompts: "list[tuple[torch.Tensor, torch.Tensor]]") -> "list[tuple[Codec, Codec]]":
-        """(K, V) codecs per layer, fitted together on samples of the layers' prompts (or identities when raw)."""
+    def _make_codecs(self, prompts: "list[tuple[torch.Tensor, torch.Tensor]]") -> "list[tuple[RowCodecChoice, RowCodecChoice]]":
+        """(K, V) codec choices per layer, made together on samples of the layers' prompts (the engine's planner)."""
         if not self.compress:
-            ident = identity_codec(self.row_bytes, self.dtype, (self.head_dim,))
+            ident = RowCodecChoice(identity_codec(self.row_bytes, self.dtype, (self.head_dim,)), "raw", {})
             return [(ident, ident)] * len(prompts)
         samples = [self._fit_sample(self._rows(x)) for kv in prompts for x in kv]  # k0, v0, k1, v1, ...
-        codecs: list[Codec] = []
-        if self.chunk_bytes == "auto_once" and "k" not in self._chunk_once:  # search sizes on the first layer
-            codecs += Codec.fit_many(samples[:2], threshold=self.threshold, chunk_bytes="auto")
-            self._chunk_once.update(k=codecs[0].chunk_bytes, v=codecs[1].chunk_bytes)
+        method = self.codec_method
+        choices: list[RowCodecChoice] = []
+        if self.chunk_bytes == "auto_once" and "k" not in self._chunk_once and method in ("auto", "ibp"):
+            choices += choose_row_codecs(samples[:2], method, self.threshold, "auto")  # sizes searched on layer one
+            self._chunk_once.update(k=choices[0].ibp_chunk_bytes, v=choices[1].ibp_chunk_bytes)
         if self.chunk_bytes == "auto_once":
-            chunks: "list[int | str]" = [self._chunk_once["k"], self._chunk_once["v"]] * (len(prompts) - len(codecs) // 2)
+            once = [self._chunk_once.get("k", "auto"), self._chunk_once.get("v", "auto")]
+            chunks: "list[int | str]" = once * ((len(samples) - len(choices)) // 2)
         else:
-            chunks = [self.chunk_bytes] * (len(samples) - len(codecs))
-        codecs += Codec.fit_many(samples[len(codecs):], threshold=self.threshold, chunk_bytes=chunks)
-        return [(codecs[2 * i], codecs[2 * i + 1]) for i in range(len(prompts))]
+            chunks = [self.chunk_bytes] * (len(samples) - len(choices))
+        choices += choose_row_codecs(samples[len(choices):], method, self.threshold, chunks)
+        return [(choices[2 * i], choices[2 * i + 1]) for i in range(len(prompts))]
 
-    def _make_store(self, codec: Codec) -> RowStore:
-        if self.transfer == "cpu_gather":
-            return CpuGatherStore(codec, self.device)
-        return NumbaHostStore(codec, self.compress)
+    def _make_store(self, codec: RowCodec) -> RowStore:
+        return CpuGatherStore(codec, self.device)  # type: ignore[arg-type]
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                into: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> None:
@@ -343,13 +358,11 @@ class KVOffloadManager:
         need = slot0 + n * self.rows_per_token
         reserve = max(need, self.reserve_tokens * self.rows_per_token)
         if st.kv is not None:
-            if need > st.kv.capacity:
+            if need > st.kv.slot_cap:
                 st.kv.reserve(reserve)
-            if keys.stride(3) != 1:
-                keys = keys.contiguous()
-            if values.stride(3) != 1:
-                values = values.contiguous()
-            st.kv.write(keys, values, slot0, self._dev_written, into=into)
+            att_pos0 = 0 if into is None else into[0].shape[2] - n
+            moved = st.kv.append(keys, values, slot0, t0, into=into, att_pos0=att_pos0, written=self._dev_written)
+            self._count(moved, "write")
         else:
             for store, x in ((st.k_store, keys), (st.v_store, values)):
                 if need > store.capacity:
@@ -387,11 +400,14 @@ class KVOffloadManager:
             torch.cuda.current_stream(self.device).synchronize()
         t0 = time.perf_counter()
         codecs = self._make_codecs([(k, v) for _, k, v in items])
-        for (st, _, _), (k_codec, v_codec) in zip(items, codecs):
-            if self.transfer == "zero_copy":
-                st.kv = ZeroCopyKV(k_codec, v_codec, self.compress, self.device, self.host_chunk_bytes)
+        for (st, _, _), (k_choice, v_choice) in zip(items, codecs):
+            st.choices = (k_choice, v_choice)
+            if self.transfer == "cpu_gather":
+                st.k_store, st.v_store = self._make_store(k_choice.codec), self._make_store(v_choice.codec)
             else:
-                st.k_store, st.v_store = self._make_store(k_codec), self._make_store(v_codec)
+                st.kv = AppendStore(k_choice.codec, v_choice.codec, self.device, rows_per_token=self.rows_per_token,
+                                    max_chunk_bytes=self.host_chunk_bytes,
+                                    slots=self.reserve_tokens * self.rows_per_token)
         if cuda and self.compress:
             torch.cuda.current_stream(self.device).synchronize()
         share = (time.perf_counter() - t0) / len(items) if self.compress else 0.0
@@ -452,11 +468,11 @@ class KVOffloadManager:
         """Fill ``out`` ([B, H, k + extra, D]) with the rows of ``idx`` (None: every stored token).
 
         Runs on the current stream (the side stream when prefetching)."""
-        if st.kv is not None:  # one launch for K and V; slots and addresses are computed in the kernel
+        if st.kv is not None and st.kv.cuda:  # one launch for K and V; slots and positions looked up in the kernel
             if idx is not None and idx.dtype != torch.int64:
                 idx = idx.to(torch.int64)
-            st.kv.read(idx if idx is None or idx.is_contiguous() else idx.contiguous(),
-                       st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], self._dev_read, st.row0)
+            st.kv.fetch(idx if idx is None or idx.is_contiguous() else idx.contiguous(),
+                        st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], read=self._dev_read, row0=st.row0)
             return
         width = out[0].shape[2]
         t = st.n_tokens
@@ -477,6 +493,12 @@ class KVOffloadManager:
         else:
             slots = self._slots(st, idx)
             out_rows = self._out_rows(idx.shape[-1], width)
+        if st.kv is not None:  # the CPU twin of the packed store
+            for side, dst in enumerate(out):
+                out_u8 = dst.view(-1, self.head_dim).view(torch.uint8).numpy()
+                self._count(st.kv.read_rows(side, slots.numpy(), out_u8, None if out_rows is None else out_rows.numpy()),
+                            counter)
+            return
         for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
             out_u8 = dst.view(-1, self.head_dim).view(torch.uint8)
             self._count(store.read(slots, out_u8, out_rows), counter)
@@ -726,11 +748,24 @@ class KVOffloadManager:
         for st in self._layers_for(layer):
             st.n_tokens = min(st.n_tokens, n_tokens)
 
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def capture_decode_step(self, layer: int, max_tokens: int) -> "KVStepGraph":
+        """Capture ``layer``'s decode-step KV work in a CUDA graph: fetch every stored token, append one new token.
+
+        Replays (:meth:`KVStepGraph.replay`) need no host work beyond a little bookkeeping, which is what bounds
+        decoding of small models. The layer must hold its prompt already (the codecs are chosen there), use the
+        identity slot layout (no beam reorder / batch selection since the prompt) and ``transfer='zero_copy'``.
+        ``max_tokens``: the most tokens a replay may return (prompt + steps); the output buffers have that width.
+        """
+        return KVStepGraph(self, layer, max_tokens)
+
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Memory and traffic so far. Synchronises the device (reads GPU counters and timing events).
 
-        ``host_bytes``: host memory held; ``stored_bytes``/``raw_bytes``: KV bytes as stored / uncompressed;
+        ``host_bytes``: host memory held (packed store: its chunks, within a small slack of ``stored_bytes``);
+        ``stored_bytes``/``raw_bytes``: KV bytes as stored / uncompressed; ``codecs``: per layer the (K, V) method
+        the planner chose and the sample sizes it compared;
         ``gpu_bytes``: per-row metadata and tables on the GPU; ``pcie_read_bytes(_per_step)``: bytes the
         fetches moved host->GPU (stored bytes for compressed rows); ``fit_s``: total prefill fit time;
         ``transfer_s_per_step``: GPU time of all timed transfers divided by the decode steps (``timing=True``;
@@ -751,6 +786,8 @@ class KVOffloadManager:
             n_slots = self._slot_of_token(st, st.n_tokens)  # physical slots in use (rows beams dropped included)
             raw += 2 * st.n_tokens * self.rows_per_token * self.row_bytes
             stores = (st.kv,) if st.kv is not None else (st.k_store, st.v_store) if st.k_store is not None else ()
+            if st.kv is not None:
+                st.kv.check()  # a kernel's status word (never expected to be set) becomes an exception here
             for store in stores:
                 stored += store.stored_bytes(n_slots)
                 host += store.host_nbytes
@@ -772,24 +809,99 @@ class KVOffloadManager:
             "pcie_read_bytes_per_step": read / steps,
             "fit_s": sum(st.fit_s for st in self._layers),
             "fit_s_per_layer": [st.fit_s for st in self._layers],
+            "codecs": [tuple(c.as_dict() for c in st.choices) for st in self._layers],
             "transfer_s_total": transfer_s if self._timings else None,
             "transfer_s_per_step": transfer_s / steps if self._timings else None,
         }
 
     def reset(self) -> None:
         """Forget every stored token (codecs are refitted at the next prompt)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
         for st in self._layers:
             if st.pending is not None and st.pending.future is not None:
                 st.pending.future.result()
+        self._release_stores()  # waits for the device: side-stream prefetches may still read the chunks
         self._layers = [_LayerState() for _ in range(self.num_layers)]
         self._pending, self._pending_bytes = [], 0
         self._chunk_once.clear()
         self._reset_counters()
 
+    def _release_stores(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for st in self._layers:
+            if st.kv is not None:
+                st.kv.release()
+
     def close(self) -> None:
-        """Stop the gather thread (cpu_gather only). The manager is unusable afterwards."""
+        """Stop the gather thread (cpu_gather only) and free the host chunks. The manager is unusable afterwards."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._release_stores()
+
+
+class KVStepGraph:
+    """One layer's decode-step KV work (fetch of every stored token + append of the new one) as a CUDA graph.
+
+    Write the new token's K/V into :attr:`keys_in` / :attr:`values_in` ([B, H, 1, D]) and call :meth:`replay`: it
+    returns the attention input [B, H, T + 1, D] (views of :attr:`keys_out` / :attr:`values_out`), every earlier token
+    decoded from host memory and the new one at position T, and the new token is stored. The graph reads the token
+    count and the store's pointers from device memory, so it stays valid while the store grows; the host only moves
+    its cursor bound and adds chunks before each replay (no sync). Any other change to the layer (an eager append,
+    crop, reorder, reset) makes the next replay raise: capture again.
+    """
+
+    def __init__(self, mgr: KVOffloadManager, layer: int, max_tokens: int) -> None:
+        from ..kernels._build import get_function
+
+        st = mgr._state(layer)
+        mgr._flush_pending()
+        mgr._retire(st)
+        if mgr.transfer != "zero_copy" or st.kv is None or not st.kv.cuda:
+            raise ValueError("capture_decode_step: needs transfer='zero_copy' on CUDA and a layer that holds its prompt")
+        if st.row0 is not None or not st.segments or st.segments[-1][2] != mgr.rows_per_token:
+            raise ValueError("capture_decode_step: the layer's slots were reordered or selected (beam search); only the "
+                             "identity layout can be captured")
+        t0 = st.n_tokens
+        if not isinstance(max_tokens, int) or max_tokens < t0 + 1:
+            raise ValueError(f"max_tokens: expected an int >= {t0 + 1} (stored tokens + 1), got {max_tokens!r}")
+        self.mgr, self.layer, self.max_tokens = mgr, layer, max_tokens
+        shape = (mgr.batch_size, mgr.num_kv_heads, 1, mgr.head_dim)
+        dev = mgr.device
+        self.keys_in = torch.zeros(shape, dtype=mgr.dtype, device=dev)
+        self.values_in = torch.zeros(shape, dtype=mgr.dtype, device=dev)
+        self.keys_out = torch.zeros((*shape[:2], max_tokens, shape[3]), dtype=mgr.dtype, device=dev)
+        self.values_out = torch.zeros_like(self.keys_out)
+        store = st.kv
+        slot0 = mgr._slot_of_token(st, t0)
+        store.reserve(slot0 + mgr.rows_per_token)
+        store._scratch_room(2 * mgr.rows_per_token)
+        for symbol in ("ibp_kvp_size", "ibp_kvp_encode", "ibp_kvp_fetch"):  # no module loads while capturing
+            get_function("kv_packed.cu", symbol, dev.index)
+        torch.cuda.synchronize(dev)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            store.fetch(None, max_tokens, self.keys_out, self.values_out, read=mgr._dev_read, k_dyn=True)
+            store.launch_dynamic(self.keys_in, self.values_in, slot0, t0, into=(self.keys_out, self.values_out),
+                                 att_pos0=t0, written=mgr._dev_written)
+        self._store = store
+        self._tokens = t0  # what the layer must hold before the next replay
+
+    def replay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the captured step; returns (keys, values) [B, H, T + 1, D] views of the output buffers."""
+        mgr = self.mgr
+        st = mgr._state(self.layer)
+        mgr._flush_pending()
+        mgr._retire(st)
+        if st.kv is not self._store or st.n_tokens != self._tokens or st.row0 is not None:
+            raise RuntimeError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
+                               "or reset): capture again")
+        n = st.n_tokens
+        if n + 1 > self.max_tokens:
+            raise CapacityError(f"the captured step of layer {self.layer} holds at most {self.max_tokens} tokens")
+        self._store.prepare_dynamic(mgr.rows_per_token)
+        self.graph.replay()
+        st.n_tokens = self._tokens = n + 1
+        if self.layer == 0:
+            mgr.decode_steps += 1
+        return self.keys_out[:, :, : n + 1], self.values_out[:, :, : n + 1]

@@ -1,5 +1,8 @@
 """Experiment: do IBP's byte savings on 128-byte KV rows become fewer PCIe transfers in the manager's in-place slots?
 
+Kept for the record: it measured the fixed-slot store (ZeroCopyKV, kernels/kv_rows.cu) that the packed append store
+(ibpcache/cache/append_store.py, kernels/kv_packed.cu) replaced; rerun it at commit 616e602.
+
 The zero-copy kernels read a row's stored bytes with 16-byte loads from its fixed 128-byte slot; the GPU fetches host
 memory in 32-byte sectors, so a row stored in 97..128 bytes costs 4 sectors whether compressed or not. This times
 the KV manager's fused fetch kernel on real SmolLM2 KV rows (bf16 and fp16, K and V), reading every row (dense

@@ -1,5 +1,8 @@
 """Experiment: where does one decode step of bench_llm's paths spend its time (CPU launch work vs GPU work)?
 
+Kept for the record: it measured the fixed-slot store (ZeroCopyKV, kernels/kv_rows.cu) that the packed append store
+(ibpcache/cache/append_store.py, kernels/kv_packed.cu) replaced; rerun it at commit 616e602.
+
 For each (mode, path) of ``scripts/bench_llm.py`` it generates a few tokens under ``torch.profiler`` and reports,
 per decode step: wall time, GPU busy time (sum of kernel and memcpy durations), the number of GPU activities
 (kernels + copies), and the CPU time inside the cache's own functions (each wrapped in a ``record_function``

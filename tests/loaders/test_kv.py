@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,7 +134,8 @@ def test_deferred_prompts_store_what_immediate_fits_store(code_kv: Any, budget: 
     assert later._pending == []
     for layer in (0, 1):
         for a, b in zip(now.codecs(layer), later.codecs(layer)):
-            assert a.same_tables(b) and a.chunk_bytes == b.chunk_bytes
+            assert type(a) is type(b) and a.same_tables(b)
+            assert getattr(a, "chunk_bytes", None) == getattr(b, "chunk_bytes", None)
     got = later.fetch_all(0)
     assert_same_bits(got[0], k[:, :, :301])
     assert_same_bits(got[1], v[:, :, :301])
@@ -168,22 +170,21 @@ def test_speculated_query_is_the_layers_own_query() -> None:
 
 
 def test_kv_kernel_launchers_reject_bad_input() -> None:
-    """The fused KV launchers check what they are handed before any launch: a clear ValueError, never a bad pointer."""
-    from ibpcache.kernels.kv_rows import KvSide, kv_append, kv_fetch
+    """The packed KV launchers check what they are handed before any launch: a clear ValueError, never a bad pointer."""
+    from ibpcache.kernels.kv_packed import kvp_append, kvp_fetch
     from ibpcache.kernels.kv_select import partial_scores
 
-    table = torch.zeros(1, dtype=torch.int64)
-    side = KvSide(table, None, table, table, 8, 16)
+    desc = torch.zeros(48, dtype=torch.int64)
     k = torch.zeros(2, 3, 4, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="differ"):
-        kv_append(k, k[:, :, :3], 0, 64, side, side)
+        kvp_append(desc, k, k[:, :, :3], 0, 0)
     with pytest.raises(ValueError, match="CUDA"):
-        kv_append(k, k, 0, 64, side, side)  # host tensors: the kernel would read host pointers as device ones
+        kvp_append(desc, k, k, 0, 0)  # host tensors: the kernel would read host pointers as device ones
     out = torch.empty(2, 3, 5, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="CUDA"):
-        kv_fetch(None, 4, out, out, 64, side, side)
+        kvp_fetch(desc, None, 4, out, out)
     with pytest.raises(ValueError, match="out_k/out_v"):
-        kv_fetch(None, 6, out, out, 64, side, side)  # 6 tokens do not fit 5 positions
+        kvp_fetch(desc, None, 6, out, out)  # 6 tokens do not fit 5 positions
     q = torch.zeros(2, 9, 1, 64, dtype=torch.float16)
     dims = torch.zeros(9, 13, dtype=torch.int64)
     with pytest.raises(ValueError, match="dtype"):
@@ -259,7 +260,12 @@ def test_host_and_stored_bytes_accounting(code_kv: Any) -> None:
     mgr.fetch_all(0)
     st = mgr.stats()
     assert st["tokens"] == 100 and st["decode_steps"] == 8  # 90 + 7 single appends + one 3-token append
-    assert st["host_bytes"] >= st["raw_bytes"]  # in-place layout: a full slot per row
+    # packed layout: host memory follows the stored bytes (prompt chunk at its exact size + one partly filled
+    # decode chunk of the smallest size), not the raw size
+    kv = mgr._layers[0].kv
+    slack = kv.min_chunk + len(kv._chunks.caps) * (16 + 2 * 3 * kv.row_bytes * 6)  # free part + per-chunk tails
+    assert st["stored_bytes"] < st["host_bytes"] <= st["stored_bytes"] + slack
+    assert st["host_bytes"] < st["raw_bytes"]
     assert st["pcie_read_bytes"] == st["stored_bytes"]  # one dense fetch moves exactly the stored bytes
     assert st["fit_s"] > 0 and len(st["fit_s_per_layer"]) == 2
     mgr.reset()
@@ -517,81 +523,36 @@ def test_gpu_fetch_prefetch_roundtrip(code_kv: Any, transfer: str, compress: boo
     mgr.close()
 
 
-# The fused K+V append / fetch kernels (kernels/kv_rows.cu). Golden reference: the CPU (Numba) host store,
-# which writes the same slots with the codec's CPU encoder; the GPU must store byte-identical rows and lengths.
-
-
-def _gpu_slot_bytes(kv: Any, which: int, n_slots: int) -> torch.Tensor:
-    """Host bytes of slots [0, n_slots) of K (0) or V (1), slot-major, from the store's pinned chunks."""
-    return torch.cat(kv._chunks[which])[: n_slots * kv.row_bytes].view(n_slots, kv.row_bytes)
+# The packed store's kernels (kernels/kv_packed.cu) through the manager. Golden reference: the CPU manager, whose
+# store places and encodes the same rows with the codecs' CPU encoders; the GPU must store byte-identical rows.
+# (Store-level GPU tests: tests/cache/test_append_store.py.)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_gpu_store_bytes_equal_cpu_store(code_kv: Any, dtype: str) -> None:
+@pytest.mark.parametrize("codec", ["auto", "ibp"])
+def test_gpu_store_bytes_equal_cpu_store(code_kv: Any, dtype: str, codec: str) -> None:
     """Appends from transposed views (what attention projections hand over) store the CPU encoder's exact bytes."""
     k, v = code_kv(dtype)
     # [B, H, T, D] views of [B, T, H, D] memory, like q/k/v projections after .transpose(1, 2)
     kt, vt = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
-    host = _manager(DTYPES[dtype], "cpu")
-    gpu = _manager(DTYPES[dtype], "cuda", host_chunk_bytes=1 << 14)  # 16 KiB chunks: rows cross chunk ends
+    host = _manager(DTYPES[dtype], "cpu", codec=codec, host_chunk_bytes=1 << 15)
+    gpu = _manager(DTYPES[dtype], "cuda", codec=codec, host_chunk_bytes=1 << 15)  # small chunks: many of them
     _fill(host, k, v, prompt=300)
     _fill(gpu, kt.cuda(), vt.cuda(), prompt=300)
     torch.cuda.synchronize()
     n_slots = 400 * 6
-    kv = gpu._layers[0].kv
-    for which, store in enumerate((host._layers[0].k_store, host._layers[0].v_store)):
-        assert store.codec.same_tables(kv.codecs[which])
-        cpu_len = torch.from_numpy(store._lengths[:n_slots]).to(torch.int32)
-        gpu_len = kv._lengths[which][:n_slots].cpu()
-        assert torch.equal(cpu_len, gpu_len)
-        cpu_bytes = torch.from_numpy(store._buf[: n_slots * store.row_bytes]).view(n_slots, -1)
-        gpu_bytes = _gpu_slot_bytes(kv, which, n_slots)
-        keep = torch.arange(store.row_bytes)[None, :] < cpu_len[:, None]
-        assert torch.equal(cpu_bytes[keep], gpu_bytes[keep])
+    a, b = host._layers[0].kv, gpu._layers[0].kv
+    for x, y in zip(a.codecs, b.codecs):
+        assert type(x) is type(y) and x.same_tables(y)
+    sa, sb = a.snapshot(n_slots), b.snapshot(n_slots)
+    assert np.array_equal(sa["len"], sb["len"]) and np.array_equal(sa["pos"], sb["pos"])
+    assert np.array_equal(sa["data"], sb["data"])
     st = gpu.stats()
     assert st["pcie_write_bytes"] == st["stored_bytes"] and st["ratio"] > 1.0
+    assert st["host_bytes"] < st["raw_bytes"]
     host.close()
     gpu.close()
-
-
-@pytest.mark.gpu
-def test_gpu_mixed_chunk_sizes_and_width(code_kv: Any) -> None:
-    """K and V with different chunk sizes in one launch; rows land at [b, h, j] of wider buffers, extras untouched."""
-    from ibpcache.codec import Codec
-    from ibpcache.loaders._kv_store import ZeroCopyKV
-
-    k, v = code_kv("bf16")
-    kc, vc = k.cuda(), v.cuda()
-    rows = lambda x: x.permute(2, 0, 1, 3).reshape(-1, 64)  # noqa: E731
-    k_codec = Codec.fit(rows(k), chunk_bytes=1)
-    v_codec = Codec.fit(rows(v), chunk_bytes=4)
-    store = ZeroCopyKV(k_codec, v_codec, True, torch.device("cuda", torch.cuda.current_device()), 1 << 13)
-    store.reserve(400 * 6)
-    store.write(kc[:, :, :250], vc[:, :, :250], 0)
-    for t in range(250, 399):
-        store.write(kc[:, :, t : t + 1], vc[:, :, t : t + 1], t * 6)
-    att = torch.full((2, 3, 5, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
-    att_k, att_v = att.clone(), att.clone()
-    store.write(kc[:, :, 399:], vc[:, :, 399:], 399 * 6, into=(att_k, att_v))  # also the attention input
-    assert_same_bits(att_k[:, :, 4:], k[:, :, 399:])
-    assert_same_bits(att_v[:, :, 4:], v[:, :, 399:])
-    assert_same_bits(att_k[:, :, :4], att[:, :, :4])
-    gen = torch.Generator().manual_seed(1)
-    idx = torch.randint(0, 400, (2, 3, 97), generator=gen)
-    sentinel = torch.full((2, 3, 99, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out_k, out_v = sentinel.clone(), sentinel.clone()
-    store.read(idx.cuda(), 97, out_k, out_v)
-    assert_same_bits(out_k[:, :, :97], k.gather(2, idx[..., None].expand(-1, -1, -1, 64)))
-    assert_same_bits(out_v[:, :, :97], v.gather(2, idx[..., None].expand(-1, -1, -1, 64)))
-    assert_same_bits(out_k[:, :, 97:], sentinel[:, :, 97:])
-    dense_k = torch.empty(2, 3, 401, 64, dtype=torch.bfloat16, device="cuda")
-    dense_v = torch.empty_like(dense_k)
-    read = torch.zeros(1, dtype=torch.int64, device="cuda")
-    store.read(None, 400, dense_k, dense_v, read)
-    assert_same_bits(dense_k[:, :, :400], k)
-    assert_same_bits(dense_v[:, :, :400], v)
-    assert int(read) == store.stored_bytes(400 * 6) < 2 * k.numel() * 2
 
 
 @pytest.mark.gpu

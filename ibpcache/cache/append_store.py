@@ -1,0 +1,569 @@
+"""The engine's append-only row store: a decoder layer's K and V rows, encoded and packed back to back in host memory.
+
+Why packed: a KV row is small (128 B at head_dim 64 in bf16). Kept in a fixed slot, a row the codec shrank to
+~87 bytes still occupies its whole slot in host memory and still spans four 32-byte PCIe sectors, so compression
+saved nothing. Here every append's encoded rows are written back to back, so host memory and the bytes a fetch
+reads shrink with the codec ratio.
+
+Layout. Rows are addressed by (side, slot): side 0 is K, 1 is V; the slot of (token t, batch b, head h) is chosen by
+the caller (the KV manager numbers them token-major). Per (side, slot) the store keeps a *position* (int64: chunk
+index << 40 | byte offset, see ``kernels/layout.py``) and a stored length (int32), on the device on CUDA. Bytes live
+in host chunks (page-locked on CUDA, allocated at their exact size). An append of m rows per side stores its 2m rows
+in the order K0 V0 K1 V1 ... as ONE contiguous run that never straddles chunks: it goes at the cursor if it fits
+what is left of the cursor's chunk, otherwise at offset 0 of the next chunk (:func:`place`). Rewriting slots after
+a crop rewinds the cursor to the position of the first rewritten K row (everything after it is dead).
+
+Chunk sizes depend only on the chunk's index and on the append that opens it (:func:`chunk_capacity`), so the CPU
+path and the GPU path allocate the same chunks and put every row at the same position: the stored bytes are
+identical, which the tests check.
+
+No host sync per decode step (CUDA). Two launches per append (``kernels/kv_packed.cu``): lengths, whose last block
+scans them and places the append on the device, then the encode. The host never learns where an append went until
+later; it keeps an upper bound of the cursor instead: every append issued moves the bound by its worst case (all
+rows raw), and the size kernel writes the real cursor and an append sequence number to a pinned mirror that the
+host reads without a sync (it can only lag, which keeps the bound conservative). A chunk is allocated when the
+bound says the next append might open it, after re-reading the mirror; so the host holds at most about one chunk
+more than the rows need. An append whose worst case exceeds the smallest chunk (a prompt) instead waits once for
+its lengths and allocates the chunk it needs at its exact size: host memory then tracks the stored bytes closely.
+
+Both backends hold their bytes in numpy views of the chunks, so inspecting a store (:meth:`AppendStore.snapshot`)
+is the same code on both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections import deque
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from ..codec import Codec
+from ..errors import CapacityError, FormatError
+from ..exponent import ExponentCodec
+from ..kernels import layout as L
+
+__all__ = ["AppendStore", "RowCodec", "place", "chunk_capacity", "codec_method", "MIN_CHUNK_BYTES"]
+
+RowCodec = Union[Codec, ExponentCodec]
+
+MIN_CHUNK_BYTES = 16 << 10
+"""Floor of the smallest chunk; the real minimum also holds 8 tokens' worst case (see :class:`AppendStore`)."""
+
+_PAD = 16
+"""Spare bytes after each chunk: the IBP decoder reads whole aligned 16-byte blocks."""
+
+_SHIFT = L.KVP_POS_SHIFT
+_OFF = L.KVP_OFF_MASK
+
+
+def _pow2ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def codec_method(codec: RowCodec) -> int:
+    """The kernels' method code for ``codec``: raw (an IBP codec with an empty mask), IBP or exponent."""
+    if isinstance(codec, ExponentCodec):
+        return L.KVP_EXPONENT
+    if isinstance(codec, Codec):
+        return L.KVP_IBP if bool(np.any(codec.mask)) else L.KVP_RAW
+    raise TypeError(f"codec: expected an ibpcache Codec or ExponentCodec, got {type(codec).__name__}")
+
+
+def chunk_capacity(index: int, min_bytes: int, max_bytes: int, total: int = 0) -> int:
+    """Usable bytes of chunk ``index`` when an append of ``total`` bytes opens it.
+
+    Chunk 0 is a placeholder (capacity 0). From chunk 1 on, sizes double every 4 chunks from ``min_bytes`` up to
+    ``max_bytes`` (the last chunk, partly filled, stays a small share of what is held), and a chunk is never smaller
+    than the append that opens it (rounded up to 16 bytes)."""
+    if index <= 0:
+        return 0
+    base = min(max_bytes, min_bytes << min(40, (index - 1) // 4))
+    return max(base, -(-int(total) // 16) * 16)
+
+
+def place(cursor: int, total: int, cap_of_chunk: int) -> int:
+    """Position of an append of ``total`` bytes made at ``cursor`` (the host twin of ``ibp_kvp_size``'s rule): at the
+    cursor if it fits its chunk's capacity ``cap_of_chunk``, else at offset 0 of the next chunk."""
+    c, off = cursor >> _SHIFT, cursor & _OFF
+    if off + total > cap_of_chunk:
+        return (c + 1) << _SHIFT
+    return cursor
+
+
+class _Chunks:
+    """Host chunks: numpy views for the host side, page-locked (CUDA) so kernels read and write them in place."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.caps: list[int] = [0]
+        self.arrays: "list[np.ndarray | None]" = [None]
+        self.ptrs: list[int] = [0]  # cudaHostAlloc pointers still to free (pinned only)
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.caps)
+
+    def allocate(self, cap: int) -> tuple[int, np.ndarray]:
+        """A new chunk of ``cap`` usable bytes (+ padding); returns (address, view)."""
+        n = cap + _PAD
+        if self.pinned:
+            from ..kernels._build import host_alloc
+
+            ptr = host_alloc(n)
+            arr = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
+        else:
+            arr = np.zeros(n, dtype=np.uint8)
+            ptr = arr.ctypes.data
+        self.nbytes += n
+        return ptr, arr
+
+    def set(self, index: int, cap: int) -> int:
+        """Give chunk ``index`` (the next one, or an existing one being replaced) a new allocation; its address.
+
+        A replaced chunk holds nothing live (the caller made sure, after a sync); its memory is freed now."""
+        ptr, arr = self.allocate(cap)
+        if index == len(self.caps):
+            self.caps.append(cap)
+            self.arrays.append(arr)
+            self.ptrs.append(ptr if self.pinned else 0)
+            return ptr
+        self.nbytes -= self.caps[index] + _PAD
+        if self.pinned:
+            from ..kernels._build import host_free
+
+            host_free(self.ptrs[index])
+            self.ptrs[index] = ptr
+        self.caps[index] = cap
+        self.arrays[index] = arr
+        return ptr
+
+
+def _free_pinned(ptrs: list[int]) -> None:
+    """Free the chunks of a store that is gone (its owner synchronised; see :meth:`AppendStore.release`)."""
+    from ..kernels._build import host_free
+
+    for p in ptrs:
+        if p:
+            try:
+                host_free(p)
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
+    ptrs.clear()
+
+
+class AppendStore:
+    """One decoder layer's K and V rows, appended by slot, packed back to back in host chunks.
+
+    Args:
+        k_codec, v_codec: how each side is stored: an IBP :class:`~ibpcache.codec.Codec` (``Codec.raw`` for raw rows)
+            or an :class:`~ibpcache.exponent.ExponentCodec`; both sides have rows of the same size.
+        device: "cpu" (Numba encoders, plain memory) or a CUDA device (kernels, page-locked memory).
+        rows_per_token: rows per side one token adds (batch x KV heads) when the store is created: sizes the
+            smallest chunk so that a decode step never needs a sync.
+        min_chunk_bytes, max_chunk_bytes: chunk size range (powers of two; defaults: 16 KiB or 8 tokens' worst
+            case, whichever is larger, and 4 MiB).
+        slots: slot capacity to allocate up front.
+    """
+
+    def __init__(self, k_codec: RowCodec, v_codec: RowCodec, device: "str | torch.device", *, rows_per_token: int,
+                 min_chunk_bytes: "int | None" = None, max_chunk_bytes: int = 4 << 20, slots: int = 0) -> None:
+        self.methods = (codec_method(k_codec), codec_method(v_codec))
+        if k_codec.row_bytes != v_codec.row_bytes:
+            raise ValueError(f"K and V rows differ in size: {k_codec.row_bytes} vs {v_codec.row_bytes}")
+        if not isinstance(rows_per_token, int) or rows_per_token < 1:
+            raise ValueError(f"rows_per_token: expected a positive int, got {rows_per_token!r}")
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.codecs = (k_codec, v_codec)
+        self.device = dev
+        self.cuda = dev.type == "cuda"
+        self.row_bytes = int(k_codec.row_bytes)
+        worst8 = 2 * 8 * rows_per_token * self.row_bytes
+        self.min_chunk = _pow2ceil(max(MIN_CHUNK_BYTES, worst8) if min_chunk_bytes is None else min_chunk_bytes)
+        self.max_chunk = max(self.min_chunk, _pow2ceil(max_chunk_bytes))
+        self._chunks = _Chunks(self.cuda)
+        self.slot_cap = 0
+        self.high_water = 0  # slots ever written: rewriting below it rewinds the cursor
+        self.cursor = 0  # CPU: exact; CUDA: see _bound
+        if self.cuda:
+            self._init_device()
+            self._finalizer = weakref.finalize(self, _free_pinned, self._chunks.ptrs)
+        else:
+            self._pos = np.zeros((2, 0), dtype=np.int64)
+            self._len = np.zeros((2, 0), dtype=np.int32)
+        self.reserve(max(int(slots), rows_per_token))
+
+    # -- CUDA bookkeeping --------------------------------------------------------------------------------------
+    def _init_device(self) -> None:
+        dev = self.device
+        self._desc_host = np.zeros(L.KVP_D_WORDS, dtype=np.int64)
+        self._state = torch.zeros(L.KVP_STATE_WORDS, dtype=torch.int64, device=dev)
+        self._mirror = torch.zeros(L.KVP_MIRROR_WORDS, dtype=torch.int64, pin_memory=True)
+        self._mirror_np = self._mirror.numpy()
+        self._max_chunks = 64
+        self._table = torch.zeros(self._max_chunks, dtype=torch.int64, device=dev)
+        self._caps = torch.zeros(self._max_chunks, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros((2, 0), dtype=torch.int64, device=dev)
+        self._len = torch.zeros((2, 0), dtype=torch.int32, device=dev)
+        self._scratch = torch.zeros(0, dtype=torch.int64, device=dev)
+        self._tables: list[Any] = []  # device tables of the codecs, kept alive with the descriptor
+        d = self._desc_host
+        d[L.KVP_D_TABLE] = self._table.data_ptr()
+        d[L.KVP_D_CAPS] = self._caps.data_ptr()
+        d[L.KVP_D_MAX_CHUNKS] = self._max_chunks
+        d[L.KVP_D_STATE] = self._state.data_ptr()
+        d[L.KVP_D_MIRROR] = self._mirror.data_ptr()
+        d[L.KVP_D_ROW_BYTES] = self.row_bytes
+        for side, codec in enumerate(self.codecs):
+            self._side_fields(d[L.KVP_D_SIDE0 + side * L.KVP_D_SIDE_WORDS:][: L.KVP_D_SIDE_WORDS], codec,
+                              self.methods[side])
+        self._desc = torch.from_numpy(d.copy()).to(dev)  # one upload at creation (a prompt's sync)
+        # cursor bound (see module docstring): appends issued, the last mirror reading, the worst cases since
+        self._issued = 0
+        self._known_seq = 0
+        self._known_cursor = 0
+        self._history: deque[int] = deque()  # worst case of each append issued after _known_seq, in order
+        self._bound = 0
+
+    def _side_fields(self, f: np.ndarray, codec: RowCodec, method: int) -> None:
+        f[L.KVP_S_METHOD] = method
+        if method == L.KVP_IBP:
+            tab = codec.kernel_tables(self.device)  # type: ignore[union-attr]
+            self._tables.append(tab)
+            f[L.KVP_S_MASK], f[L.KVP_S_BITVAL] = tab.mask.data_ptr(), tab.bitval.data_ptr()
+            f[L.KVP_S_CHUNK], f[L.KVP_S_NCHUNKS] = tab.chunk_bytes, tab.n_chunks
+        elif method == L.KVP_EXPONENT:
+            tab = codec.kernel_tables(self.device)  # type: ignore[union-attr]
+            self._tables.append(tab)
+            f[L.KVP_S_CODE_LEN], f[L.KVP_S_CODE_REV], f[L.KVP_S_LUT] = (
+                tab.code_len.data_ptr(), tab.code_rev.data_ptr(), tab.lut.data_ptr())
+            f[L.KVP_S_MAX_BITS], f[L.KVP_S_ESHIFT], f[L.KVP_S_EMASK] = tab.max_bits, tab.eshift, tab.emask
+            f[L.KVP_S_RAW_BITS], f[L.KVP_S_ELEMS] = tab.raw_bits, tab.row_elems
+
+    def _set_desc(self, word: int, value: int) -> None:
+        """Rewrite one descriptor word, ordered on the current stream (a fill kernel: no sync, graphs stay valid)."""
+        self._desc_host[word] = value
+        self._desc[word].fill_(int(value))
+
+    def _cap_at(self, c: int) -> int:
+        """Capacity of chunk ``c`` as the bound assumes it: allocated ones as they are, later ones their minimum."""
+        return self._chunks.caps[c] if c < len(self._chunks) else chunk_capacity(c, self.min_chunk, self.max_chunk)
+
+    def _bound_after(self, cursor: int, worst: int) -> int:
+        return place(cursor, worst, self._cap_at(cursor >> _SHIFT)) + worst
+
+    def _refresh(self) -> None:
+        """Read the pinned mirror (no sync): sequence number first, so the cursor read after is at least as new."""
+        seq = int(self._mirror_np[L.KVP_MR_SEQ])
+        cur = int(self._mirror_np[L.KVP_MR_CURSOR])
+        if seq <= self._known_seq:
+            return
+        for _ in range(min(seq - self._known_seq, len(self._history))):
+            self._history.popleft()
+        self._known_seq, self._known_cursor = seq, cur
+        bound = cur
+        for worst in self._history:
+            bound = self._bound_after(bound, worst)
+        self._bound = bound
+
+    def _table_room(self, n_chunks: int) -> None:
+        """Grow the device chunk tables to hold ``n_chunks`` entries (copy, then point the descriptor at them)."""
+        if n_chunks <= self._max_chunks:
+            return
+        size = max(n_chunks, 2 * self._max_chunks)
+        for name, word in (("_table", L.KVP_D_TABLE), ("_caps", L.KVP_D_CAPS)):
+            old = getattr(self, name)
+            new = torch.zeros(size, dtype=torch.int64, device=self.device)
+            new[: old.numel()].copy_(old)
+            setattr(self, name, new)
+            self._set_desc(word, new.data_ptr())
+        self._max_chunks = size
+        self._set_desc(L.KVP_D_MAX_CHUNKS, size)
+
+    def _open_chunk(self, c: int, total: int) -> None:
+        """Make chunk ``c`` exist with room for an append of ``total`` bytes (both backends; see chunk_capacity).
+
+        Only called where chunk ``c`` holds nothing live: it is new, or the cursor just left it behind."""
+        chunks = self._chunks
+        while len(chunks) < c:  # chunks the cursor skipped can only be ones the bound allocated already
+            self._alloc_chunk(len(chunks), 0)
+        if c < len(chunks) and chunks.caps[c] >= total:
+            return
+        self._alloc_chunk(c, total)
+
+    def _alloc_chunk(self, c: int, total: int) -> None:
+        cap = chunk_capacity(c, self.min_chunk, self.max_chunk, total)
+        ptr = self._chunks.set(c, cap)
+        if self.cuda:
+            self._table_room(c + 1)
+            self._table[c].fill_(ptr)
+            self._caps[c].fill_(cap)
+
+    def _chunks_for_bound(self, cursor: int) -> None:
+        """Allocate every chunk up to the one that holds position ``cursor`` (the bound), at its minimum size."""
+        while len(self._chunks) <= cursor >> _SHIFT:
+            self._alloc_chunk(len(self._chunks), 0)
+
+    # -- capacity ------------------------------------------------------------------------------------------------
+    def reserve(self, n_slots: int) -> None:
+        """Make sure slots ``[0, n_slots)`` can be written (per-slot positions and lengths; bytes are per append)."""
+        if n_slots <= self.slot_cap:
+            return
+        cap = max(int(n_slots), 2 * self.slot_cap)
+        if self.cuda:
+            pos = torch.zeros((2, cap), dtype=torch.int64, device=self.device)
+            lens = torch.zeros((2, cap), dtype=torch.int32, device=self.device)
+            pos[:, : self.slot_cap].copy_(self._pos)
+            lens[:, : self.slot_cap].copy_(self._len)
+            self._pos, self._len = pos, lens
+            self._set_desc(L.KVP_D_POS, pos.data_ptr())
+            self._set_desc(L.KVP_D_LEN, lens.data_ptr())
+            self._set_desc(L.KVP_D_SLOT_CAP, cap)
+        else:
+            pos = np.zeros((2, cap), dtype=np.int64)
+            lens = np.zeros((2, cap), dtype=np.int32)
+            pos[:, : self.slot_cap] = self._pos
+            lens[:, : self.slot_cap] = self._len
+            self._pos, self._len = pos, lens
+        self.slot_cap = cap
+
+    def _scratch_room(self, n: int) -> None:
+        if n > self._scratch.numel():
+            self._scratch = torch.zeros(max(n, 2 * self._scratch.numel()), dtype=torch.int64, device=self.device)
+            self._set_desc(L.KVP_D_SCRATCH, self._scratch.data_ptr())
+            self._set_desc(L.KVP_D_SCRATCH_CAP, self._scratch.numel())
+
+    def live_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Device tensors a fetch reads that growth may replace: a reader on another stream keeps them alive."""
+        if not self.cuda:
+            return ()
+        return (self._desc, self._pos, self._len, self._table, self._caps, self._state)
+
+    # -- append ----------------------------------------------------------------------------------------------------
+    def _check_append(self, keys: torch.Tensor, values: torch.Tensor, slot0: int) -> int:
+        if keys.shape != values.shape or keys.dim() != 4 or keys.dtype != values.dtype:
+            raise ValueError(f"keys/values: expected two [B, H, n, D] tensors of one shape and dtype, got "
+                             f"{tuple(keys.shape)} {keys.dtype} and {tuple(values.shape)} {values.dtype}")
+        if keys.dtype != self.codecs[0].dtype or keys.shape[3] * keys.element_size() != self.row_bytes:
+            raise ValueError(f"keys/values: expected {self.codecs[0].dtype} rows of {self.row_bytes} bytes, got "
+                             f"{keys.dtype} rows of {keys.shape[3] * keys.element_size()} bytes")
+        if keys.device != self.device or values.device != self.device:
+            raise ValueError(f"keys/values: expected tensors on {self.device}, got {keys.device}")
+        m = keys.shape[0] * keys.shape[1] * keys.shape[2]
+        if slot0 < 0 or slot0 > self.high_water:
+            raise CapacityError(f"append at slot {slot0}: slots must be written in order (next free: "
+                                f"{self.high_water})")
+        if slot0 + m > self.slot_cap:
+            raise CapacityError(f"append of slots [{slot0}, {slot0 + m}) past capacity {self.slot_cap}; reserve first")
+        return m
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int = 0, *,
+               into: "tuple[torch.Tensor, torch.Tensor] | None" = None, att_pos0: int = 0,
+               written: "torch.Tensor | None" = None) -> int:
+        """Store [B, H, n, D] keys/values as slots ``slot0 + t * B * H + b * H + h`` (t < n) of K and V.
+
+        ``t0`` is the first token's index (the device keeps the token count for graph replays, see
+        :meth:`launch_dynamic`). ``into``/``att_pos0``: attention buffers that also get the
+        rows (CUDA: in the same launch). ``written`` (CUDA, int64 [1]): += stored bytes. Returns the stored bytes on
+        the CPU (0 on CUDA: counted on the device). No host sync on CUDA unless the worst case of the append exceeds
+        the smallest chunk (a prompt): then one, to allocate its chunk at the exact size.
+        """
+        m = self._check_append(keys, values, slot0)
+        if m == 0:
+            return 0
+        rewind = slot0 < self.high_water
+        self.high_water = slot0 + m
+        if not self.cuda:
+            return self._append_cpu(keys, values, slot0, rewind, into, att_pos0)
+        self._append_cuda(keys, values, slot0, t0, rewind, into, att_pos0, written)
+        return 0
+
+    def _append_cpu(self, keys: torch.Tensor, values: torch.Tensor, slot0: int, rewind: bool,
+                    into: "tuple[torch.Tensor, torch.Tensor] | None", att_pos0: int) -> int:
+        rows = [x.permute(2, 0, 1, 3).reshape(-1, x.shape[3]).contiguous().view(torch.uint8).numpy()
+                for x in (keys, values)]
+        m = rows[0].shape[0]
+        lens = [codec.row_lengths(r) for codec, r in zip(self.codecs, rows)]
+        inter = np.empty(2 * m, dtype=np.int64)
+        inter[0::2], inter[1::2] = lens[0], lens[1]
+        rel = np.zeros(2 * m, dtype=np.int64)
+        np.cumsum(inter[:-1], out=rel[1:])
+        total = int(inter.sum())
+        cursor = int(self._pos[0, slot0]) if rewind else self.cursor
+        c = cursor >> _SHIFT
+        cap = self._chunks.caps[c] if c < len(self._chunks) else 0
+        base = place(cursor, total, cap)
+        self._open_chunk(base >> _SHIFT, total)
+        buf = self._chunks.arrays[base >> _SHIFT]
+        for side in (0, 1):
+            offs = (base & _OFF) + rel[side::2]
+            self.codecs[side].encode_rows_at(rows[side], buf, offs, lens[side])
+            self._pos[side, slot0 : slot0 + m] = base + rel[side::2]
+            self._len[side, slot0 : slot0 + m] = lens[side]
+        self.cursor = base + total
+        if into is not None:
+            n = keys.shape[2]
+            into[0][:, :, att_pos0 : att_pos0 + n].copy_(keys)
+            into[1][:, :, att_pos0 : att_pos0 + n].copy_(values)
+        return total
+
+    def _append_cuda(self, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int, rewind: bool,
+                     into: "tuple[torch.Tensor, torch.Tensor] | None", att_pos0: int,
+                     written: "torch.Tensor | None") -> None:
+        from ..kernels.kv_packed import kvp_append
+
+        m = keys.shape[0] * keys.shape[1] * keys.shape[2]
+        worst = 2 * m * self.row_bytes
+        self._scratch_room(2 * m)
+        if keys.stride(3) != 1:
+            keys = keys.contiguous()
+        if values.stride(3) != 1:
+            values = values.contiguous()
+        if worst <= self.min_chunk:
+            self.note_append(worst)
+            kvp_append(self._desc, keys, values, slot0, t0, rewind=rewind, written=written, into=into,
+                       att_pos0=att_pos0)
+            return
+        # A prompt-sized append: place it, wait for its total, give it a chunk of its own size, then encode.
+        kvp_append(self._desc, keys, values, slot0, t0, rewind=rewind, written=written, into=into,
+                   att_pos0=att_pos0, before_encode=self._after_sync_place)
+
+    def _after_sync_place(self) -> None:
+        """Between the two launches of a prompt-sized append: read where it went (one sync), open its chunk."""
+        st = self._state[: L.KVP_ST_TOTAL + 1].cpu()
+        base, total = int(st[L.KVP_ST_BASE]), int(st[L.KVP_ST_TOTAL])
+        self._open_chunk(base >> _SHIFT, total)
+        self._issued += 1
+        self._known_seq, self._known_cursor = self._issued, base + total
+        self._history.clear()
+        self._bound = base + total
+
+    def note_append(self, worst: int) -> None:
+        """Host bookkeeping of one small append about to be enqueued (or replayed from a graph): move the cursor
+        bound by its worst case and make sure every chunk it might open exists. Never waits for the device."""
+        bound = self._bound_after(self._bound, worst)
+        if bound >> _SHIFT >= len(self._chunks):  # it might open a chunk: first see how far the device really is
+            self._refresh()
+            bound = self._bound_after(self._bound, worst)
+        self._chunks_for_bound(bound - 1)
+        self._bound = bound
+        self._issued += 1
+        self._history.append(worst)
+
+    # -- read ----------------------------------------------------------------------------------------------------
+    def fetch(self, idx: "torch.Tensor | None", k: int, out_k: torch.Tensor, out_v: torch.Tensor, *,
+              read: "torch.Tensor | None" = None, row0: "torch.Tensor | None" = None, k_dyn: bool = False) -> None:
+        """CUDA: decode tokens into [B, H, >= k, D] buffers (see ``kernels.kv_packed.kvp_fetch``); one launch."""
+        from ..kernels.kv_packed import kvp_fetch
+
+        if not self.cuda:
+            raise RuntimeError("AppendStore.fetch is the CUDA path; on the CPU use read_rows")
+        kvp_fetch(self._desc, idx, k, out_k, out_v, k_dyn=k_dyn, read=read, row0=row0, heads=out_k.shape[1])
+
+    def read_rows(self, side: int, slots: np.ndarray, out_u8: np.ndarray, out_rows: "np.ndarray | None") -> int:
+        """CPU: decode the rows of ``slots`` of ``side`` into ``out_u8[out_rows]`` (or in order); the bytes read."""
+        if self.cuda:
+            raise RuntimeError("AppendStore.read_rows is the CPU path; on CUDA use fetch")
+        m = slots.size
+        if m == 0:
+            return 0
+        pos = self._pos[side][slots]
+        lens = self._len[side][slots]
+        rows = np.arange(m, dtype=np.int64) if out_rows is None else out_rows
+        chunk = pos >> _SHIFT
+        codec = self.codecs[side]
+        for c in np.unique(chunk):
+            sel = chunk == c
+            codec.decode_rows_at(self._chunks.arrays[int(c)], pos[sel] & _OFF, lens[sel], out_u8, rows[sel])
+        return int(lens.sum(dtype=np.int64))
+
+    # -- graphs ----------------------------------------------------------------------------------------------------
+    def launch_dynamic(self, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int, *,
+                       into: "tuple[torch.Tensor, torch.Tensor] | None" = None, att_pos0: int = 0,
+                       written: "torch.Tensor | None" = None) -> None:
+        """CUDA, for capture in a graph: enqueue an append of one decode step whose first token is the device's token
+        count (slots ``slot0 + (T - t0) * B * H + ...``, attention position ``att_pos0 + T - t0``). No bookkeeping
+        here: call :meth:`prepare_dynamic` before every run (replay) of what was captured."""
+        from ..kernels.kv_packed import kvp_append
+
+        m = self._check_append(keys, values, slot0) if slot0 <= self.high_water else -1
+        if m < 0 or 2 * m * self.row_bytes > self.min_chunk:
+            raise ValueError(f"a captured append must be a decode step starting at the next free slot "
+                             f"({self.high_water}) whose worst case fits the smallest chunk ({self.min_chunk} bytes)")
+        self._scratch_room(2 * m)
+        kvp_append(self._desc, keys, values, slot0, t0, dyn=True, written=written, into=into, att_pos0=att_pos0)
+
+    def prepare_dynamic(self, slots_per_step: int) -> None:
+        """Before each run of a captured decode step: room for its slots and chunks (host only, never waits)."""
+        self.reserve(self.high_water + slots_per_step)
+        self.note_append(2 * slots_per_step * self.row_bytes)
+        self.high_water += slots_per_step
+
+    # -- reporting ------------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if a kernel reported a problem (reads the pinned mirror and, on CUDA, the device state: syncs)."""
+        if not self.cuda:
+            return
+        status = int(self._state[L.KVP_ST_STATUS].item()) | int(self._mirror_np[L.KVP_MR_STATUS])
+        if status & L.KVP_STATUS_NO_CHUNK:
+            raise CapacityError("packed KV store: an append was placed in a chunk the host had not allocated "
+                                "(host headroom bookkeeping is wrong; nothing was written)")
+        if status & L.KVP_STATUS_CORRUPT:
+            raise FormatError("packed KV store: an exponent-coded row ran past its stored length")
+
+    def lengths(self, n_slots: int) -> np.ndarray:
+        """int32 [2, n_slots]: stored bytes per (side, slot) (synchronises on CUDA)."""
+        lens = self._len[:, :n_slots]
+        return lens.cpu().numpy() if self.cuda else lens.copy()
+
+    def positions(self, n_slots: int) -> np.ndarray:
+        """int64 [2, n_slots]: position per (side, slot) (synchronises on CUDA)."""
+        pos = self._pos[:, :n_slots]
+        return pos.cpu().numpy() if self.cuda else pos.copy()
+
+    def stored_bytes(self, n_slots: int) -> int:
+        """K plus V bytes that slots ``[0, n_slots)`` occupy (synchronises on CUDA)."""
+        if self.cuda:
+            return int(self._len[:, :n_slots].sum(dtype=torch.int64))
+        return int(self._len[:, :n_slots].sum(dtype=np.int64))
+
+    def snapshot(self, n_slots: int) -> dict:
+        """What the store holds for slots ``[0, n_slots)``, identical on both backends for the same appends:
+        positions, lengths and every row's stored bytes (K then V per slot, in slot order). Synchronises."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        pos, lens = self.positions(n_slots), self.lengths(n_slots)
+        parts = []
+        for s in range(n_slots):
+            for side in (0, 1):
+                p, n = int(pos[side, s]), int(lens[side, s])
+                arr = self._chunks.arrays[p >> _SHIFT]
+                parts.append(arr[(p & _OFF) : (p & _OFF) + n])
+        data = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+        return {"pos": pos, "len": lens, "data": data.copy(), "caps": list(self._chunks.caps)}
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host memory the chunks hold (capacity + padding; exact allocations)."""
+        return self._chunks.nbytes
+
+    @property
+    def device_nbytes(self) -> int:
+        """GPU bytes of metadata: per-slot positions and lengths, chunk tables, descriptor, codec tables."""
+        if not self.cuda:
+            return 0
+        total = self.slot_cap * 2 * (8 + 4) + 2 * self._max_chunks * 8 + self._scratch.numel() * 8
+        return total + sum(c.metadata_nbytes for c in self.codecs if codec_method(c) != L.KVP_RAW)
+
+    def release(self) -> None:
+        """Free the host chunks now (CUDA: after the device finished with them). The store is unusable after."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self._finalizer()
+        self._chunks = _Chunks(self.cuda)

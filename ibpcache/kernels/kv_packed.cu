@@ -1,0 +1,456 @@
+// requires: bitpack.cu exponent.cu
+// The packed KV append store (ibpcache/cache/append_store.py): a decoder layer's K and V rows encoded on the GPU
+// and written BACK TO BACK into pinned host chunks, so host memory and PCIe sectors shrink with the codec ratio.
+//
+// An append of n tokens (rows i in [0, m), m = n * BH, row i = token i / BH, (b, h) = i % BH, slot = slot0 + i)
+// stores 2m rows in the order K0 V0 K1 V1 ... (entry e = 2 i + side): the rows of later slots always follow, so a
+// crop can rewind the cursor to the position of its first dropped K row. Two launches, no host sync:
+//   ibp_kvp_size   stored length of every row (-> len[side][slot]); the LAST block to finish (a ticket counter in
+//                  the state) scans the lengths into scratch offsets, places the whole append (chunk rule below),
+//                  advances the device cursor and writes cursor + sequence number to a pinned mirror word pair
+//                  (the host reads it without a sync to learn how much headroom is really left);
+//   ibp_kvp_encode encodes every row at base + its offset (-> pos[side][slot]).
+// Chunk rule (the host's twin is append_store.place): if the append's total does not fit what is left of the
+// cursor's chunk, it starts at offset 0 of the next chunk. Chunk 0 has capacity 0, so the first append opens chunk 1.
+// A row never straddles chunks. ibp_kvp_fetch reads rows by (side, slot) -> (pos, len) and decodes them in one launch.
+//
+// Everything a kernel needs about the store comes from the descriptor D (int64, device; layout in
+// kernels/layout.py KVP_D_*, keep in sync): growing a table rewrites D, so a captured CUDA graph stays valid.
+// Per side the codec is raw (copy), IBP (warp per row) or exponent coding (lane per row, staged in shared memory
+// so that host memory is read and written with coalesced accesses). No kernel traps: problems set status bits.
+
+#define KVP_POS_SHIFT 40
+#define KVP_OFF_MASK ((1ll << KVP_POS_SHIFT) - 1)
+#define KVP_RAW 0
+#define KVP_IBP 1
+#define KVP_EXPONENT 2
+#define KVP_D_TABLE 0
+#define KVP_D_CAPS 1
+#define KVP_D_MAX_CHUNKS 2
+#define KVP_D_POS 3
+#define KVP_D_LEN 4
+#define KVP_D_SLOT_CAP 5
+#define KVP_D_STATE 6
+#define KVP_D_MIRROR 7
+#define KVP_D_SCRATCH 8
+#define KVP_D_SCRATCH_CAP 9
+#define KVP_D_ROW_BYTES 10
+#define KVP_D_SIDE0 16
+#define KVP_D_SIDE_WORDS 16
+#define KVP_S_METHOD 0
+#define KVP_S_MASK 1
+#define KVP_S_BITVAL 2
+#define KVP_S_CHUNK 3
+#define KVP_S_NCHUNKS 4
+#define KVP_S_CODE_LEN 5
+#define KVP_S_CODE_REV 6
+#define KVP_S_LUT 7
+#define KVP_S_MAX_BITS 8
+#define KVP_S_ESHIFT 9
+#define KVP_S_EMASK 10
+#define KVP_S_RAW_BITS 11
+#define KVP_S_ELEMS 12
+#define KVP_ST_CURSOR 0
+#define KVP_ST_SEQ 1
+#define KVP_ST_BASE 2
+#define KVP_ST_TOTAL 3
+#define KVP_ST_DONE 4
+#define KVP_ST_STATUS 5
+#define KVP_ST_TOKENS 6
+#define KVP_ST_SLOT0 7
+#define KVP_ST_T0 8
+#define KVP_MR_CURSOR 0
+#define KVP_MR_SEQ 1
+#define KVP_MR_STATUS 2
+#define KVP_STATUS_NO_CHUNK 1
+#define KVP_STATUS_CORRUPT 2
+
+#define KVP_WARPS 4                       // warps per block of every kernel here
+#define KVP_STAGE_ROW IBP_EXP_MAX_ROW     // exponent rows up to this many bytes are staged in shared memory
+#define KVP_STAGE_STRIDE IBP_EXP_STRIDE
+#define KVP_STAGE_VEC ((32 * KVP_STAGE_STRIDE + 15) / 16)  // >= IBP_RING_VEC: the IBP ring fits in the same space
+
+// One side's codec, as read from the descriptor.
+struct KvpSide {
+    int method;
+    const u64* mask;
+    const u64* bitval;
+    int c;
+    int nchunks;
+    const unsigned char* code_len;
+    const unsigned int* code_rev;
+    const int* lut;
+    int max_bits, eshift, emask, raw_bits, elems;
+};
+
+__device__ __forceinline__ KvpSide kvp_side(const long long* __restrict__ D, int side) {
+    const long long* s = D + KVP_D_SIDE0 + side * KVP_D_SIDE_WORDS;
+    KvpSide r;
+    r.method = (int)s[KVP_S_METHOD];
+    r.mask = reinterpret_cast<const u64*>(s[KVP_S_MASK]);
+    r.bitval = reinterpret_cast<const u64*>(s[KVP_S_BITVAL]);
+    r.c = (int)s[KVP_S_CHUNK];
+    r.nchunks = (int)s[KVP_S_NCHUNKS];
+    r.code_len = reinterpret_cast<const unsigned char*>(s[KVP_S_CODE_LEN]);
+    r.code_rev = reinterpret_cast<const unsigned int*>(s[KVP_S_CODE_REV]);
+    r.lut = reinterpret_cast<const int*>(s[KVP_S_LUT]);
+    r.max_bits = (int)s[KVP_S_MAX_BITS];
+    r.eshift = (int)s[KVP_S_ESHIFT];
+    r.emask = (int)s[KVP_S_EMASK];
+    r.raw_bits = (int)s[KVP_S_RAW_BITS];
+    r.elems = (int)s[KVP_S_ELEMS];
+    return r;
+}
+
+// Stored bytes of one IBP row, computed by the calling warp (all lanes get it).
+__device__ __forceinline__ int kvp_ibp_row_bytes(const KvpSide& s, const unsigned char* row, int row_bytes,
+                                                 int lane) {
+    long long bits;
+    switch (s.c) {
+        case 1: bits = ibp_row_bits<1>(row, row_bytes, s.nchunks, s.mask, s.bitval, lane); break;
+        case 2: bits = ibp_row_bits<2>(row, row_bytes, s.nchunks, s.mask, s.bitval, lane); break;
+        case 4: bits = ibp_row_bits<4>(row, row_bytes, s.nchunks, s.mask, s.bitval, lane); break;
+        default: bits = ibp_row_bits<8>(row, row_bytes, s.nchunks, s.mask, s.bitval, lane); break;
+    }
+    long long nbytes = (bits + 7) / 8;
+    return nbytes < row_bytes ? (int)nbytes : row_bytes;
+}
+
+// Copy n bytes with the warp (4-byte words when both ends and n allow it).
+__device__ __forceinline__ void kvp_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                         int n, int lane) {
+    if (((n | (int)(reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst))) & 3) ==
+        0) {
+        const u32* s = reinterpret_cast<const u32*>(src);
+        u32* d = reinterpret_cast<u32*>(dst);
+        for (int w = lane; w < (n >> 2); w += 32) d[w] = s[w];
+    } else {
+        for (int b = lane; b < n; b += 32) dst[b] = src[b];
+    }
+    __syncwarp();
+}
+
+// Source row i of an append: the [B, H, n, D] tensor `src` with byte strides (sb, sh, st).
+__device__ __forceinline__ const unsigned char* kvp_src_row(const unsigned char* src, long long sb, long long sh,
+                                                            long long st, long long i, int bh_count, int heads) {
+    long long t = i / bh_count;
+    int bh = (int)(i - t * bh_count);
+    int b = bh / heads, h = bh - b * heads;
+    return src + b * sb + h * sh + t * st;
+}
+
+// The append's first slot and first token: given (slot0, t0), or, with dyn, t0 = the tokens the device state says
+// are stored and slot0 moved by as many tokens (a graph captured at token t0 replays at later tokens).
+__device__ __forceinline__ void kvp_where(const long long* state, int dyn, long long slot0, long long t0,
+                                         int bh_count, long long& slot0_eff, long long& t0_eff) {
+    if (dyn) {
+        t0_eff = state[KVP_ST_TOKENS];
+        slot0_eff = slot0 + (t0_eff - t0) * bh_count;
+    } else {
+        t0_eff = t0;
+        slot0_eff = slot0;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Append, launch 1: lengths, then (last block) offsets and placement.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
+    ibp_kvp_size(const long long* __restrict__ D, const unsigned char* k_src, const unsigned char* v_src,
+                 long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,
+                 long long n_tokens, int heads, int bh_count, long long slot0_arg, long long t0_arg, int dyn,
+                 int rewind) {
+    __shared__ long long part[32 * KVP_WARPS];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31;
+    const int row_bytes = (int)D[KVP_D_ROW_BYTES];
+    const long long slot_cap = D[KVP_D_SLOT_CAP];
+    int* len_all = reinterpret_cast<int*>(D[KVP_D_LEN]);
+    long long* state = reinterpret_cast<long long*>(D[KVP_D_STATE]);
+    long long slot0, t0;
+    kvp_where(state, dyn, slot0_arg, t0_arg, bh_count, slot0, t0);
+    const long long m = n_tokens * bh_count;
+    const long long groups = (m + 31) >> 5;
+    const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long q = warp; q < 2 * groups; q += nwarps) {
+        const int side = (int)(q & 1);
+        const long long i0 = (q >> 1) << 5;
+        const KvpSide s = kvp_side(D, side);
+        const unsigned char* src = side ? v_src : k_src;
+        const long long sb = side ? v_sb : k_sb, sh = side ? v_sh : k_sh, st = side ? v_st : k_st;
+        int* len = len_all + side * slot_cap + slot0;
+        if (s.method == KVP_EXPONENT) {
+            const long long i = i0 + lane;
+            if (i < m) {
+                const unsigned short* row = reinterpret_cast<const unsigned short*>(
+                    kvp_src_row(src, sb, sh, st, i, bh_count, heads));
+                len[i] = ibp_exp_row_bytes(row, s.elems, s.eshift, s.emask, s.raw_bits, row_bytes, s.code_len);
+            }
+        } else {
+            for (int r = 0; r < 32 && i0 + r < m; ++r) {
+                const long long i = i0 + r;
+                int L = row_bytes;
+                if (s.method == KVP_IBP)
+                    L = kvp_ibp_row_bytes(s, kvp_src_row(src, sb, sh, st, i, bh_count, heads), row_bytes, lane);
+                if (lane == 0) len[i] = L;
+            }
+        }
+    }
+    // The last block to finish places the append (the threadFenceReduction pattern: no block ever waits).
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long ticket = atomicAdd(reinterpret_cast<unsigned long long*>(state + KVP_ST_DONE), 1ull);
+        is_last = ticket == (unsigned long long)(gridDim.x - 1);
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // Exclusive scan of the 2m lengths in entry order (e = 2 i + side) into scratch.
+    long long* scratch = reinterpret_cast<long long*>(D[KVP_D_SCRATCH]);
+    const long long n2 = 2 * m;
+    const long long per = (n2 + blockDim.x - 1) / blockDim.x;
+    const long long e0 = per * threadIdx.x;
+    const long long e1 = e0 + per < n2 ? e0 + per : n2;
+    long long sum = 0;
+    for (long long e = e0; e < e1; ++e) sum += __ldcg(len_all + (e & 1) * slot_cap + slot0 + (e >> 1));
+    part[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long run = 0;
+        for (int t = 0; t < (int)blockDim.x; ++t) {
+            long long v = part[t];
+            part[t] = run;
+            run += v;
+        }
+        // placement (append_store.place is the host twin)
+        const long long total = run;
+        long long cur = rewind ? __ldcg(reinterpret_cast<const long long*>(D[KVP_D_POS]) + slot0)
+                               : state[KVP_ST_CURSOR];
+        long long c = cur >> KVP_POS_SHIFT, off = cur & KVP_OFF_MASK;
+        const long long* caps = reinterpret_cast<const long long*>(D[KVP_D_CAPS]);
+        const long long cap = c < D[KVP_D_MAX_CHUNKS] ? caps[c] : 0;
+        if (off + total > cap) {
+            c += 1;
+            off = 0;
+        }
+        const long long base = (c << KVP_POS_SHIFT) | off;
+        state[KVP_ST_BASE] = base;
+        state[KVP_ST_TOTAL] = total;
+        state[KVP_ST_CURSOR] = base + total;
+        state[KVP_ST_SEQ] += 1;
+        state[KVP_ST_SLOT0] = slot0;
+        state[KVP_ST_T0] = t0;
+        state[KVP_ST_TOKENS] = t0 + n_tokens;
+        state[KVP_ST_DONE] = 0;
+        volatile long long* mirror = reinterpret_cast<volatile long long*>(D[KVP_D_MIRROR]);
+        mirror[KVP_MR_STATUS] = state[KVP_ST_STATUS];
+        mirror[KVP_MR_CURSOR] = base + total;
+        __threadfence_system();  // the host reads seq first: the cursor it then reads is at least as new
+        mirror[KVP_MR_SEQ] = state[KVP_ST_SEQ];
+    }
+    __syncthreads();
+    long long run = part[threadIdx.x];
+    for (long long e = e0; e < e1; ++e) {
+        scratch[e] = run;
+        run += __ldcg(len_all + (e & 1) * slot_cap + slot0 + (e >> 1));
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Append, launch 2: encode every row at its position. att_k / att_v (nullable): contiguous [B, H, att_width, D]
+// attention buffers that also get the raw rows, token t of the append at att_pos0 + t (moved with the token
+// position when dyn, like the slots).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
+    ibp_kvp_encode(const long long* __restrict__ D, const unsigned char* k_src, const unsigned char* v_src,
+                   long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,
+                   long long n_tokens, int heads, int bh_count, long long t0_arg, int dyn,
+                   unsigned long long* written, unsigned char* k_att, unsigned char* v_att, long long att_width,
+                   long long att_pos0) {
+    __shared__ uint4 smem[KVP_WARPS][KVP_STAGE_VEC];
+    __shared__ u32 encbuf[KVP_WARPS][IBP_ENC_WORDS];
+    const int lane = threadIdx.x & 31;
+    const int wib = threadIdx.x >> 5;
+    unsigned char* stage = reinterpret_cast<unsigned char*>(smem[wib]);
+    const int row_bytes = (int)D[KVP_D_ROW_BYTES];
+    const long long slot_cap = D[KVP_D_SLOT_CAP];
+    int* len_all = reinterpret_cast<int*>(D[KVP_D_LEN]);
+    long long* pos_all = reinterpret_cast<long long*>(D[KVP_D_POS]);
+    long long* state = reinterpret_cast<long long*>(D[KVP_D_STATE]);
+    const long long* scratch = reinterpret_cast<const long long*>(D[KVP_D_SCRATCH]);
+    const long long slot0 = state[KVP_ST_SLOT0];
+    const long long t0 = state[KVP_ST_T0];
+    const long long base = state[KVP_ST_BASE];
+    const long long c = base >> KVP_POS_SHIFT;
+    const long long* table = reinterpret_cast<const long long*>(D[KVP_D_TABLE]);
+    const long long chunk = c < D[KVP_D_MAX_CHUNKS] ? table[c] : 0;
+    if (chunk == 0) {  // the host keeps a chunk ahead of the cursor; never seen unless that bookkeeping is wrong
+        if (threadIdx.x == 0) {
+            atomicOr(reinterpret_cast<unsigned long long*>(state + KVP_ST_STATUS), (unsigned long long)KVP_STATUS_NO_CHUNK);
+            reinterpret_cast<volatile long long*>(D[KVP_D_MIRROR])[KVP_MR_STATUS] = KVP_STATUS_NO_CHUNK;
+        }
+        return;
+    }
+    unsigned char* dst0 = reinterpret_cast<unsigned char*>(chunk) + (base & KVP_OFF_MASK);
+    const long long att_shift = att_pos0 + (dyn ? t0 - t0_arg : 0);
+    const long long m = n_tokens * bh_count;
+    const long long groups = (m + 31) >> 5;
+    const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long q = warp; q < 2 * groups; q += nwarps) {
+        const int side = (int)(q & 1);
+        const long long i0 = (q >> 1) << 5;
+        const KvpSide s = kvp_side(D, side);
+        const unsigned char* src = side ? v_src : k_src;
+        const long long sb = side ? v_sb : k_sb, sh = side ? v_sh : k_sh, st = side ? v_st : k_st;
+        const int* len = len_all + side * slot_cap + slot0;
+        long long* pos = pos_all + side * slot_cap + slot0;
+        if (s.method == KVP_EXPONENT) {
+            const long long i = i0 + lane;
+            const bool mine = i < m;
+            const int L = mine ? len[i] : 0;
+            const long long rel = mine ? scratch[2 * i + side] : 0;
+            if (mine) {
+                pos[i] = base + rel;
+                const unsigned short* row = reinterpret_cast<const unsigned short*>(
+                    kvp_src_row(src, sb, sh, st, i, bh_count, heads));
+                unsigned char* out = row_bytes <= KVP_STAGE_ROW ? stage + lane * KVP_STAGE_STRIDE : dst0 + rel;
+                ibp_exp_encode_row(row, s.elems, s.eshift, s.emask, s.raw_bits, row_bytes, L, s.code_len, s.code_rev,
+                                   out);
+                if (written != nullptr) atomicAdd(written, (unsigned long long)L);
+            }
+            __syncwarp();
+            if (row_bytes <= KVP_STAGE_ROW) {  // coalesced write-out of the staged rows
+                for (int r = 0; r < 32; ++r) {
+                    const int Lr = __shfl_sync(IBP_FULL, L, r);
+                    const long long relr = __shfl_sync(IBP_FULL, rel, r);
+                    unsigned char* d = dst0 + relr;
+                    for (int b = lane; b < Lr; b += 32) d[b] = stage[r * KVP_STAGE_STRIDE + b];
+                }
+                __syncwarp();
+            }
+        } else {
+            for (int r = 0; r < 32 && i0 + r < m; ++r) {
+                const long long i = i0 + r;
+                const long long rel = scratch[2 * i + side];
+                const unsigned char* row = kvp_src_row(src, sb, sh, st, i, bh_count, heads);
+                unsigned char* dst = dst0 + rel;
+                int L = row_bytes;
+                if (s.method == KVP_IBP)
+                    L = ibp_encode_row_any(s.c, row, dst, row_bytes, s.nchunks, s.mask, s.bitval, encbuf[wib], lane);
+                else
+                    kvp_copy(row, dst, row_bytes, lane);
+                if (lane == 0) {
+                    pos[i] = base + rel;
+                    if (written != nullptr) atomicAdd(written, (unsigned long long)L);
+                }
+            }
+        }
+        unsigned char* att = side ? v_att : k_att;
+        if (att != nullptr) {
+            for (int r = 0; r < 32 && i0 + r < m; ++r) {
+                const long long i = i0 + r;
+                const long long t = i / bh_count;
+                const int bh = (int)(i - t * bh_count);
+                kvp_copy(kvp_src_row(src, sb, sh, st, i, bh_count, heads),
+                         att + (bh * att_width + att_shift + t) * (long long)row_bytes, row_bytes, lane);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fetch: for r = bh * k + j in [0, BH * k), token t = idx[r] (idx null: t = j) is decoded into row bh * width + j
+// of k_out / v_out ([B, H, width, D] buffers). k_dyn: k = the tokens the device state says are stored (a captured
+// graph fetches every token of a later step; idx must be null then). row0 (nullable, int64 [>= T, B]): slot of
+// (t, b, head 0) after beam reorders / batch selections (else slot t * BH + bh). Indices are trusted (checked by the
+// caller). read_bytes (nullable): += stored bytes read.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
+    ibp_kvp_fetch(const long long* __restrict__ D, const long long* idx, long long k_arg, int k_dyn, int bh_count,
+                  long long width, unsigned char* k_out, unsigned char* v_out, unsigned long long* read_bytes,
+                  const long long* row0, int heads) {
+    __shared__ uint4 smem[KVP_WARPS][KVP_STAGE_VEC];
+    const int lane = threadIdx.x & 31;
+    const int wib = threadIdx.x >> 5;
+    uint4* ring = smem[wib];
+    unsigned char* stage = reinterpret_cast<unsigned char*>(smem[wib]);
+    const int row_bytes = (int)D[KVP_D_ROW_BYTES];
+    const long long slot_cap = D[KVP_D_SLOT_CAP];
+    const int* len_all = reinterpret_cast<const int*>(D[KVP_D_LEN]);
+    const long long* pos_all = reinterpret_cast<const long long*>(D[KVP_D_POS]);
+    const long long* table = reinterpret_cast<const long long*>(D[KVP_D_TABLE]);
+    long long* state = reinterpret_cast<long long*>(D[KVP_D_STATE]);
+    const long long k = k_dyn ? state[KVP_ST_TOKENS] : k_arg;
+    const long long m = k * bh_count;
+    const long long groups = (m + 31) >> 5;
+    const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long q = warp; q < 2 * groups; q += nwarps) {
+        const int side = (int)(q & 1);
+        const long long r0 = (q >> 1) << 5;
+        const KvpSide s = kvp_side(D, side);
+        const int* len = len_all + side * slot_cap;
+        const long long* pos = pos_all + side * slot_cap;
+        unsigned char* out = side ? v_out : k_out;
+        // this lane's row: where it is stored and where it goes
+        const long long r = r0 + lane;
+        const bool mine = r < m;
+        int L = 0;
+        const unsigned char* src = nullptr;
+        unsigned char* dst = nullptr;
+        if (mine) {
+            const long long bh = r / k;
+            const long long j = r - bh * k;
+            const long long t = idx != nullptr ? idx[r] : j;
+            long long slot;
+            if (row0 != nullptr) {
+                const long long b = bh / heads;
+                slot = row0[t * (bh_count / heads) + b] + (bh - b * heads);
+            } else {
+                slot = t * bh_count + bh;
+            }
+            const long long p = pos[slot];
+            L = len[slot];
+            src = reinterpret_cast<const unsigned char*>(table[p >> KVP_POS_SHIFT]) + (p & KVP_OFF_MASK);
+            dst = out + (bh * width + j) * (long long)row_bytes;
+            if (read_bytes != nullptr) atomicAdd(read_bytes, (unsigned long long)L);
+        }
+        if (s.method == KVP_EXPONENT) {
+            const bool staged = row_bytes <= KVP_STAGE_ROW;
+            if (staged) {  // coalesced reads of the 32 rows' stored bytes into shared memory
+                for (int rr = 0; rr < 32; ++rr) {
+                    const int Lr = __shfl_sync(IBP_FULL, L, rr);
+                    const unsigned char* sr = reinterpret_cast<const unsigned char*>(
+                        __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(src), rr));
+                    for (int b = lane; b < Lr; b += 32) stage[rr * KVP_STAGE_STRIDE + b] = sr[b];
+                }
+                __syncwarp();
+            }
+            if (mine) {
+                const unsigned char* from = staged ? stage + lane * KVP_STAGE_STRIDE : src;
+                if (!ibp_exp_decode_row(from, L, s.elems, s.eshift, s.raw_bits, row_bytes, s.lut, s.max_bits,
+                                        reinterpret_cast<unsigned short*>(dst)))
+                    atomicOr(reinterpret_cast<unsigned long long*>(state + KVP_ST_STATUS),
+                             (unsigned long long)KVP_STATUS_CORRUPT);
+            }
+            __syncwarp();
+        } else {
+            for (int rr = 0; rr < 32 && r0 + rr < m; ++rr) {
+                const int Lr = __shfl_sync(IBP_FULL, L, rr);
+                const unsigned char* sr = reinterpret_cast<const unsigned char*>(
+                    __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(src), rr));
+                unsigned char* dr = reinterpret_cast<unsigned char*>(
+                    __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), rr));
+                if (s.method == KVP_IBP) {
+                    const bool comp = Lr < row_bytes;
+                    ibp_decode_row_any(s.c, sr, Lr, comp, dr, row_bytes, s.nchunks, s.mask, s.bitval, ring, lane);
+                } else {
+                    kvp_copy(sr, dr, row_bytes, lane);
+                }
+            }
+        }
+    }
+}
