@@ -6,10 +6,12 @@ uniform random ids handed over ON THE CPU, as DGL's and PyG's samplers do. Metho
 
 * ``torch_gather``  - no cache: ``index_select`` from the pinned table into pinned staging, one bulk copy (the code a
   user writes; the raw baseline for small rows);
-* ``raw_zero_copy`` / ``raw_cpu_gather`` - our cache over raw host rows, each transfer path forced;
+* ``raw_zero_copy`` / ``raw_cpu_gather`` / ``raw_host_gather`` - our cache over raw host rows, each transfer path
+  forced (``host_gather`` serves every id by torch's row gather + one copy: ``torch_gather`` inside the cache);
 * ``ibp_zero_copy`` / ``ibp_cpu_gather`` - our cache over IBP-compressed host rows, each path forced;
-* ``ibpcache`` - the defaults with the planners on: ``compress_host="auto"`` (compressed vs raw, timed) and
-  ``transfer="auto"`` (zero-copy vs cpu-gather, timed on the store); ``chosen`` records what they picked.
+* ``ibpcache`` - the defaults with the planners on: ``compress_host="auto"`` (compressed vs raw zero-copy, and
+  the CPU's raw gather, timed on a sample) and ``transfer="auto"`` (zero-copy vs cpu-gather, plus host-gather for
+  raw rows, timed on the store); ``chosen`` records what they picked.
 
 Wall clock per fetch from the call to the rows being on the GPU (host work included, since the ids start on the
 CPU), synchronised after each, medians over ``--iters`` after ``--warmup``; every method's output is verified
@@ -36,7 +38,7 @@ from ibpcache import datasets  # noqa: E402
 from ibpcache.cache.feature_cache import FeatureCache  # noqa: E402
 from ibpcache.testing import add_out_argument, cpu_time, format_table, write_results  # noqa: E402
 
-RAW = ["torch_gather", "raw_zero_copy", "raw_cpu_gather"]
+RAW = ["torch_gather", "raw_zero_copy", "raw_cpu_gather", "raw_host_gather"]
 METHODS = RAW + ["ibp_zero_copy", "ibp_cpu_gather", "ibpcache"]
 
 

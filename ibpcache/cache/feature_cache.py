@@ -107,8 +107,12 @@ class FeatureCache:
         transfer: how a static CUDA cache reads misses when ``fetch`` gets ids on the CPU (as DGL's and PyG's
             samplers hand them over): ``"zero_copy"`` (the ids are copied over and one lookup launch reads misses
             from pinned host memory), ``"cpu_gather"`` (the CPU packs the misses' stored bytes and every id's
-            decode descriptor into one pinned buffer: one copy, one decode launch, no device sync), or ``"auto"``
-            (the planner times both on this store at construction; ``stats()["transfer"]``). Ids already on the GPU
+            decode descriptor into one pinned buffer: one copy, one decode launch, no device sync),
+            ``"host_gather"`` (raw host rows only, sensibly: the CPU gathers every id's row, cached or not, with
+            torch's row gather into pinned staging, one copy: the raw baseline, which small rows from a large table
+            may not beat otherwise), or ``"auto"`` (the planner times them on this store at construction, host work
+            included; with ``compress_host="auto"`` the layout planner weighs the CPU's raw gather against compressed
+            zero-copy reads too; ``stats()["transfer"]`` and ``stats()["host_layout"]``). Ids already on the GPU
             always take the zero-copy lookup; dynamic policies always read zero-copy.
     """
 
@@ -169,7 +173,7 @@ class FeatureCache:
         self._source = None  # the fused lookup's view of index + slab + host store (built on first use)
         if self.device.type == "cuda":  # uploaded now: a fetch never pays (or syncs) for it
             self._tables = self._decode_codec.kernel_tables(self.device)
-        self.path_counts = {"zero_copy": 0, "cpu_gather": 0, "probe_decode": 0, "cpu": 0}  # fetches per path
+        self.path_counts = {"zero_copy": 0, "cpu_gather": 0, "host_gather": 0, "probe_decode": 0, "cpu": 0}
 
     # ------------------------------------------------------------------------------------------------
     # construction
@@ -206,7 +210,8 @@ class FeatureCache:
             return {"compress": True, "reason": "CompressedRows given: kept compressed"}
         from .planner import calibrate_layout
 
-        choice = calibrate_layout(rows, self.codec, self.device)
+        # static CUDA caches may take ids on the CPU: the CPU's own gather of raw rows is a candidate there too
+        choice = calibrate_layout(rows, self.codec, self.device, host_paths=self.policy_kind is PolicyKind.STATIC)
         self.compress_host = choice.compress
         return choice.as_dict()
 
@@ -357,10 +362,11 @@ class FeatureCache:
 
     @property
     def _host_gathers_enabled(self) -> bool:
-        """A static CUDA cache whose host store reads through the cpu-gather path."""
+        """A static CUDA cache whose host store reads through a host-side path (cpu_gather or host_gather)."""
         from .host_store import Transfer
 
-        return self.device.type == "cuda" and not self.dynamic and self.host.transfer is Transfer.CPU_GATHER
+        return (self.device.type == "cuda" and not self.dynamic
+                and self.host.transfer in (Transfer.CPU_GATHER, Transfer.HOST_GATHER))
 
     def _host_gathers(self, ids: object) -> bool:
         """Take the cpu-gather path? Static CUDA caches whose planner chose it, for ids handed over on the CPU."""
@@ -382,7 +388,8 @@ class FeatureCache:
         return self._hits_host
 
     def _fetch_cpu_gather(self, ids: torch.Tensor, out: "torch.Tensor | None") -> torch.Tensor:
-        """Static CUDA cache, ids on the CPU: the host store stages every id's decode descriptor (slab address of a
+        """Static CUDA cache, ids on the CPU. ``host_gather`` (raw rows, chosen where it measured fastest): every id
+        is gathered by the CPU from host memory, cache or not, and copied once. ``cpu_gather``: the host store stages every id's decode descriptor (slab address of a
         hit, staged address of a miss), the misses' STORED bytes and the fetch's counters in one pinned buffer; one
         copy and one decode launch follow. Ids are range-checked on the CPU; nothing waits for the GPU."""
         from ..kernels.bitpack import decode_descriptors
@@ -394,6 +401,16 @@ class FeatureCache:
         if b == 0:
             return out
         out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
+        from .host_store import Transfer
+
+        if self.host.transfer is Transfer.HOST_GATHER:  # every id from host memory: the CPU's gather + one copy
+            with self._order.exclusive():
+                t0 = self.stats_.start()
+                self.host.read_into(ids, out_u8)
+                self.stats_.add_cpu(b, 0, b * self.row_bytes, 0)
+                self.path_counts["host_gather"] += 1
+                self.stats_.stop(t0, b)
+            return out
         with self._order.exclusive():
             t0 = self.stats_.start()
             st = self.host.stage(ids.numpy(), self._hit_table())

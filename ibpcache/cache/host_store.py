@@ -18,7 +18,9 @@ Transfer paths (:class:`Transfer`) for :meth:`HostStore.read_into`, i.e. how row
 * ``cpu_gather``: the CPU packs the rows' *stored* (compressed) bytes into pinned staging, which crosses PCIe in
   one bulk copy and is decoded on the GPU; wins where random small reads from a large pinned table are bound by
   I/O address translation rather than bandwidth (<= 128 B rows);
-* ``host_gather``: the CPU decodes into pinned staging, one bulk copy (Colossal-AI's style; for comparison).
+* ``host_gather``: the CPU gathers raw rows (torch's multithreaded row gather) or decodes compressed ones into
+  pinned staging, one bulk copy: for raw rows this is the code a user would write, the raw baseline a small-row
+  table may not beat any other way (Colossal-AI's style for compressed ones).
 
 On CUDA the authoritative per-row lengths live on the GPU (the encode/decode kernels read and write them without a
 host round trip; rows are written back by a GPU encode whatever the read path); :meth:`sync_host` refreshes the CPU
@@ -371,15 +373,14 @@ class HostStore:
             self.bytes_read += lens.sum(dtype=torch.int64)
         elif self.transfer is Transfer.CPU_GATHER:
             self._gather_cpu_decode_gpu(ids, out_u8, out_rows)
-        else:  # host decode: CPU decodes into pinned staging, one H2D copy
+        else:  # host gather: the CPU gathers (raw) or decodes (compressed) into pinned staging, one H2D copy
             idx = ids.cpu()
             staging = torch.empty((idx.numel(), self.row_bytes), dtype=torch.uint8, pin_memory=True)
             self._decode_cpu(idx, staging, None)
-            rows = staging.to(self.device, non_blocking=True)
-            if out_rows is None:
-                out_u8[: idx.numel()].copy_(rows)
+            if out_rows is None:  # straight into the caller's rows
+                out_u8[: idx.numel()].copy_(staging, non_blocking=True)
             else:
-                out_u8.index_copy_(0, out_rows, rows)
+                out_u8.index_copy_(0, out_rows, staging.to(self.device, non_blocking=True))
 
     def _gather_cpu_decode_gpu(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
         """``cpu_gather`` read: stage the rows (:meth:`stage`), ONE decode launch from device memory."""
@@ -430,16 +431,17 @@ class HostStore:
 
     def _decode_cpu(self, idx: torch.Tensor, out: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
         """Rows ``idx`` into ``out[out_rows]`` (``out[0..M)`` when None) on the host, multithreaded."""
-        ids_np = idx.numpy()
-        offs, lens, comp = self.cpu_descriptors(ids_np)
-        self.bytes_read += int(lens.sum(dtype=np.int64))
-        if not self.compress and self.offsets_cpu is None:
+        if self.lengths_cpu is None:  # raw rows: torch's multithreaded row gather, no descriptors
+            self.bytes_read += idx.numel() * self.row_bytes
             rows2d = self.data.view(self.n_rows, self.row_bytes)
             if out_rows is None:
                 torch.index_select(rows2d, 0, idx, out=out[: idx.numel()])
             else:
                 out.index_copy_(0, out_rows, rows2d.index_select(0, idx))
             return
+        ids_np = idx.numpy()
+        offs, lens, comp = self.cpu_descriptors(ids_np)
+        self.bytes_read += int(lens.sum(dtype=np.int64))
         rows = np.arange(ids_np.shape[0], dtype=np.int64) if out_rows is None else out_rows.numpy()
         self.codec.decode_rows_at(self.data.numpy(), offs, lens, out.numpy(), rows, compressed=comp)
 

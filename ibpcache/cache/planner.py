@@ -16,7 +16,7 @@ only thing compression changes).
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 
 from ..codec import Codec
 
-__all__ = ["LayoutChoice", "decide_layout", "calibrate_layout", "TransferChoice", "decide_transfer",
+__all__ = ["LayoutChoice", "decide_layout", "prefer_host_gather", "calibrate_layout", "TransferChoice", "decide_transfer",
            "calibrate_transfer", "PathPlanner", "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN"]
 
 CALIBRATION_BYTES = 32 << 20
@@ -48,9 +48,25 @@ class LayoutChoice:
     compressed_ms: Optional[float] = None
     raw_ms: Optional[float] = None
     batch: int = 0
+    host_gather_ms: Optional[float] = None  # raw rows gathered by the CPU + one copy (wall clock, ids on the CPU)
+    compressed_wall_ms: Optional[float] = None  # compressed zero-copy, wall clock with the ids' copy
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def prefer_host_gather(choice: LayoutChoice, host_gather_ms: Optional[float], compressed_wall_ms: Optional[float],
+                       margin: float = MARGIN) -> LayoutChoice:
+    """For caches fed ids on the CPU: keep raw rows when the CPU's own gather + one copy beat compressed zero-copy
+    reads (small rows from a large table: random reads are bound by address translation, not by bytes), so the
+    transfer planner can pick that path. A raw choice stands as it is."""
+    if not choice.compress or host_gather_ms is None or compressed_wall_ms is None:
+        return replace(choice, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms)
+    if host_gather_ms <= compressed_wall_ms * (1.0 - margin):
+        return replace(choice, compress=False, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms,
+                       reason=f"raw rows by CPU gather {compressed_wall_ms / host_gather_ms:.2f}x faster than "
+                              f"compressed zero-copy ({choice.reason})")
+    return replace(choice, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms)
 
 
 def decide_layout(ratio: float, compressed_ms: Optional[float], raw_ms: Optional[float], batch: int = 0,
@@ -80,27 +96,27 @@ def _sample_rows(table: torch.Tensor, row_bytes: int) -> torch.Tensor:
     return table.index_select(0, idx.to(table.device)).cpu().contiguous()
 
 
-def _time_layout(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dtype: torch.dtype, err: Any,
-                 reps: int) -> list[float]:
-    """CUDA-event times (ms) of ``reps`` zero-copy lookups of ``ids`` (all misses) through the kernel the
-    embedding bags run: the pooling kernel with one id per bag where it takes the dtype, else the rows kernel."""
+def _lookup_once(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dtype: torch.dtype, err: Any) -> None:
+    """One zero-copy lookup of ``ids`` (all misses) through the kernel the embedding bags run: the pooling kernel
+    with one id per bag where it takes the dtype, else the rows kernel."""
     from ..kernels.lookup import ElemType, PoolOp, lookup_pool, lookup_rows, pool_supported
 
-    pooled = pool_supported(dtype, tables.row_bytes)
+    if pool_supported(dtype, tables.row_bytes):
+        lookup_pool(ids, None, 1, ids.numel(), False, PoolOp.SUM, ElemType.of(dtype), None, out, src, tables,
+                    None, err.ptr)
+    else:
+        lookup_rows(ids, out, src, tables, None, err.ptr)
 
-    def one() -> None:
-        if pooled:
-            lookup_pool(ids, None, 1, ids.numel(), False, PoolOp.SUM, ElemType.of(dtype), None, out, src, tables,
-                        None, err.ptr)
-        else:
-            lookup_rows(ids, out, src, tables, None, err.ptr)
 
-    one()  # compile + warm
+def _time_layout(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dtype: torch.dtype, err: Any,
+                 reps: int) -> list[float]:
+    """CUDA-event times (ms) of ``reps`` zero-copy lookups (:func:`_lookup_once`)."""
+    _lookup_once(ids, out, src, tables, dtype, err)  # compile + warm
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        one()
+        _lookup_once(ids, out, src, tables, dtype, err)
         end.record()
         times.append((start, end))
     torch.cuda.synchronize()
@@ -108,11 +124,13 @@ def _time_layout(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dt
 
 
 def calibrate_layout(table: torch.Tensor, codec: Codec, device: torch.device, batch: int = 8192,
-                     reps: int = 7) -> LayoutChoice:
+                     reps: int = 7, host_paths: bool = False) -> LayoutChoice:
     """Time compressed vs raw zero-copy misses on a pinned sample of ``table`` (``[N, ...]``, any device) on ``device``.
 
     The compression ratio used for the floor is the sample's. Both layouts are timed in alternation, so clock
-    or PCIe drift hits them alike; medians decide."""
+    or PCIe drift hits them alike; medians decide. ``host_paths`` (caches fed ids on the CPU): also time, wall
+    clock from ids on the CPU, raw rows gathered by the CPU + one copy against compressed zero-copy reads
+    (:func:`prefer_host_gather`)."""
     from ..kernels.hashmap import IndexArgs, IndexMode
     from ..kernels.lookup import LookupErrors, RowSource
 
@@ -140,7 +158,35 @@ def calibrate_layout(table: torch.Tensor, codec: Codec, device: torch.device, ba
     for _ in range(2):  # alternate the two, twice
         t_c += _time_layout(ids, out, src_c, tables, sample.dtype, err, reps)
         t_r += _time_layout(ids, out, src_r, tables, sample.dtype, err, reps)
-    return decide_layout(ratio, statistics.median(t_c), statistics.median(t_r), batch)
+    choice = decide_layout(ratio, statistics.median(t_c), statistics.median(t_r), batch)
+    if not host_paths:
+        return choice
+    return prefer_host_gather(choice, *_time_host_gather(ids.cpu(), raw.view(m, row_bytes), out, src_c, tables,
+                                                         sample.dtype, err, reps))
+
+
+def _time_host_gather(ids: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, src_c: Any, tables: Any,
+                      dtype: torch.dtype, err: Any, reps: int) -> tuple[float, float]:
+    """Wall-clock medians (ms) from ids on the CPU to rows on the GPU: raw rows by ``index_select`` into pinned
+    staging + one copy, and compressed rows by the zero-copy kernel after the ids' copy; alternated."""
+    import time
+
+    staging = torch.empty((ids.numel(), raw.shape[1]), dtype=torch.uint8, pin_memory=True)
+    dev = out.device
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(reps + 1):
+        for host in (True, False):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            if host:
+                torch.index_select(raw, 0, ids, out=staging)
+                out.view(ids.numel(), -1).copy_(staging, non_blocking=True)
+            else:
+                _lookup_once(ids.to(dev, non_blocking=True), out, src_c, tables, dtype, err)
+            torch.cuda.synchronize(dev)
+            if rep:
+                times[host].append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,10 +225,11 @@ def decide_transfer(timings_ms: dict, default: str = "zero_copy", margin: float 
 
 
 def calibrate_transfer(store: Any, batch: int = 16384, reps: int = 5,
-                       candidates: tuple[str, ...] = ("zero_copy", "cpu_gather")) -> TransferChoice:
+                       candidates: "tuple[str, ...] | None" = None) -> TransferChoice:
     """Time ``store.read_into`` of ``batch`` random rows through each candidate path, on the store itself (a
     multi-GB pinned table reads randomly at rates a small sample would not show), ids given on the CPU as a
-    sampler hands them over. Wall clock from the call to the rows being on the GPU, host work included (a path
+    sampler hands them over (``host_gather`` too for raw rows: torch's own gather + one copy, the raw baseline).
+    Wall clock from the call to the rows being on the GPU, host work included (a path
     that gathers on the CPU pays for it); candidates alternate, medians decide. The store's counters are left as
     they were."""
     import time
@@ -191,6 +238,8 @@ def calibrate_transfer(store: Any, batch: int = 16384, reps: int = 5,
 
     if store.device.type != "cuda":
         return decide_transfer({}, batch=batch)
+    if candidates is None:  # the CPU's own row gather is a candidate where it needs no decoding (raw rows)
+        candidates = ("zero_copy", "cpu_gather") + (() if store.compress else ("host_gather",))
     n = store.n_rows
     ids = torch.randint(0, n, (min(batch, max(n, 1)),), generator=torch.Generator().manual_seed(1))
     out = torch.empty((ids.numel(), store.row_bytes), dtype=torch.uint8, device=store.device)

@@ -71,8 +71,9 @@ class FetchStats:
 
     def add_cpu(self, requests: int, hits: int, host_bytes: int, slab_bytes: int) -> None:
         """Count a CPU fetch (the CPU path has its numbers as Python ints already)."""
-        delta = torch.tensor([requests, hits, host_bytes, slab_bytes], dtype=torch.int64)
-        self.counters += delta.to(self.device)
+        cuda = self.device.type == "cuda"  # pinned + non_blocking: counting never waits for the GPU
+        delta = torch.tensor([requests, hits, host_bytes, slab_bytes], dtype=torch.int64, pin_memory=cuda)
+        self.counters += delta.to(self.device, non_blocking=cuda)
 
     def _seconds(self) -> tuple[float, int]:
         total_s, total_rows = 0.0, 0

@@ -229,3 +229,36 @@ def test_stage_builds_descriptors_and_packs_stored_bytes(cora_x: torch.Tensor, c
                                np.arange(raw.shape[0], dtype=np.int64), compressed=comp[~hit])
     assert torch.equal(raw, cora_x[torch.from_numpy(ids[~hit])].view(torch.uint8).reshape(raw.shape[0], -1))
     assert st.counters.tolist() == [700, int(hit.sum()), int(lens[~hit].sum()), int(lens[hit].sum())]
+
+
+def test_layout_planner_keeps_raw_rows_when_the_cpu_gather_wins() -> None:
+    from ibpcache.cache.planner import LayoutChoice, prefer_host_gather
+
+    compressed = LayoutChoice(True, "compressed misses 1.10x faster than raw", 1.15, 1.0, 1.1, 8192)
+    got = prefer_host_gather(compressed, host_gather_ms=0.4, compressed_wall_ms=1.0)
+    assert not got.compress and "2.50x" in got.reason and got.host_gather_ms == 0.4
+    kept = prefer_host_gather(compressed, host_gather_ms=0.99, compressed_wall_ms=1.0)  # within the margin
+    assert kept.compress and kept.compressed_wall_ms == 1.0
+    raw = LayoutChoice(False, "compressed misses only 0.90x of raw", 1.15, 1.1, 1.0, 8192)
+    assert not prefer_host_gather(raw, 5.0, 1.0).compress  # a raw choice stands
+    assert prefer_host_gather(compressed, None, None).compress  # nothing timed (CPU)
+
+
+@pytest.mark.gpu
+def test_feature_cache_host_gather_serves_every_id_from_host(minilm_x: torch.Tensor) -> None:
+    from ibpcache.cache.feature_cache import FeatureCache
+
+    rows = minilm_x[:, :8].contiguous()  # 32-byte rows
+    fc = FeatureCache(rows, 0.05, device="cuda", compress_cache=False, compress_host=False, transfer="host_gather")
+    ids = zipf(rows.shape[0], 3000, seed=9)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fc.fetch(ids)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(_bits(got), _bits(rows[ids]))
+    st = fc.stats()
+    assert st["fetch_paths"]["host_gather"] == 1 and st["requests"] == 3000 and st["hits"] == 0
+    auto = FeatureCache(rows, 0.05, device="cuda", compress_cache=False, compress_host=False)
+    assert set(auto.stats()["transfer"]["timings_ms"]) == {"zero_copy", "cpu_gather", "host_gather"}
+    assert torch.equal(_bits(auto.fetch(ids)), _bits(rows[ids]))
