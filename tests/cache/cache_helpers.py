@@ -42,9 +42,10 @@ def assert_same_rows(got: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -
 
 
 def fetch_from_threads(cache, rows: torch.Tensor, n_threads: int = 4, n_fetches: int = 40, batch: int = 2000,
-                       streams: bool = False) -> list[str]:
+                       streams: bool = False, cpu_ids: bool = False) -> list[str]:
     """Fetch skewed batches from ``n_threads`` Python threads at once (each on its own CUDA stream when
-    ``streams``), as a prefetch thread beside an evaluation loop would; return a description of every batch that
+    ``streams``; ids handed over on the CPU, as samplers do, with ``cpu_ids``), as a prefetch thread beside an
+    evaluation loop would; return a description of every batch that
     differs from ``rows[ids]`` (an empty list means every concurrent fetch was exact).
 
     A barrier starts the threads together so their fetches really interleave; each thread checks its own
@@ -66,7 +67,7 @@ def fetch_from_threads(cache, rows: torch.Tensor, n_threads: int = 4, n_fetches:
             ctx = torch.cuda.stream(stream) if stream is not None else _null()
             with ctx:
                 for ids in batches:
-                    outs.append(cache.fetch(ids.to(cache.device) if streams else ids))
+                    outs.append(cache.fetch(ids.to(cache.device) if streams and not cpu_ids else ids))
             if stream is not None:
                 stream.synchronize()
             for k, (ids, got) in enumerate(zip(batches, outs)):

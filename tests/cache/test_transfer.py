@@ -8,7 +8,6 @@ from several threads on their own streams, write-back then read through each pat
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -141,29 +140,13 @@ def test_feature_cache_cpu_gather_equals_zero_copy(cora_x: torch.Tensor, cora_co
 
 @pytest.mark.gpu
 def test_feature_cache_cpu_gather_from_threads_on_streams(cora_x: torch.Tensor, cora_codec: Any) -> None:
+    from cache_helpers import fetch_from_threads
+
     from ibpcache.cache.feature_cache import FeatureCache
 
     fc = FeatureCache(cora_x, 0.02, device="cuda", codec=cora_codec, transfer="cpu_gather")
-    errors: list[BaseException] = []
-
-    def work(seed: int) -> None:
-        try:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                for k in range(25):
-                    ids = zipf(cora_x.shape[0], 1500, seed=100 * seed + k)
-                    got = fc.fetch(ids)
-                    stream.synchronize()
-                    assert torch.equal(_bits(got), _bits(cora_x[ids]))
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    assert fetch_from_threads(fc, cora_x, n_fetches=25, batch=1500, streams=True, cpu_ids=True) == []
+    assert fc.stats()["fetch_paths"]["cpu_gather"] == 100
 
 
 @pytest.mark.gpu
