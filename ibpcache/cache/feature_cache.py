@@ -148,7 +148,8 @@ class FeatureCache:
         self.host_layout = self._plan_host(rows, compress_host)
         self._decode_codec = self.codec if self.codec is not None else Codec.raw(self.dtype, self.row_shape)
         self.host = HostStore(rows, codec=self.codec, compress=self.compress_host, device=self.device,
-                              transfer=transfer if self.policy_kind is PolicyKind.STATIC else "zero_copy")
+                              transfer=transfer if self.policy_kind is PolicyKind.STATIC else "zero_copy",
+                              share_rows=True)  # read-only here: raw rows already pinned are served in place
         self._rows = rows
         self.cache_lengths = self._cache_lengths(rows)  # int32 [N] on CPU: stored bytes in the slab format
         self._index_kind, self._max_probes = index, max_probes

@@ -135,6 +135,8 @@ class HostStore:
         compress: True, False or ``"auto"`` (the planner decides; needs ``FitOptions`` or a codec).
         device: where rows are read to (``cuda``: pinned host memory; ``cpu``: plain memory, Numba decoders).
         layout: ``inplace`` (writable) or ``packed`` (read-only, smallest) for rows compressed here.
+        share_rows: serve raw rows from the caller's tensor itself when it is already where they would go (pinned on
+            CUDA): no copy, for readers that never write back (FeatureCache). Writable stores copy.
         transfer: a :class:`Transfer` for CUDA reads, or ``"auto"``: the planner times zero-copy against cpu-gather
             reads of this store at construction and keeps the faster (``stats()['transfer']``). A CPU store
             always decodes on the host.
@@ -144,7 +146,7 @@ class HostStore:
 
     def __init__(self, rows: "torch.Tensor | CompressedRows", *, codec: "Codec | FitOptions | None" = None,
                  compress: "bool | str" = True, device: torch.device, layout: "str | Layout" = Layout.INPLACE,
-                 transfer: "str | Transfer" = "auto") -> None:
+                 transfer: "str | Transfer" = "auto", share_rows: bool = False) -> None:
         if compress not in (True, False, "auto"):
             raise ValueError(f"compress must be True, False or 'auto', got {compress!r}")
         self.device = device
@@ -153,6 +155,7 @@ class HostStore:
         if device.type != "cuda":  # nothing crosses PCIe: rows are decoded where they are
             self.transfer = Transfer.HOST_GATHER
         self._pin = device.type == "cuda"
+        self._share_rows = bool(share_rows)
         self.fit_options = codec if isinstance(codec, FitOptions) else None
         self.compress_option: "bool | str" = compress
         self.layout_choice: Any = None  # planner.LayoutChoice when compress="auto" decided
@@ -238,10 +241,12 @@ class HostStore:
 
     def _use_raw(self, rows_u8: torch.Tensor) -> None:
         flat = rows_u8.reshape(-1)
-        if self._pin and not flat.is_pinned():
-            flat = flat.pin_memory()
-        elif not self._pin and flat.data_ptr() == rows_u8.data_ptr() and self.adopted is None:
-            flat = flat.clone()  # writable stores own their bytes: never write into the caller's tensor
+        if self._share_rows and (flat.is_pinned() or not self._pin):
+            pass  # served in place: the caller's rows are already where they would go
+        elif self._pin:  # a pinned copy the store owns (write-back may rewrite it)
+            flat = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True).copy_(flat)
+        else:
+            flat = flat.clone()
         self.packed = None
         self.codec = Codec.raw(self.dtype, self.row_shape)
         self.data = flat

@@ -245,3 +245,14 @@ def test_feature_cache_host_gather_serves_every_id_from_host(minilm_x: torch.Ten
     auto = FeatureCache(rows, 0.05, device="cuda", compress_cache=False, compress_host=False)
     assert set(auto.stats()["transfer"]["timings_ms"]) == {"zero_copy", "cpu_gather", "host_gather"}
     assert torch.equal(_bits(auto.fetch(ids)), _bits(rows[ids]))
+
+
+def test_writable_store_never_writes_into_the_callers_rows(minilm_x: torch.Tensor) -> None:
+    """A raw store copies the caller's rows unless asked to share them (FeatureCache, which never writes)."""
+    rows = minilm_x[:50].clone()
+    keep = rows.clone()
+    store = HostStore(rows, compress=False, device=CPU)
+    store.write_rows(torch.tensor([1, 2]), torch.zeros((2, store.row_bytes), dtype=torch.uint8))
+    assert torch.equal(rows, keep) and bool((store.dense()[1:3] == 0).all())
+    shared = HostStore(rows, compress=False, device=CPU, share_rows=True)
+    assert shared.data.data_ptr() == rows.data_ptr()
