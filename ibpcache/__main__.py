@@ -23,7 +23,6 @@ names), ``--config-path /abs/DIR`` replaces ``configs/`` altogether.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator

@@ -122,7 +122,7 @@ def _run_dataset(name: str, args: argparse.Namespace) -> dict[str, Any]:
         gbps = args.batch * row_bytes / (t["median_ms"] * 1e6)
         point["methods"][method] = {"gbps": gbps, "ms": t["median_ms"], "p10": t["p10"], "p90": t["p90"],
                                     "verified": verified, **chosen}
-        del fetch
+        fetch = chosen = None  # type: ignore[assignment]  # the cache goes before the next one is built
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

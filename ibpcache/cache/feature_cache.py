@@ -43,7 +43,7 @@ from ..compressed import CompressedRows
 from ..errors import CapacityError, InvalidIdsError
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
-from .host_store import HostStore, fit_codec
+from .host_store import CacheMirror, HostStore, fit_codec
 from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
 from .slab import Slab, usable_bytes
@@ -374,12 +374,10 @@ class FeatureCache:
         return (self._hits_host is not None and isinstance(ids, torch.Tensor) and ids.device.type == "cpu"
                 and not torch.cuda.is_current_stream_capturing())
 
-    def _hit_table(self) -> "CacheMirror":
+    def _hit_table(self) -> CacheMirror:
         """Host mirror of a static cache's index (built once; 4 bytes of host memory per row): what the cpu-gather
         path needs to send hits to the slab and read only misses on the host."""
         if self._hits_host is None:
-            from .host_store import CacheMirror
-
             pos = np.full(self.n_rows, -1, dtype=np.int32)
             chosen = self.cached_ids.cpu().numpy()
             pos[chosen] = np.arange(chosen.shape[0], dtype=np.int32)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from ..codec import Codec
-from .host_store import HostStore, Transfer
+from .host_store import HostStore
 from .ordering import StreamOrder
 from .planner import PathPlanner
 from .policy import EvictionStrategy
