@@ -43,7 +43,7 @@ from ..compressed import CompressedRows
 from ..errors import CapacityError, InvalidIdsError
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
-from .host_store import CacheMirror, HostStore, fit_codec
+from .host_store import CacheMirror, HostStore, Transfer, fit_codec
 from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
 from .slab import Slab, usable_bytes
@@ -364,8 +364,6 @@ class FeatureCache:
     @property
     def _host_gathers_enabled(self) -> bool:
         """A static CUDA cache whose host store reads through a host-side path (cpu_gather or host_gather)."""
-        from .host_store import Transfer
-
         return (self.device.type == "cuda" and not self.dynamic
                 and self.host.transfer in (Transfer.CPU_GATHER, Transfer.HOST_GATHER))
 
@@ -387,12 +385,11 @@ class FeatureCache:
         return self._hits_host
 
     def _fetch_cpu_gather(self, ids: torch.Tensor, out: "torch.Tensor | None") -> torch.Tensor:
-        """Static CUDA cache, ids on the CPU. ``host_gather`` (raw rows, chosen where it measured fastest): every id
-        is gathered by the CPU from host memory, cache or not, and copied once. ``cpu_gather``: the host store stages every id's decode descriptor (slab address of a
-        hit, staged address of a miss), the misses' STORED bytes and the fetch's counters in one pinned buffer; one
-        copy and one decode launch follow. Ids are range-checked on the CPU; nothing waits for the GPU."""
-        from ..kernels.bitpack import decode_descriptors
-
+        """Static CUDA cache, ids on the CPU, through the host store's host-side path. ``cpu_gather``: every id's
+        decode descriptor (slab address of a hit, staged address of a miss), the misses' STORED bytes and the
+        fetch's counters in one pinned buffer, one copy, one decode launch. ``host_gather`` (raw rows, where it
+        measured fastest): every id gathered by the CPU from host memory, cache or not, one copy. Ids are
+        range-checked on the CPU; nothing waits for the GPU."""
         ids = check_ids(ids, self.n_rows, torch.device("cpu"))
         self.host.check_live()
         b = int(ids.numel())
@@ -400,22 +397,15 @@ class FeatureCache:
         if b == 0:
             return out
         out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
-        from .host_store import Transfer
-
-        if self.host.transfer is Transfer.HOST_GATHER:  # every id from host memory: the CPU's gather + one copy
-            with self._order.exclusive():
-                t0 = self.stats_.start()
-                self.host.read_into(ids, out_u8)
-                self.stats_.add_cpu(b, 0, b * self.row_bytes, 0)
-                self.path_counts["host_gather"] += 1
-                self.stats_.stop(t0, b)
-            return out
         with self._order.exclusive():
             t0 = self.stats_.start()
-            st = self.host.stage(ids.numpy(), self._hit_table())
-            decode_descriptors(out_u8, st.src, st.lengths, st.compressed, None, self._tables)
-            self.stats_.counters += st.counters
-            self.path_counts["cpu_gather"] += 1
+            if self.host.transfer is Transfer.HOST_GATHER:
+                self.host.read_into(ids, out_u8)
+                self.stats_.add_cpu(b, 0, b * self.row_bytes, 0)
+            else:
+                self.stats_.counters += self.host.read_staged(ids.numpy(), out_u8, None, self._hit_table(),
+                                                              self._tables)
+            self.path_counts[self.host.transfer.value] += 1
             self.stats_.stop(t0, b)
         return out
 

@@ -377,7 +377,7 @@ class HostStore:
             decode_descriptors(out_u8, src, lens, comp, out_rows, self.codec.kernel_tables(out_u8.device))
             self.bytes_read += lens.sum(dtype=torch.int64)
         elif self.transfer is Transfer.CPU_GATHER:
-            self._gather_cpu_decode_gpu(ids, out_u8, out_rows)
+            self.bytes_read += self.read_staged(ids.cpu().numpy(), out_u8, out_rows)[2]
         else:  # host gather: the CPU gathers (raw) or decodes (compressed) into pinned staging, one H2D copy
             idx = ids.cpu()
             staging = torch.empty((idx.numel(), self.row_bytes), dtype=torch.uint8, pin_memory=True)
@@ -387,13 +387,18 @@ class HostStore:
             else:
                 out_u8.index_copy_(0, out_rows, staging.to(self.device, non_blocking=True))
 
-    def _gather_cpu_decode_gpu(self, ids: torch.Tensor, out_u8: torch.Tensor, out_rows: Optional[torch.Tensor]) -> None:
-        """``cpu_gather`` read: stage the rows (:meth:`stage`), ONE decode launch from device memory."""
+    def read_staged(self, ids: np.ndarray, out_u8: torch.Tensor, out_rows: Optional[torch.Tensor] = None,
+                    hits: "CacheMirror | None" = None, tables: Any = None) -> torch.Tensor:
+        """The ``cpu_gather`` read: :meth:`stage` the rows (hits of a GPU cache through its mirror), then ONE decode
+        launch from device memory into ``out_u8[out_rows]``, with ``tables`` (default: the store's codec; a cache
+        whose slab holds other bytes passes its own). Returns the device counters [requests, hits, staged bytes,
+        hit bytes]."""
         from ..kernels.bitpack import decode_descriptors
 
-        st = self.stage(ids.cpu().numpy())
-        decode_descriptors(out_u8, st.src, st.lengths, st.compressed, out_rows, self.codec.kernel_tables(out_u8.device))
-        self.bytes_read += st.counters[2]
+        st = self.stage(ids, hits)
+        decode_descriptors(out_u8, st.src, st.lengths, st.compressed, out_rows,
+                           tables if tables is not None else self.codec.kernel_tables(out_u8.device))
+        return st.counters
 
     def stage(self, ids: np.ndarray, hits: "CacheMirror | None" = None) -> "StagedRows":
         """The ``cpu_gather`` transfer's host half: for each id (int64, valid) its decode descriptor -- the slab

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -165,28 +165,37 @@ def calibrate_layout(table: torch.Tensor, codec: Codec, device: torch.device, ba
                                                          sample.dtype, err, reps))
 
 
+def _wall_medians(runs: "dict[Any, Callable[[], None]]", device: torch.device, reps: int) -> "dict[Any, float]":
+    """Median wall-clock ms of each run (host work included, device synchronised before and after), alternated
+    round by round so drift hits them alike; the first round warms up (kernel builds, Numba, pinned pools)."""
+    import time
+
+    times: dict[Any, list[float]] = {k: [] for k in runs}
+    for rep in range(reps + 1):
+        for key, run in runs.items():
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize(device)
+            if rep:
+                times[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def _time_host_gather(ids: torch.Tensor, raw: torch.Tensor, out: torch.Tensor, src_c: Any, tables: Any,
                       dtype: torch.dtype, err: Any, reps: int) -> tuple[float, float]:
     """Wall-clock medians (ms) from ids on the CPU to rows on the GPU: raw rows by ``index_select`` into pinned
-    staging + one copy, and compressed rows by the zero-copy kernel after the ids' copy; alternated."""
-    import time
-
+    staging + one copy, and compressed rows by the zero-copy kernel after the ids' copy."""
     staging = torch.empty((ids.numel(), raw.shape[1]), dtype=torch.uint8, pin_memory=True)
     dev = out.device
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for rep in range(reps + 1):
-        for host in (True, False):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            if host:
-                torch.index_select(raw, 0, ids, out=staging)
-                out.view(ids.numel(), -1).copy_(staging, non_blocking=True)
-            else:
-                _lookup_once(ids.to(dev, non_blocking=True), out, src_c, tables, dtype, err)
-            torch.cuda.synchronize(dev)
-            if rep:
-                times[host].append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times[True]), statistics.median(times[False])
+
+    def host() -> None:
+        torch.index_select(raw, 0, ids, out=staging)
+        out.view(ids.numel(), -1).copy_(staging, non_blocking=True)
+
+    t = _wall_medians({"host": host, "zero_copy": lambda: _lookup_once(ids.to(dev, non_blocking=True), out, src_c,
+                                                                        tables, dtype, err)}, dev, reps)
+    return t["host"], t["zero_copy"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,8 +241,6 @@ def calibrate_transfer(store: Any, batch: int = 16384, reps: int = 5,
     Wall clock from the call to the rows being on the GPU, host work included (a path
     that gathers on the CPU pays for it); candidates alternate, medians decide. The store's counters are left as
     they were."""
-    import time
-
     from .host_store import Transfer
 
     if store.device.type != "cuda":
@@ -244,21 +251,19 @@ def calibrate_transfer(store: Any, batch: int = 16384, reps: int = 5,
     ids = torch.randint(0, n, (min(batch, max(n, 1)),), generator=torch.Generator().manual_seed(1))
     out = torch.empty((ids.numel(), store.row_bytes), dtype=torch.uint8, device=store.device)
     saved = (store.transfer, store.rows_read, store.bytes_read.clone())
-    times: dict[str, list[float]] = {c: [] for c in candidates}
+
+    def via(name: str) -> "Callable[[], None]":
+        def run() -> None:
+            store.transfer = Transfer(name)
+            store.read_into(ids, out)
+        return run
+
     try:
-        for rep in range(reps + 1):  # the first round warms up (kernel builds, Numba, pinned pools)
-            for name in candidates:
-                store.transfer = Transfer(name)
-                torch.cuda.synchronize(store.device)
-                t0 = time.perf_counter()
-                store.read_into(ids, out)
-                torch.cuda.synchronize(store.device)
-                if rep:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
+        medians = _wall_medians({name: via(name) for name in candidates}, store.device, reps)
     finally:
         store.transfer, store.rows_read = saved[0], saved[1]
         store.bytes_read.copy_(saved[2])
-    return decide_transfer({k: statistics.median(v) for k, v in times.items()}, batch=int(ids.numel()))
+    return decide_transfer(medians, batch=int(ids.numel()))
 
 
 class PathPlanner:
