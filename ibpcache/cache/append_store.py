@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
@@ -45,7 +46,7 @@ from ..errors import CapacityError, FormatError
 from ..exponent import ExponentCodec
 from ..kernels import layout as L
 
-__all__ = ["AppendStore", "RowCodec", "place", "chunk_capacity", "codec_method", "MIN_CHUNK_BYTES"]
+__all__ = ["AppendStore", "StagedChunks", "stage_layout", "RowCodec", "place", "chunk_capacity", "codec_method", "MIN_CHUNK_BYTES"]
 
 RowCodec = Union[Codec, ExponentCodec]
 
@@ -91,6 +92,41 @@ def place(cursor: int, total: int, cap_of_chunk: int) -> int:
     if off + total > cap_of_chunk:
         return (c + 1) << _SHIFT
     return cursor
+
+
+@dataclass
+class StagedChunks:
+    """A device copy of a store's chunks (:meth:`AppendStore.stage_chunks`) that a fetch decodes from.
+
+    Why: a fetch of every stored token reads every stored byte anyway. Read in place (zero-copy), each warp pulls
+    rows of ~100-250 bytes scattered across the chunks, one row in flight at a time, and PCIe stays at about half
+    its bulk rate; one DMA copy per chunk moves the same bytes at the bulk rate and the decode then reads HBM.
+    """
+
+    buffer: torch.Tensor  # uint8 on the device: the chunks back to back (16-byte aligned), padding included
+    offsets: torch.Tensor  # int64 [n] on the device: where chunk c starts in ``buffer`` (chunk 0 is empty)
+    nbytes: int  # bytes the copies move host -> device
+    ready: "torch.cuda.Event"  # recorded on ``stream`` after the copies
+    stream: "torch.cuda.Stream"  # where the copies were enqueued
+
+
+def stage_layout(caps: "list[int]", bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes to copy of each chunk and where each goes in a staging buffer (:meth:`AppendStore.stage_chunks`).
+
+    ``caps``: usable bytes per chunk (chunk 0 is the empty placeholder); ``bound``: a position at or past the end of
+    every stored row. Chunks before the bound's are copied whole, the bound's chunk up to the bound, later ones not
+    at all; each copy carries the decoder's padding (whose bytes exist in host memory after every chunk) and starts
+    16-byte aligned in the buffer, as chunks are in host memory, so the decoder's aligned block reads stay inside.
+    Returns int64 (sizes, offsets), one entry per chunk up to the bound's (at least one)."""
+    last, last_used = bound >> _SHIFT, bound & _OFF
+    n = min(len(caps), last + 1)
+    sizes = np.zeros(max(n, 1), dtype=np.int64)
+    for c in range(1, n):
+        used = caps[c] if c < last else min(caps[c], last_used)
+        sizes[c] = used + _PAD if used else 0
+    offsets = np.zeros_like(sizes)
+    np.cumsum(-(-sizes[:-1] // 16) * 16, out=offsets[1:])
+    return sizes, offsets
 
 
 class _Chunks:
@@ -458,13 +494,55 @@ class AppendStore:
 
     # -- read ----------------------------------------------------------------------------------------------------
     def fetch(self, idx: "torch.Tensor | None", k: int, out_k: torch.Tensor, out_v: torch.Tensor, *,
-              read: "torch.Tensor | None" = None, row0: "torch.Tensor | None" = None, k_dyn: bool = False) -> None:
-        """CUDA: decode tokens into [B, H, >= k, D] buffers (see ``kernels.kv_packed.kvp_fetch``); one launch."""
+              read: "torch.Tensor | None" = None, row0: "torch.Tensor | None" = None, k_dyn: bool = False,
+              staged: "StagedChunks | None" = None) -> None:
+        """CUDA: decode tokens into [B, H, >= k, D] buffers (see ``kernels.kv_packed.kvp_fetch``); one launch.
+
+        ``staged``: decode from that device copy of the chunks (:meth:`stage_chunks`, made after the rows were
+        appended) instead of reading host memory; the current stream waits for its copies."""
         from ..kernels.kv_packed import kvp_fetch
 
         if not self.cuda:
             raise RuntimeError("AppendStore.fetch is the CUDA path; on the CPU use read_rows")
-        kvp_fetch(self._desc, idx, k, out_k, out_v, k_dyn=k_dyn, read=read, row0=row0, heads=out_k.shape[1])
+        stage = None
+        if staged is not None:
+            current = torch.cuda.current_stream(self.device)
+            if staged.stream != current:
+                current.wait_event(staged.ready)
+                staged.buffer.record_stream(current)  # freed by the caller; reused only after this decode
+                staged.offsets.record_stream(current)
+            stage = (staged.buffer, staged.offsets)
+        kvp_fetch(self._desc, idx, k, out_k, out_v, k_dyn=k_dyn, read=read, row0=row0, heads=out_k.shape[1],
+                  stage=stage)
+
+    def stage_chunks(self, stream: "torch.cuda.Stream | None" = None) -> StagedChunks:
+        """CUDA: enqueue on ``stream`` (default: the current one) DMA copies of every chunk that may hold a stored
+        row into one new device buffer, for :meth:`fetch` (``staged=``). Never waits for the device.
+
+        What is copied: whole chunks up to the one holding the host's bound of the device cursor, and that one up
+        to the bound (plus the decoder's padding): every row appended before this call, whatever appends are
+        still in flight on the device, as long as ``stream`` is ordered after them (the caller's job). Dead rows
+        (rewritten after a crop) are copied too; a store whose rows are mostly live reads ~its stored bytes.
+        """
+        from ..kernels._build import copy_host_to_device
+
+        if not self.cuda:
+            raise RuntimeError("AppendStore.stage_chunks is the CUDA path; on the CPU use read_rows")
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        chunks = self._chunks
+        sizes, offsets = stage_layout(chunks.caps, self._bound)
+        n = sizes.size
+        total = int(offsets[-1] + sizes[-1])
+        with torch.cuda.stream(stream):
+            buffer = torch.empty(total + _PAD, dtype=torch.uint8, device=self.device)
+            offs_dev = torch.from_numpy(offsets).pin_memory().to(self.device, non_blocking=True)
+            base = buffer.data_ptr()
+            for c in range(1, n):
+                if sizes[c]:
+                    copy_host_to_device(base + int(offsets[c]), chunks.ptrs[c], int(sizes[c]), stream.cuda_stream)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return StagedChunks(buffer, offs_dev, int(sizes.sum()), ready, stream)
 
     def read_rows(self, side: int, slots: np.ndarray, out_u8: np.ndarray, out_rows: "np.ndarray | None") -> int:
         """CPU: decode the rows of ``slots`` of ``side`` into ``out_u8[out_rows]`` (or in order); the bytes read."""

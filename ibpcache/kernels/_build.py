@@ -18,7 +18,8 @@ from pathlib import Path
 from ..errors import KernelBuildError
 
 __all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy",
-           "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free"]
+           "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free",
+           "copy_host_to_device"]
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
@@ -191,3 +192,10 @@ def host_alloc(nbytes: int) -> int:
 def host_free(ptr: int) -> None:
     """Release memory from :func:`host_alloc` (the caller makes sure no kernel still reads or writes it)."""
     import_cupy().cuda.runtime.freeHost(int(ptr))
+
+
+def copy_host_to_device(dst: int, src: int, nbytes: int, stream_ptr: int) -> None:
+    """Enqueue one DMA copy of ``nbytes`` from page-locked host memory ``src`` (:func:`host_alloc`) to device memory
+    ``dst`` on the raw CUDA stream ``stream_ptr`` (``cudaMemcpyAsync``; no sync). The copy engine moves a whole
+    chunk at PCIe's bulk rate, which scattered zero-copy reads of small rows do not reach."""
+    import_cupy().cuda.runtime.memcpyAsync(int(dst), int(src), int(nbytes), 1, int(stream_ptr))  # 1: host->device

@@ -366,12 +366,14 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
 // of k_out / v_out ([B, H, width, D] buffers). k_dyn: k = the tokens the device state says are stored (a captured
 // graph fetches every token of a later step; idx must be null then). row0 (nullable, int64 [>= T, B]): slot of
 // (t, b, head 0) after beam reorders / batch selections (else slot t * BH + bh). Indices are trusted (checked by the
-// caller). read_bytes (nullable): += stored bytes read.
+// caller). read_bytes (nullable): += stored bytes read. dev_chunks (nullable): a device copy of the chunks
+// (AppendStore.stage_chunks: one DMA copy per chunk instead of scattered zero-copy reads), chunk c at
+// dev_chunks + dev_off[c]; the rows are then decoded from device memory.
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
     ibp_kvp_fetch(const long long* __restrict__ D, const long long* idx, long long k_arg, int k_dyn, int bh_count,
                   long long width, unsigned char* k_out, unsigned char* v_out, unsigned long long* read_bytes,
-                  const long long* row0, int heads) {
+                  const long long* row0, int heads, const unsigned char* dev_chunks, const long long* dev_off) {
     __shared__ uint4 smem[KVP_WARPS][KVP_STAGE_VEC];
     const int lane = threadIdx.x & 31;
     const int wib = threadIdx.x >> 5;
@@ -414,7 +416,9 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
             }
             const long long p = pos[slot];
             L = len[slot];
-            src = reinterpret_cast<const unsigned char*>(table[p >> KVP_POS_SHIFT]) + (p & KVP_OFF_MASK);
+            const long long c = p >> KVP_POS_SHIFT;
+            src = (dev_chunks != nullptr ? dev_chunks + dev_off[c] : reinterpret_cast<const unsigned char*>(table[c])) +
+                  (p & KVP_OFF_MASK);
             dst = out + (bh * width + j) * (long long)row_bytes;
             if (read_bytes != nullptr) atomicAdd(read_bytes, (unsigned long long)L);
         }

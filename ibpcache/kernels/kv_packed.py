@@ -101,14 +101,16 @@ def kvp_append(desc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
 
 def kvp_fetch(desc: torch.Tensor, idx: "torch.Tensor | None", k: int, out_k: torch.Tensor, out_v: torch.Tensor, *,
               k_dyn: bool = False, read: "torch.Tensor | None" = None, row0: "torch.Tensor | None" = None,
-              heads: int = 1) -> None:
+              heads: int = 1, stage: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> None:
     """Decode tokens into ``out_k``/``out_v`` ([B, H, width, D], contiguous): row ``(b, h, j)`` gets token
     ``idx[b, h, j]`` (``idx`` int64 [B, H, k], trusted) or token ``j`` (``idx`` None), for j < k.
 
     ``k_dyn``: k is the token count in the store's device state (graph replays; ``idx`` must be None and ``k`` is
     then the most it can be, which sizes the grid). ``read`` (int64 [1], device): += stored bytes read. ``row0``
     (contiguous int64 [>= T, B], device, trusted): slot of (token t, batch b, head 0) after beam reorders or batch
-    selections (``heads`` = H then); None means slot ``t * B * H + b * H + h``.
+    selections (``heads`` = H then); None means slot ``t * B * H + b * H + h``. ``stage``: (uint8 buffer, int64
+    chunk offsets) on the device, a copy of the store's chunks (chunk c at ``buffer[offsets[c]:]``) to decode from
+    instead of the pinned host chunks; trusted to cover every chunk the rows lie in.
     """
     b, h, width, d = out_k.shape
     if (out_v.shape != out_k.shape or not (out_k.is_contiguous() and out_v.is_contiguous()) or k > width
@@ -124,10 +126,17 @@ def kvp_fetch(desc: torch.Tensor, idx: "torch.Tensor | None", k: int, out_k: tor
                              or not row0.is_contiguous() or row0.device != out_k.device):
         raise ValueError(f"row0: expected a contiguous int64 [T, {b}] tensor on {out_k.device} and heads={h}, got "
                          f"{row0.dtype} {tuple(row0.shape)} on {row0.device}, heads={heads}")
+    stage_buf = stage_off = None
+    if stage is not None:
+        stage_buf, stage_off = stage
+        if (stage_buf.dtype != torch.uint8 or stage_off.dtype != torch.int64 or stage_buf.device != out_k.device
+                or stage_off.device != out_k.device or not stage_off.is_contiguous()):
+            raise ValueError(f"stage: expected a uint8 buffer and contiguous int64 offsets on {out_k.device}, got "
+                             f"{stage_buf.dtype} on {stage_buf.device} and {stage_off.dtype} on {stage_off.device}")
     m = b * h * k
     if m == 0:
         return
     dev = _dev(out_k)
     launch(_SRC, "ibp_kvp_fetch", dev, _grid(m, dev), THREADS, (
         _ptr(desc), _ptr(idx), np.int64(k), np.int32(k_dyn), np.int32(b * h), np.int64(width), _ptr(out_k),
-        _ptr(out_v), _ptr(read), _ptr(row0), np.int32(heads)))
+        _ptr(out_v), _ptr(read), _ptr(row0), np.int32(heads), _ptr(stage_buf), _ptr(stage_off)))

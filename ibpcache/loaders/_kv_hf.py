@@ -150,7 +150,7 @@ class IBPOffloadedCache(Cache):
         model: the causal LM, for sparse mode's query speculation (hooks are removed by :meth:`close` or
             when the cache is garbage-collected).
         compress, codec, transfer, sample_rows, threshold, chunk_bytes, reserve_tokens, timing, count_bytes,
-            defer_prompt_bytes: see :class:`KVOffloadManager`.
+            defer_prompt_bytes, dense_fetch: see :class:`KVOffloadManager`.
         alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
     """
@@ -160,7 +160,7 @@ class IBPOffloadedCache(Cache):
                  max_num_kv: int = 400, sample_rows: int = 4096, threshold: "float | str" = "auto",
                  chunk_bytes: "int | str" = "auto", reserve_tokens: int = 0, prefetch: bool = True,
                  timing: bool = False, count_bytes: bool = True, defer_prompt_bytes: "int | None" = None,
-                 codec: str = "auto") -> None:
+                 codec: str = "auto", dense_fetch: str = "bulk") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
@@ -177,7 +177,7 @@ class IBPOffloadedCache(Cache):
         self._manager_kwargs = dict(compress=compress, codec=codec, transfer=transfer, sample_rows=sample_rows,
                                     threshold=threshold, chunk_bytes=chunk_bytes, reserve_tokens=reserve_tokens,
                                     timing=timing, count_bytes=count_bytes,
-                                    defer_prompt_bytes=defer_prompt_bytes)
+                                    defer_prompt_bytes=defer_prompt_bytes, dense_fetch=dense_fetch)
         self.manager: "KVOffloadManager | None" = None
         self.selector: "PartialKeySelector | None" = None
         self._selection: dict[int, torch.Tensor] = {}

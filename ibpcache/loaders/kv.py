@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..cache.append_store import AppendStore, RowCodec
+from ..cache.append_store import AppendStore, RowCodec, StagedChunks
 from ..cache.planner import ROW_METHODS, RowCodecChoice, choose_row_codecs
 from ..errors import CapacityError, InvalidIdsError
 from ._kv_store import CpuGatherStore, RowStore, identity_codec
@@ -38,6 +38,9 @@ TRANSFERS = ("zero_copy", "cpu_gather", "host")
 """``zero_copy``: GPU reads packed pinned host rows through UVA and decodes them (ours). ``cpu_gather``: InfiniGen's
 path, the CPU gathers the rows into a staging buffer and copies it in bulk (baseline, raw rows only).
 ``host``: no CUDA; the same packed store in plain memory with the Numba twins (CI): identical stored bytes."""
+
+DENSE_FETCHES = ("bulk", "zero_copy")
+"""How a fetch of every token reads a GPU store (see ``KVOffloadManager(dense_fetch=...)``)."""
 
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -115,6 +118,12 @@ class KVOffloadManager:
         timing: record CUDA events around every transfer, summarised by :meth:`stats` (benchmarks).
         count_bytes: keep exact PCIe byte counters (an atomic add per row in the transfer kernels; turn off
             when timing end-to-end latency).
+        dense_fetch: how a fetch of every stored token reads a GPU store: ``"bulk"`` (default) copies the layer's
+            packed chunks to the device with one DMA copy each, then decodes from device memory (a dense fetch
+            reads every stored byte anyway, and the copy engine reaches PCIe's bulk rate, which scattered zero-copy
+            reads of small rows do not); ``"zero_copy"`` decodes straight from pinned host memory (no device
+            buffer for the chunks). Selected tokens (sparse) are always read zero-copy; a captured decode step
+            (:meth:`capture_decode_step`) too.
         defer_prompt_bytes: keep copies of the prompts (compressed managers only), up to this many bytes, and fit
             all their codecs together at :meth:`flush` (called by any read and by the next append): a GPU
             prefill then waits for the GPU twice instead of twice per layer. 0 fits each layer at its first
@@ -141,6 +150,7 @@ class KVOffloadManager:
         timing: bool = False,
         count_bytes: bool = True,
         defer_prompt_bytes: "int | None" = None,
+        dense_fetch: str = "bulk",
     ) -> None:
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("batch_size", batch_size), ("sample_rows", sample_rows)):
@@ -167,6 +177,8 @@ class KVOffloadManager:
                              f"'zero_copy' and 'cpu_gather' need CUDA)")
         if transfer == "cpu_gather" and compress:
             raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
+        if dense_fetch not in DENSE_FETCHES:
+            raise ValueError(f"dense_fetch must be one of {DENSE_FETCHES}, got {dense_fetch!r}")
         if codec not in ROW_METHODS:
             raise ValueError(f"codec must be one of {ROW_METHODS}, got {codec!r}")
         if compress and codec == "exponent" and dtype not in (torch.float16, torch.bfloat16):
@@ -177,6 +189,7 @@ class KVOffloadManager:
         self.codec_method = codec if compress else "raw"
         self.sample_rows, self.threshold, self.chunk_bytes = sample_rows, threshold, chunk_bytes
         self.reserve_tokens, self.host_chunk_bytes = int(reserve_tokens), int(host_chunk_bytes)
+        self.dense_fetch = dense_fetch
         self.timing = bool(timing)
         self.count_bytes = bool(count_bytes)
         if defer_prompt_bytes is None:
@@ -191,6 +204,8 @@ class KVOffloadManager:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._chunk_once: dict[str, int] = {}  # chunk_bytes="auto_once": the size found for "k" / "v"
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        # bulk dense prefetches copy on their own stream, so that layer i+1's copy overlaps layer i's decode
+        self._copy = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cpu-gather") if transfer == "cpu_gather" else None
         self._reset_counters()
 
@@ -463,11 +478,22 @@ class KVOffloadManager:
         bh = torch.arange(self.rows_per_token, device=self.device).view(-1, 1) * width
         return (bh + torch.arange(k, device=self.device).view(1, -1)).reshape(-1)
 
+    def _bulk(self, st: _LayerState, idx: "torch.Tensor | None") -> bool:
+        """Whether this read copies the layer's chunks in bulk first (a dense read of a GPU store)."""
+        return idx is None and self.dense_fetch == "bulk" and st.kv is not None and st.kv.cuda
+
     def _read(self, st: _LayerState, idx: "torch.Tensor | None", out: tuple[torch.Tensor, torch.Tensor],
-              counter: str = "read") -> None:
+              counter: str = "read", staged: "StagedChunks | None" = None) -> None:
         """Fill ``out`` ([B, H, k + extra, D]) with the rows of ``idx`` (None: every stored token).
 
-        Runs on the current stream (the side stream when prefetching)."""
+        Runs on the current stream (the side stream when prefetching). ``staged``: the layer's chunks already
+        being copied to the device (bulk prefetch); a bulk read without it copies them on the current stream."""
+        if self._bulk(st, idx):
+            if staged is None:
+                staged = st.kv.stage_chunks()
+            st.kv.fetch(None, st.n_tokens, out[0], out[1], row0=st.row0, staged=staged)
+            self._count(staged.nbytes, counter)  # the DMA copies' bytes: what crossed PCIe
+            return
         if st.kv is not None and st.kv.cuda:  # one launch for K and V; slots and positions looked up in the kernel
             if idx is not None and idx.dtype != torch.int64:
                 idx = idx.to(torch.int64)
@@ -572,10 +598,17 @@ class KVOffloadManager:
         if self.transfer == "cpu_gather":
             st.pending = self._prefetch_cpu_gather(st, token_idx, extra_tokens, out, main)
             return
+        staged = None
+        if self._bulk(st, token_idx):  # copies wait for the appends (main), not for the side stream's decodes
+            self._copy.wait_stream(main)
+            with torch.cuda.stream(self._copy):
+                start = self._timed_start()
+                staged = st.kv.stage_chunks(self._copy)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
-            start = self._timed_start()
-            self._read(st, token_idx, out)
+            if staged is None:
+                start = self._timed_start()
+            self._read(st, token_idx, out, staged=staged)
             self._timed_end(start)
             ev = torch.cuda.Event()
             ev.record(self._side)
@@ -796,6 +829,7 @@ class KVOffloadManager:
         steps = max(self.decode_steps, 1)
         return {
             "transfer": self.transfer,
+            "dense_fetch": self.dense_fetch,
             "compress": self.compress,
             "tokens": self._layers[0].n_tokens,
             "decode_steps": self.decode_steps,

@@ -15,8 +15,9 @@ Methods, one after another in the same process (each store freed, pinned memory 
   dynamic_gpu           ``DynamicCache()`` resident on the device (no offload; skipped where it does not fit)
   hf_offloaded          ``DynamicCache(offloading=True)``: whole layers copied to the GPU and back every step
   infinigen_cpu_gather  InfiniGen's transfer path: CPU gathers rows into pinned staging + one bulk copy
-  ibpcache_raw          our manager, zero-copy GPU gather of raw rows
-  ibpcache              our manager, zero-copy GPU gather + decode of compressed rows
+  ibpcache_raw          our manager, raw rows (dense: bulk DMA of the packed chunks; sparse: zero-copy gather)
+  ibpcache              our manager, compressed rows (dense: bulk DMA of the packed chunks + GPU decode;
+                        sparse: zero-copy gather + decode); ``--dense-fetch zero_copy`` reads dense zero-copy too
 
 Dense mode: every method, lossless, so next-token logits must equal the reference's bit for bit (dynamic_gpu where
 it ran, else hf_offloaded, else infinigen_cpu_gather). Sparse mode (InfiniGen-style selection of
@@ -82,8 +83,8 @@ SHAPES: dict[str, dict] = {
 }
 
 METHODS: dict[str, str] = {
-    "ibpcache": "IBP manager, zero-copy GPU gather + decode of compressed rows (ours)",
-    "ibpcache_raw": "IBP manager, zero-copy GPU gather of raw rows (ours, no compression)",
+    "ibpcache": "IBP manager, compressed rows: dense = DMA of packed chunks + GPU decode, sparse = zero-copy (ours)",
+    "ibpcache_raw": "IBP manager, raw rows: dense = DMA of packed chunks, sparse = zero-copy (ours, no compression)",
     "infinigen_cpu_gather": "InfiniGen transfer path: CPU index_select into pinned staging + one bulk copy",
     "hf_offloaded": "transformers DynamicCache(offloading=True): whole layers to the GPU and back every step",
     "dynamic_gpu": "transformers DynamicCache() resident on the device (no offload): the dense reference",
@@ -328,7 +329,7 @@ def make_cache(method: str, mode: str, model: Any, args: argparse.Namespace, con
         transfer = "host"  # the Numba host path stands in on machines without CUDA
     kw: dict = dict(compress=compress, transfer=transfer, reserve_tokens=context, sample_rows=args.sample_rows,
                     chunk_bytes=args.chunk_bytes if args.chunk_bytes.startswith("auto") else int(args.chunk_bytes),
-                    count_bytes=args.count_bytes)
+                    count_bytes=args.count_bytes, dense_fetch=args.dense_fetch)
     if compress:
         kw.update(ibp_kwargs(args))
     if mode == "sparse":
@@ -457,7 +458,7 @@ def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, item
         return st
     s = cache.stats()
     for key in ("host_bytes", "gpu_bytes", "stored_bytes", "ratio", "fit_s", "decode_steps", "partial_key_bytes",
-                "selected_k_last", "transfer", "compress", "codec", "codecs", "host_layout"):
+                "selected_k_last", "transfer", "compress", "codec", "codecs", "host_layout", "dense_fetch"):
         if key in s:
             st[key] = s[key]
     st["manager_raw_bytes"] = s.get("raw_bytes")
@@ -467,8 +468,10 @@ def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, item
         # 0 everywhere: the decoder-layer hooks never selected (e.g. a transformers that passes the cache to the
         # layers under another keyword), so every step fetched all tokens: not a sparse measurement
         st["sparse_selection_active"] = any(k > 0 for k in ks)
-    # the CPU-gather path counts its bytes on the host; the zero-copy kernels only with count_bytes=True
-    exact = method == "infinigen_cpu_gather" or count_bytes
+    # the CPU-gather path and dense bulk copies count their bytes on the host; the zero-copy kernels only with
+    # count_bytes=True
+    exact = method == "infinigen_cpu_gather" or count_bytes or (
+        cache.mode == "dense" and s.get("dense_fetch") == "bulk" and s.get("transfer") == "zero_copy")
     if exact and s.get("pcie_read_bytes_per_step") is not None:
         st["pcie_h2d_bytes_per_step"] = s["pcie_read_bytes_per_step"]
     elif cache.mode == "dense":  # every stored byte crosses once per step
@@ -760,6 +763,8 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", default="auto", choices=("auto", "auto_once", "1", "2", "4", "8"))
     p.add_argument("--count-bytes", action="store_true",
                    help="exact PCIe byte counters on the zero-copy paths (an atomic per row: off when timing)")
+    p.add_argument("--dense-fetch", default="bulk", choices=("bulk", "zero_copy"),
+                   help="IBPOffloadedCache(dense_fetch=...): how ours reads every token in dense mode")
     p.add_argument("--alpha", type=float, default=4.0)
     p.add_argument("--partial-ratio", type=float, default=0.2)
     p.add_argument("--max-num-kv", type=int, default=400)

@@ -421,6 +421,56 @@ def test_gpu_fetch_exact_selected_reordered_and_into(chat_kv: Any, k_method: str
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k_method,v_method", METHOD_PAIRS)
+def test_gpu_staged_fetch_equals_zero_copy_fetch(chat_kv: Any, k_method: str, v_method: str) -> None:
+    """A fetch from the bulk device copy of the chunks (stage_chunks) returns the zero-copy fetch's bytes: every token
+    across many small chunks, through a beam-reordered slot table, after a crop rewrote slots, and with the copies on
+    another stream; staging and decoding never sync the host; the copy moves about the stored bytes."""
+    from ibpcache.cache.append_store import AppendStore
+
+    k, v = chat_kv("bf16")
+    kd, vd = k.cuda(), v.cuda()
+    store = AppendStore(_codec(k_method, k), _codec(v_method, v), "cuda", rows_per_token=6, slots=314 * 6,
+                        min_chunk_bytes=8192, max_chunk_bytes=16384)
+    store.append(kd[:, :, :40], vd[:, :, :40], 0, 0)
+    for t in range(40, 300):
+        store.append(kd[:, :, t : t + 1], vd[:, :, t : t + 1], t * 6, t)
+    store.append(vd[:, :, 290:314], kd[:, :, 290:314], 290 * 6, 290)  # a crop to 290, then other rows (V, K swapped)
+    want_k = torch.cat((k[:, :, :290], v[:, :, 290:]), 2)
+    want_v = torch.cat((v[:, :, :290], k[:, :, 290:]), 2)
+    assert len(store._chunks.caps) > 10, "the rows must span many chunks"
+    row0 = (torch.arange(314).view(-1, 1) * 6 + torch.tensor([3, 0])).cuda().contiguous()
+    side = torch.cuda.Stream()
+    for reorder in (False, True):
+        outs = []
+        for how in ("zero_copy", "staged", "staged_other_stream"):
+            out_k = torch.full((2, 3, 320, 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+            out_v = out_k.clone()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                staged = None
+                if how == "staged":
+                    staged = store.stage_chunks()
+                elif how == "staged_other_stream":
+                    side.wait_stream(torch.cuda.current_stream())
+                    staged = store.stage_chunks(side)
+                store.fetch(None, 314, out_k, out_v, row0=row0 if reorder else None, staged=staged)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if staged is not None:
+                assert store.stored_bytes(314 * 6) <= staged.nbytes <= store.host_nbytes
+            outs.append((out_k.cpu(), out_v.cpu()))
+        wk, wv = (want_k.flip(0), want_v.flip(0)) if reorder else (want_k, want_v)
+        for got_k, got_v in outs:
+            assert torch.equal(got_k[:, :, :314].view(torch.int16), wk.view(torch.int16))
+            assert torch.equal(got_v[:, :, :314].view(torch.int16), wv.view(torch.int16))
+            assert torch.isnan(got_k[:, :, 314:]).all()  # nothing written past the tokens
+    store.check()
+    store.release()
+
+
+@pytest.mark.gpu
 def test_gpu_property_cases_equal_cpu() -> None:
     """Hypothesis cases (NaN payloads, -0.0, denormals, odd B/H/D, crops) stored on the GPU equal the CPU store."""
     hypothesis = pytest.importorskip("hypothesis")
@@ -531,6 +581,23 @@ def test_gpu_decode_steps_never_sync(chat_kv: Any) -> None:
                        kd.gather(2, idx[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
     mgr.stats()  # raises if a kernel set a status bit
     mgr.close()
+
+
+def test_stage_layout_covers_every_stored_byte_aligned() -> None:
+    """The bulk copy's plan: chunks before the bound's whole, the bound's up to the bound, none after; each copy
+    carries the decoder's 16 spare bytes and starts 16-byte aligned; copies never overlap."""
+    from ibpcache.cache.append_store import _PAD, stage_layout
+
+    caps = [0, 4096, 100, 8192, 16384]
+    for bound, want in (((3 << 40) | 1000, [0, 4096 + _PAD, 100 + _PAD, 1000 + _PAD]),
+                        ((4 << 40) | 0, [0, 4096 + _PAD, 100 + _PAD, 8192 + _PAD, 0]),
+                        ((1 << 40) | 7, [0, 7 + _PAD]),
+                        (0, [0]),
+                        ((9 << 40) | 5, [0, 4096 + _PAD, 100 + _PAD, 8192 + _PAD, 16384 + _PAD])):
+        sizes, offs = stage_layout(caps, bound)
+        assert sizes.tolist() == want, bound
+        assert offs[0] == 0 and all(o % 16 == 0 for o in offs)
+        assert all(offs[c] + sizes[c] <= offs[c + 1] for c in range(len(sizes) - 1))
 
 
 def test_cursor_bound_keeps_a_chunk_ahead_of_a_lagging_device() -> None:

@@ -584,16 +584,35 @@ def test_gpu_partial_scores_kernel_matches_float64(code_kv: Any, dtype: str) -> 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("compress", [True, False])
-def test_gpu_manager_counts_bytes_it_moves(code_kv: Any, compress: bool) -> None:
+@pytest.mark.parametrize("dense_fetch", ["bulk", "zero_copy"])
+def test_gpu_manager_counts_bytes_it_moves(code_kv: Any, compress: bool, dense_fetch: str) -> None:
+    """Zero-copy reads move exactly the stored bytes of the rows; a bulk dense read moves the chunks' live part
+    (stored bytes plus chunk tails and padding, never more than the host holds); both read the same rows."""
     k, v = code_kv("fp16")
-    mgr = _manager(torch.float16, "cuda", compress=compress)
+    mgr = _manager(torch.float16, "cuda", compress=compress, dense_fetch=dense_fetch, host_chunk_bytes=1 << 16)
     _fill(mgr, k.cuda(), v.cuda(), prompt=300)
     before = mgr.stats()
-    mgr.fetch_all(0)
+    keys, values = mgr.fetch_all(0)
+    assert_same_bits(keys, k)
+    assert_same_bits(values, v)
+    mgr.prefetch(0, None, extra_tokens=1)
+    keys, _ = mgr.take(0, None, extra_tokens=1)
+    assert_same_bits(keys[:, :, :400], k)
     after = mgr.stats()
-    assert after["pcie_read_bytes"] - before["pcie_read_bytes"] == after["stored_bytes"]
+    moved = after["pcie_read_bytes"] - before["pcie_read_bytes"]
+    stored = mgr._layers[0].kv.stored_bytes(400 * 6)
+    if dense_fetch == "zero_copy":
+        assert moved == 2 * stored
+    else:
+        assert 2 * stored <= moved <= 2 * mgr._layers[0].kv.host_nbytes
     assert after["pcie_write_bytes"] == after["stored_bytes"]
+    assert after["dense_fetch"] == dense_fetch
     mgr.close()
+
+
+def test_manager_rejects_unknown_dense_fetch() -> None:
+    with pytest.raises(ValueError, match="dense_fetch"):
+        _manager(torch.float16, "cpu", dense_fetch="dma")
 
 
 @pytest.mark.gpu
