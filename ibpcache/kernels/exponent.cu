@@ -48,6 +48,73 @@ __device__ __forceinline__ bool ibp_exp_decode_row(const unsigned char* __restri
   return true;
 }
 
+// The 64 stream bits from bit `pos` of a 4-byte aligned row whose memory can be read (any content) up to word
+// (pos >> 5) + 2: three word loads instead of ibp_exp_window's eight byte loads with bounds checks.
+__device__ __forceinline__ u64 ibp_exp_window_words(const unsigned int* __restrict__ w, i64 pos) {
+  const int i = (int)(pos >> 5), sh = (int)(pos & 31);
+  const u64 lo = (u64)w[i] | ((u64)w[i + 1] << 32);
+  return sh ? (lo >> sh) | ((u64)w[i + 2] << (64 - sh)) : lo;
+}
+
+// Element j of a compressed row: its raw field at bit rpos, its exponent codeword at bit cpos (both advanced).
+// False when the codeword stream runs past `lim` bits (a corrupt row; the cursor then stops there).
+__device__ __forceinline__ bool ibp_exp_next(const unsigned int* __restrict__ w, i64& rpos, i64& cpos, i64 lim,
+                                             int eshift, unsigned mant_mask, unsigned raw_mask, int raw_bits,
+                                             const int* __restrict__ lut, int max_bits, unsigned& v) {
+  const unsigned raw = (unsigned)ibp_exp_window_words(w, rpos) & raw_mask;
+  rpos += raw_bits;
+  const unsigned peek = (unsigned)(__brevll(ibp_exp_window_words(w, cpos)) >> (64 - max_bits));
+  const int e = __ldg(lut + peek);
+  cpos += e & 0xFF;
+  v = ((raw >> eshift) << 15) | (raw & mant_mask) | ((unsigned)(e >> 8) << eshift);
+  return cpos <= lim;
+}
+
+// ibp_exp_decode_row for a row staged in shared memory (4-byte aligned, readable up to 12 bytes past its stored
+// length): one pass that takes element j's raw field and codeword together, and, when `out` is 16-byte aligned and
+// d a multiple of 8, stores 8 elements per 16-byte store. Why: the two-pass version ORs every exponent into `out`
+// with a 2-byte load and store per element; with a lane per row those are 32 scattered sectors per warp access,
+// and a fetch of every token was bound by them. Same bytes out for every row that decodes; false where
+// ibp_exp_decode_row returns false.
+__device__ __forceinline__ bool ibp_exp_decode_row_words(const unsigned char* __restrict__ row, int len, int d,
+                                                         int eshift, int raw_bits, int row_bytes,
+                                                         const int* __restrict__ lut, int max_bits,
+                                                         unsigned short* __restrict__ out) {
+  const unsigned int* w = reinterpret_cast<const unsigned int*>(row);
+  const bool vec = ((reinterpret_cast<unsigned long long>(out) & 15) == 0) && (d & 7) == 0;
+  if (len == row_bytes) {  // stored raw: little-endian elements
+    if (vec) {
+      for (int q = 0; q < d / 8; ++q)
+        reinterpret_cast<uint4*>(out)[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+    } else {
+      for (int j = 0; j < d; ++j) out[j] = (unsigned short)(row[2 * j] | (row[2 * j + 1] << 8));
+    }
+    return true;
+  }
+  const unsigned mant_mask = (1u << eshift) - 1u, raw_mask = (1u << raw_bits) - 1u;
+  const i64 lim = (i64)len * 8;
+  i64 rpos = 0, cpos = (i64)d * raw_bits;
+  if (cpos > lim) return false;
+  if (vec) {
+    for (int g = 0; g < d; g += 8) {
+      unsigned v[8];
+#pragma unroll
+      for (int t = 0; t < 8; ++t)
+        if (!ibp_exp_next(w, rpos, cpos, lim, eshift, mant_mask, raw_mask, raw_bits, lut, max_bits, v[t]))
+          return false;
+      reinterpret_cast<uint4*>(out)[g >> 3] =
+          make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
+    }
+  } else {
+    for (int j = 0; j < d; ++j) {
+      unsigned v;
+      if (!ibp_exp_next(w, rpos, cpos, lim, eshift, mant_mask, raw_mask, raw_bits, lut, max_bits, v)) return false;
+      out[j] = (unsigned short)v;
+    }
+  }
+  return true;
+}
+
 #define IBP_EXP_WARPS 4        // warps per block of the staged decode
 #define IBP_EXP_MAX_ROW 256    // rows up to this many bytes are staged in shared memory (head_dim <= 128)
 #define IBP_EXP_STRIDE (IBP_EXP_MAX_ROW + 8)

@@ -68,7 +68,8 @@
 #define KVP_WARPS 4                       // warps per block of every kernel here
 #define KVP_STAGE_ROW IBP_EXP_MAX_ROW     // exponent rows up to this many bytes are staged in shared memory
 #define KVP_STAGE_STRIDE IBP_EXP_STRIDE
-#define KVP_STAGE_VEC ((32 * KVP_STAGE_STRIDE + 15) / 16)  // >= IBP_RING_VEC: the IBP ring fits in the same space
+// >= IBP_RING_VEC: the IBP ring fits in the same space; +1: ibp_exp_decode_row_words may read 12 bytes past a row
+#define KVP_STAGE_VEC ((32 * KVP_STAGE_STRIDE + 15) / 16 + 1)
 
 // One side's codec, as read from the descriptor.
 struct KvpSide {
@@ -434,9 +435,13 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
                 __syncwarp();
             }
             if (mine) {
-                const unsigned char* from = staged ? stage + lane * KVP_STAGE_STRIDE : src;
-                if (!ibp_exp_decode_row(from, L, s.elems, s.eshift, s.raw_bits, row_bytes, s.lut, s.max_bits,
-                                        reinterpret_cast<unsigned short*>(dst)))
+                unsigned short* o = reinterpret_cast<unsigned short*>(dst);
+                const bool ok = staged ? ibp_exp_decode_row_words(stage + lane * KVP_STAGE_STRIDE, L, s.elems,
+                                                                  s.eshift, s.raw_bits, row_bytes, s.lut,
+                                                                  s.max_bits, o)
+                                       : ibp_exp_decode_row(src, L, s.elems, s.eshift, s.raw_bits, row_bytes, s.lut,
+                                                            s.max_bits, o);
+                if (!ok)
                     atomicOr(reinterpret_cast<unsigned long long*>(state + KVP_ST_STATUS),
                              (unsigned long long)KVP_STATUS_CORRUPT);
             }
