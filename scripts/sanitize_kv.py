@@ -64,6 +64,9 @@ def store_ok(dtype: str, k_method: str, v_method: str) -> bool:
     row0 = (torch.arange(120).view(-1, 1) * 6 + torch.tensor([3, 0])).cuda()  # beams swapped
     store.fetch(None, 120, dense_k, dense_v, row0=row0)
     ok &= _same(dense_k[:, :, :120], k.flip(0)) and _same(dense_v[:, :, :120], v.flip(0))
+    dense_k.zero_(), dense_v.zero_()
+    store.fetch(None, 120, dense_k, dense_v, row0=row0, staged=store.stage_chunks())  # from the bulk device copy
+    ok &= _same(dense_k[:, :, :120], k.flip(0)) and _same(dense_v[:, :, :120], v.flip(0))
     a, b = store.snapshot(120 * 6), cpu.snapshot(120 * 6)
     ok &= bool((a["pos"] == b["pos"]).all() and (a["len"] == b["len"]).all() and (a["data"] == b["data"]).all())
     store.check()
