@@ -486,13 +486,25 @@ def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, item
     return st
 
 
-def gpu_fits(method: str, cfg: Any, batch: int, context: int, itemsize: int, device: str) -> "str | None":
+def gpu_need(method: str, mode: str, cfg: Any, batch: int, context: int, itemsize: int,
+             dense_fetch: str = "bulk") -> int:
+    """GPU bytes a run needs beyond the weights: the resident KV (dynamic_gpu), about six layer tensors of attention
+    buffers and prefetches, 3 GB of headroom, and for ours in dense bulk mode two staging copies of a whole layer's
+    chunks in flight (K and V, at most their raw size)."""
+    layer = kv_layer_tensor_bytes(cfg, batch, context, itemsize)
+    need = (raw_kv_bytes(cfg, batch, context, itemsize) if method == "dynamic_gpu" else 0) + 6 * layer + (3 << 30)
+    if method in ("ibpcache", "ibpcache_raw") and mode == "dense" and dense_fetch == "bulk":
+        need += 2 * 2 * layer
+    return need
+
+
+def gpu_fits(method: str, mode: str, cfg: Any, batch: int, context: int, itemsize: int, device: str,
+             dense_fetch: str = "bulk") -> "str | None":
     """None when the method's GPU needs fit in free device memory, else the reason."""
     if device != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info()
-    layer = kv_layer_tensor_bytes(cfg, batch, context, itemsize)
-    need = (raw_kv_bytes(cfg, batch, context, itemsize) if method == "dynamic_gpu" else 0) + 6 * layer + (3 << 30)
+    need = gpu_need(method, mode, cfg, batch, context, itemsize, dense_fetch)
     if need > free:
         return f"needs ~{need / GB:.1f} GB of GPU memory, {free / GB:.1f} GB free"
     return None
@@ -811,9 +823,7 @@ def plan(args: argparse.Namespace) -> list:
                     if method not in args.methods.split(",") or (mode == "sparse" and method not in SPARSE_METHODS):
                         continue
                     host = host_estimate(method, cfg, batch, context, itemsize)
-                    layer = kv_layer_tensor_bytes(cfg, batch, context, itemsize)
-                    gpu = weights + (raw_kv_bytes(cfg, batch, context, itemsize) if method == "dynamic_gpu" else 0) \
-                        + 6 * layer + (3 << 30)
+                    gpu = weights + gpu_need(method, mode, cfg, batch, context, itemsize, args.dense_fetch)
                     why = None
                     if host > max_host:
                         why = f"host ~{host / GB:.1f} GB > {max_host / GB:.1f} GB"
@@ -970,7 +980,8 @@ def main(argv: "list | None" = None) -> None:
                             reason = (f"host store ~{need / GB:.1f} GB exceeds --max-host-gb "
                                       f"{max_host / GB:.1f} GB")
                         else:
-                            reason = gpu_fits(method, cfg, batch, context, itemsize, args.device)
+                            reason = gpu_fits(method, mode, cfg, batch, context, itemsize, args.device,
+                                              args.dense_fetch)
                         step_gb = 0.0 if method == "dynamic_gpu" or mode == "sparse" else fill_gb
                         est = deadline.estimate(method, fill_gb, steps, step_gb)
                         if reason is None:
