@@ -819,7 +819,8 @@ class KVOffloadManager:
         ``stored_bytes``/``raw_bytes``: KV bytes as stored / uncompressed; ``codecs``: per layer the (K, V) method
         the planner chose and the sample sizes it compared;
         ``gpu_bytes``: per-row metadata and tables on the GPU; ``pcie_read_bytes(_per_step)``: bytes the
-        fetches moved host->GPU (stored bytes for compressed rows); ``fit_s``: total prefill fit time;
+        fetches moved host->GPU (zero-copy reads: the rows' stored bytes; bulk dense reads: the chunk bytes copied,
+        i.e. the stored bytes plus chunk tails and padding); ``fit_s``: total prefill fit time;
         ``transfer_s_per_step``: GPU time of all timed transfers divided by the decode steps (``timing=True``;
         a transfer overlapped with compute still counts in full).
         """
