@@ -222,3 +222,24 @@ def test_gpu_row_sizes_around_the_staging_limit(real_rows: Any, d: int) -> None:
     for src in (codec.encode_gpu(rows.cuda()), tuple(t.cuda() if i else t.pin_memory()
                                                         for i, t in enumerate(codec.encode(rows)))):
         assert torch.equal(_u16(codec.decode_gpu(*src).cpu()), _u16(rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])
+def test_gpu_staged_rows_at_every_alignment(real_rows: Any, shift: int) -> None:
+    """The staged decode reads rows with aligned 4-byte words and realigns them in registers: real rows (~170 bytes)
+    mixed with random bit patterns stored raw (256 bytes: the most words a lane loads), at every start alignment
+    of the buffer, from device memory and zero-copy from pinned host memory."""
+    real = real_rows("kv_chat_k_bf16")[:600]
+    codec = ExponentCodec.fit(real)
+    noise = torch.randint(-(2 ** 15), 2 ** 15, (200, real.shape[1]), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(shift)).to(torch.int16).view(torch.bfloat16)
+    rows = torch.cat([real, noise])[torch.randperm(800, generator=torch.Generator().manual_seed(9))]
+    data, lengths, offsets = codec.encode(rows)
+    assert int(lengths.max()) == codec.row_bytes and int(lengths.min()) < codec.row_bytes
+    moved = torch.zeros(data.numel() + shift, dtype=torch.uint8)
+    moved[shift:] = data
+    pick = torch.randperm(800, generator=torch.Generator().manual_seed(shift))[:777]  # not a multiple of 32
+    for buf in (moved.cuda(), moved.pin_memory()):
+        out = codec.decode_gpu(buf, lengths[pick].cuda(), (offsets[pick] + shift).cuda())
+        assert torch.equal(_u16(out.cpu()), _u16(rows[pick])), f"rows misdecoded at alignment {shift}"

@@ -118,32 +118,81 @@ __device__ __forceinline__ bool ibp_exp_decode_row_words(const unsigned char* __
 #define IBP_EXP_WARPS 4        // warps per block of the staged decode
 #define IBP_EXP_MAX_ROW 256    // rows up to this many bytes are staged in shared memory (head_dim <= 128)
 #define IBP_EXP_STRIDE (IBP_EXP_MAX_ROW + 8)
+// uint4 words of one warp's stage: 32 rows, +1 because ibp_exp_decode_row_words may read 12 bytes past a row
+#define IBP_EXP_STAGE_VEC ((32 * IBP_EXP_STRIDE + 15) / 16 + 1)
+
+#define IBP_STAGE_BATCH 8  // rows whose loads ibp_stage_rows issues before any of their stores
+#define IBP_STAGE_WORDS ((IBP_EXP_MAX_ROW + 6 + 127) / 128)  // 4-byte loads per lane per row (<= 3 + n + 3 bytes)
+
+// The warp stages 32 stored rows into shared memory: lane r's row (n bytes at src, any alignment, n <=
+// IBP_EXP_MAX_ROW; n = 0 for none) goes to dst + r * stride (4-byte aligned), as whole 4-byte words (the bytes
+// past n up to the word end get any content). Every row is read with the warp's 4-byte loads of the aligned words
+// that overlap it (never more: such a word lies in the page, and the allocation granule, of a byte of the row) and
+// realigned in registers (funnel shift with the next lane's word). Why: a zero-copy read over PCIe costs a round
+// trip of about a microsecond; 128 bytes per warp load instead of 32, and the loads of IBP_STAGE_BATCH rows all
+// issued before their stores (a generic store may alias the next load, so a row-by-row loop waits a round trip per
+// load), make 32 rows of ~180 bytes cost 4 round trips instead of 64 (or 192 with byte loads). Shared with
+// kv_packed.cu.
+__device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, unsigned char* dst, int stride,
+                                               int lane) {
+#pragma unroll 1
+  for (int r0 = 0; r0 < 32; r0 += IBP_STAGE_BATCH) {
+    unsigned int v[IBP_STAGE_BATCH][IBP_STAGE_WORDS];
+    int shift[IBP_STAGE_BATCH], out_words[IBP_STAGE_BATCH];
+#pragma unroll
+    for (int u = 0; u < IBP_STAGE_BATCH; ++u) {
+      const int nr = __shfl_sync(0xffffffffu, n, r0 + u);
+      const unsigned long long sp =
+          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(src), r0 + u);
+      const int a = (int)(sp & 3);
+      const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
+      const int nw = nr > 0 ? (a + nr + 3) >> 2 : 0;
+#pragma unroll
+      for (int k = 0; k < IBP_STAGE_WORDS; ++k) {
+        const int w = lane + 32 * k;
+        v[u][k] = w < nw ? words[w] : 0u;
+      }
+      shift[u] = 8 * a;
+      out_words[u] = nr > 0 ? (nr + 3) >> 2 : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < IBP_STAGE_BATCH; ++u) {
+      unsigned int* d = reinterpret_cast<unsigned int*>(dst + (r0 + u) * stride);
+#pragma unroll
+      for (int k = 0; k < IBP_STAGE_WORDS; ++k) {
+        const unsigned int next_lane = __shfl_down_sync(0xffffffffu, v[u][k], 1);
+        const unsigned int wrap = __shfl_sync(0xffffffffu, k + 1 < IBP_STAGE_WORDS ? v[u][k + 1] : 0u, 0);
+        const unsigned int hi = lane == 31 ? wrap : next_lane;
+        const int j = lane + 32 * k;
+        if (j < out_words[u]) d[j] = __funnelshift_r(v[u][k], hi, shift[u]);
+      }
+    }
+  }
+}
 
 // Staged decode (rows <= IBP_EXP_MAX_ROW bytes): a warp takes 32 rows, copies their stored bytes into shared
-// memory with coalesced loads (32 consecutive bytes per load: what a zero-copy read over PCIe needs), then every
-// lane decodes one row from there. Reading each row's bits straight from host memory, thread by thread, would
-// cost hundreds of tiny PCIe reads per row.
+// memory with coalesced, batched 4-byte loads (ibp_stage_rows: what a zero-copy read over PCIe needs), then every lane
+// decodes one row from there in one pass (ibp_exp_decode_row_words). Reading each row's bits straight from host
+// memory, thread by thread, would cost hundreds of tiny PCIe reads per row. The KV fetch (kv_packed.cu) decodes
+// the same way.
 extern "C" __global__ void __launch_bounds__(32 * IBP_EXP_WARPS)
 ibp_exp_decode_staged(const unsigned char* __restrict__ base, const i64* __restrict__ offsets,
                       const int* __restrict__ lengths, i64 n, int d, int eshift, int raw_bits, int row_bytes,
                       const int* __restrict__ lut, int max_bits, unsigned short* __restrict__ out,
                       i64* __restrict__ err) {
-  __shared__ unsigned char stage[IBP_EXP_WARPS][32 * IBP_EXP_STRIDE];
+  __shared__ uint4 stage[IBP_EXP_WARPS][IBP_EXP_STAGE_VEC];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  unsigned char* mine = stage[warp];
+  unsigned char* mine = reinterpret_cast<unsigned char*>(stage[warp]);
   const i64 step = (i64)gridDim.x * IBP_EXP_WARPS * 32;
   for (i64 first = ((i64)blockIdx.x * IBP_EXP_WARPS + warp) * 32; first < n; first += step) {
-    for (int r = 0; r < 32 && first + r < n; ++r) {
-      const int len = lengths[first + r];
-      const unsigned char* src = base + offsets[first + r];
-      for (int b = lane; b < len && b < IBP_EXP_MAX_ROW; b += 32) mine[r * IBP_EXP_STRIDE + b] = src[b];
-    }
-    __syncwarp();
     const i64 i = first + lane;
+    const int len = i < n ? lengths[i] : 0;
+    const int copy = len < 0 ? 0 : (len < IBP_EXP_MAX_ROW ? len : IBP_EXP_MAX_ROW);
+    ibp_stage_rows(i < n ? base + offsets[i] : base, copy, mine, IBP_EXP_STRIDE, lane);
+    __syncwarp();
     if (i < n) {
-      const int len = lengths[i];
-      if (len > row_bytes || !ibp_exp_decode_row(mine + lane * IBP_EXP_STRIDE, len, d, eshift, raw_bits, row_bytes,
-                                                 lut, max_bits, out + i * d)) {
+      if (len > row_bytes || !ibp_exp_decode_row_words(mine + lane * IBP_EXP_STRIDE, len, d, eshift, raw_bits,
+                                                       row_bytes, lut, max_bits, out + i * d)) {
         atomicCAS(reinterpret_cast<unsigned long long*>(err), 0ull, (unsigned long long)(i + 1));
       }
     }

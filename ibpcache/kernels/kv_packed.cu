@@ -69,7 +69,7 @@
 #define KVP_STAGE_ROW IBP_EXP_MAX_ROW     // exponent rows up to this many bytes are staged in shared memory
 #define KVP_STAGE_STRIDE IBP_EXP_STRIDE
 // >= IBP_RING_VEC: the IBP ring fits in the same space; +1: ibp_exp_decode_row_words may read 12 bytes past a row
-#define KVP_STAGE_VEC ((32 * KVP_STAGE_STRIDE + 15) / 16 + 1)
+#define KVP_STAGE_VEC IBP_EXP_STAGE_VEC
 
 // One side's codec, as read from the descriptor.
 struct KvpSide {
@@ -131,14 +131,32 @@ __device__ __forceinline__ void kvp_copy(const unsigned char* __restrict__ src, 
     __syncwarp();
 }
 
-// Source row i of an append: the [B, H, n, D] tensor `src` with byte strides (sb, sh, st).
-__device__ __forceinline__ const unsigned char* kvp_src_row(const unsigned char* src, long long sb, long long sh,
-                                                            long long st, long long i, int bh_count, int heads) {
-    long long t = i / bh_count;
-    int bh = (int)(i - t * bh_count);
-    int b = bh / heads, h = bh - b * heads;
-    return src + b * sb + h * sh + t * st;
-}
+// One side's source rows of an append: the [B, H, n, D] tensor at `base` with byte strides (sb, sh, st).
+struct KvpRows {
+    const unsigned char* base;
+    long long sb, sh, st;
+    // Row i of the append (token i / bh_count, (b, h) from i % bh_count).
+    __device__ __forceinline__ const unsigned char* row(long long i, int bh_count, int heads) const {
+        long long t = i / bh_count;
+        int bh = (int)(i - t * bh_count);
+        int b = bh / heads, h = bh - b * heads;
+        return base + b * sb + h * sh + t * st;
+    }
+};
+
+// The grid-stride walk every kernel here makes: warp q of the grid takes the 32 rows of group q >> 1 on side
+// q & 1 (K, V interleaved), for groups of m rows per side.
+struct KvpWalk {
+    long long q, step, end;
+    __device__ __forceinline__ explicit KvpWalk(long long m)
+        : q((blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5),
+          step(((long long)gridDim.x * blockDim.x) >> 5),
+          end(2 * ((m + 31) >> 5)) {}
+    __device__ __forceinline__ bool more() const { return q < end; }
+    __device__ __forceinline__ void next() { q += step; }
+    __device__ __forceinline__ int side() const { return (int)(q & 1); }
+    __device__ __forceinline__ long long first() const { return (q >> 1) << 5; }
+};
 
 // The append's first slot and first token: given (slot0, t0), or, with dyn, t0 = the tokens the device state says
 // are stored and slot0 moved by as many tokens (a graph captured at token t0 replays at later tokens).
@@ -171,21 +189,18 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
     long long slot0, t0;
     kvp_where(state, dyn, slot0_arg, t0_arg, bh_count, slot0, t0);
     const long long m = n_tokens * bh_count;
-    const long long groups = (m + 31) >> 5;
-    const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long q = warp; q < 2 * groups; q += nwarps) {
-        const int side = (int)(q & 1);
-        const long long i0 = (q >> 1) << 5;
+    const KvpRows k_rows{k_src, k_sb, k_sh, k_st}, v_rows{v_src, v_sb, v_sh, v_st};
+    for (KvpWalk g(m); g.more(); g.next()) {
+        const int side = g.side();
+        const long long i0 = g.first();
         const KvpSide s = kvp_side(D, side);
-        const unsigned char* src = side ? v_src : k_src;
-        const long long sb = side ? v_sb : k_sb, sh = side ? v_sh : k_sh, st = side ? v_st : k_st;
+        const KvpRows& rows = side ? v_rows : k_rows;
         int* len = len_all + side * slot_cap + slot0;
         if (s.method == KVP_EXPONENT) {
             const long long i = i0 + lane;
             if (i < m) {
                 const unsigned short* row = reinterpret_cast<const unsigned short*>(
-                    kvp_src_row(src, sb, sh, st, i, bh_count, heads));
+                    rows.row(i, bh_count, heads));
                 len[i] = ibp_exp_row_bytes(row, s.elems, s.eshift, s.emask, s.raw_bits, row_bytes, s.code_len);
             }
         } else {
@@ -193,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
                 const long long i = i0 + r;
                 int L = row_bytes;
                 if (s.method == KVP_IBP)
-                    L = kvp_ibp_row_bytes(s, kvp_src_row(src, sb, sh, st, i, bh_count, heads), row_bytes, lane);
+                    L = kvp_ibp_row_bytes(s, rows.row(i, bh_count, heads), row_bytes, lane);
                 if (lane == 0) len[i] = L;
             }
         }
@@ -297,15 +312,12 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
     unsigned char* dst0 = reinterpret_cast<unsigned char*>(chunk) + (base & KVP_OFF_MASK);
     const long long att_shift = att_pos0 + (dyn ? t0 - t0_arg : 0);
     const long long m = n_tokens * bh_count;
-    const long long groups = (m + 31) >> 5;
-    const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long q = warp; q < 2 * groups; q += nwarps) {
-        const int side = (int)(q & 1);
-        const long long i0 = (q >> 1) << 5;
+    const KvpRows k_rows{k_src, k_sb, k_sh, k_st}, v_rows{v_src, v_sb, v_sh, v_st};
+    for (KvpWalk g(m); g.more(); g.next()) {
+        const int side = g.side();
+        const long long i0 = g.first();
         const KvpSide s = kvp_side(D, side);
-        const unsigned char* src = side ? v_src : k_src;
-        const long long sb = side ? v_sb : k_sb, sh = side ? v_sh : k_sh, st = side ? v_st : k_st;
+        const KvpRows& rows = side ? v_rows : k_rows;
         const int* len = len_all + side * slot_cap + slot0;
         long long* pos = pos_all + side * slot_cap + slot0;
         if (s.method == KVP_EXPONENT) {
@@ -316,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
             if (mine) {
                 pos[i] = base + rel;
                 const unsigned short* row = reinterpret_cast<const unsigned short*>(
-                    kvp_src_row(src, sb, sh, st, i, bh_count, heads));
+                    rows.row(i, bh_count, heads));
                 unsigned char* out = row_bytes <= KVP_STAGE_ROW ? stage + lane * KVP_STAGE_STRIDE : dst0 + rel;
                 ibp_exp_encode_row(row, s.elems, s.eshift, s.emask, s.raw_bits, row_bytes, L, s.code_len, s.code_rev,
                                    out);
@@ -336,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
             for (int r = 0; r < 32 && i0 + r < m; ++r) {
                 const long long i = i0 + r;
                 const long long rel = scratch[2 * i + side];
-                const unsigned char* row = kvp_src_row(src, sb, sh, st, i, bh_count, heads);
+                const unsigned char* row = rows.row(i, bh_count, heads);
                 unsigned char* dst = dst0 + rel;
                 int L = row_bytes;
                 if (s.method == KVP_IBP)
@@ -355,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
                 const long long i = i0 + r;
                 const long long t = i / bh_count;
                 const int bh = (int)(i - t * bh_count);
-                kvp_copy(kvp_src_row(src, sb, sh, st, i, bh_count, heads),
+                kvp_copy(rows.row(i, bh_count, heads),
                          att + (bh * att_width + att_shift + t) * (long long)row_bytes, row_bytes, lane);
             }
         }
@@ -388,12 +400,9 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
     long long* state = reinterpret_cast<long long*>(D[KVP_D_STATE]);
     const long long k = k_dyn ? state[KVP_ST_TOKENS] : k_arg;
     const long long m = k * bh_count;
-    const long long groups = (m + 31) >> 5;
-    const long long warp = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5;
-    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long q = warp; q < 2 * groups; q += nwarps) {
-        const int side = (int)(q & 1);
-        const long long r0 = (q >> 1) << 5;
+    for (KvpWalk g(m); g.more(); g.next()) {
+        const int side = g.side();
+        const long long r0 = g.first();
         const KvpSide s = kvp_side(D, side);
         const int* len = len_all + side * slot_cap;
         const long long* pos = pos_all + side * slot_cap;
@@ -425,13 +434,8 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
         }
         if (s.method == KVP_EXPONENT) {
             const bool staged = row_bytes <= KVP_STAGE_ROW;
-            if (staged) {  // coalesced reads of the 32 rows' stored bytes into shared memory
-                for (int rr = 0; rr < 32; ++rr) {
-                    const int Lr = __shfl_sync(IBP_FULL, L, rr);
-                    const unsigned char* sr = reinterpret_cast<const unsigned char*>(
-                        __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(src), rr));
-                    for (int b = lane; b < Lr; b += 32) stage[rr * KVP_STAGE_STRIDE + b] = sr[b];
-                }
+            if (staged) {  // the 32 rows' stored bytes into shared memory (coalesced, batched loads)
+                ibp_stage_rows(src, L, stage, KVP_STAGE_STRIDE, lane);
                 __syncwarp();
             }
             if (mine) {
