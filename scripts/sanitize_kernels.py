@@ -16,7 +16,8 @@ from ibpcache.kernels.bitpack import decode_descriptors, encode_into, gather_raw
 
 def kv_kernels_ok() -> bool:
     """The KV manager's fused kernels: append (K+V encode, attention-buffer copy), fetch (sparse, dense), select."""
-    from ibpcache.kernels.kv_select import partial_scores
+    from ibpcache.kernels.kv_select import partial_scores, select_top
+    from ibpcache.loaders._kv_select import top_k_ascending
     from ibpcache.loaders.kv import KVOffloadManager
 
     try:
@@ -44,8 +45,15 @@ def kv_kernels_ok() -> bool:
     dims = torch.arange(13, device="cuda").repeat(9, 1)
     keys = k[..., :13].contiguous()
     q = torch.cat([k[:, :, :1]] * 3, dim=1)  # [2, 9, 1, 64]
-    scores, counts = partial_scores(q, dims, keys, 96, 0.125, 4.0, None)
+    scores = partial_scores(q, dims, keys, 96, 0.125, None)
+    idx, counts = select_top(scores, 17, 4.0)
     ok &= bool((counts >= 1).all()) and scores.shape == (2, 3, 96)
+    ok &= torch.equal(idx.cpu(), top_k_ascending(scores.cpu(), 17))
+    n_dev = torch.tensor([90], dtype=torch.int64, device="cuda")  # the graph path: count read on the device
+    wide = torch.zeros(2, 3, 96, device="cuda")
+    partial_scores(q, dims, keys, 96, 0.125, None, n_dev=n_dev, out=wide)
+    idx, _ = select_top(wide, 17, 4.0, n_dev=n_dev)
+    ok &= torch.equal(idx.cpu(), top_k_ascending(scores[:, :, :90].cpu(), 17))
     torch.cuda.synchronize()
     print(f"kv kernels: ok={ok}")
     return ok

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
+from ._kv_graph import SpeculationGraphs
 from ._kv_select import PartialKeySelector, SelectionConfig, gather_mask, project_query, valid_from_mask
 from .kv import KVOffloadManager
 
@@ -153,6 +154,9 @@ class IBPOffloadedCache(Cache):
             defer_prompt_bytes, dense_fetch: see :class:`KVOffloadManager`.
         alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
+        graphs: sparse mode on CUDA: replay each layer's speculation (and a zero-copy store's fetch) from a CUDA
+            graph captured per (layer, k) instead of launching it from Python (``_kv_graph``); the same kernels,
+            so the same tokens. Padded batches (an attention mask) speculate eagerly.
     """
 
     def __init__(self, config: Any, mode: str = "dense", *, model: "torch.nn.Module | None" = None,
@@ -160,7 +164,7 @@ class IBPOffloadedCache(Cache):
                  max_num_kv: int = 400, sample_rows: int = 4096, threshold: "float | str" = "auto",
                  chunk_bytes: "int | str" = "auto", reserve_tokens: int = 0, prefetch: bool = True,
                  timing: bool = False, count_bytes: bool = True, defer_prompt_bytes: "int | None" = None,
-                 codec: str = "auto", dense_fetch: str = "bulk") -> None:
+                 codec: str = "auto", dense_fetch: str = "bulk", graphs: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
@@ -174,6 +178,8 @@ class IBPOffloadedCache(Cache):
         super().__init__(layers=[IBPOffloadedLayer(self, i) for i in range(self.num_layers)])
         self.mode = mode
         self.use_prefetch = bool(prefetch)
+        self.use_graphs = bool(graphs)
+        self._spec_graphs: "SpeculationGraphs | None" = None
         self._manager_kwargs = dict(compress=compress, codec=codec, transfer=transfer, sample_rows=sample_rows,
                                     threshold=threshold, chunk_bytes=chunk_bytes, reserve_tokens=reserve_tokens,
                                     timing=timing, count_bytes=count_bytes,
@@ -181,6 +187,7 @@ class IBPOffloadedCache(Cache):
         self.manager: "KVOffloadManager | None" = None
         self.selector: "PartialKeySelector | None" = None
         self._selection: dict[int, torch.Tensor] = {}
+        self._selection_ready: dict[int, torch.cuda.Event] = {}  # graph replays: when a selection may be read
         self._prefill_q: dict[int, torch.Tensor] = {}
         self._hooks: list = []
         if mode == "sparse":
@@ -220,6 +227,7 @@ class IBPOffloadedCache(Cache):
         """Remove the sparse-mode hooks from the model and stop the manager's worker thread."""
         _remove_hooks(self._hooks)
         self._hooks = []
+        self._spec_graphs = None
         if self.manager is not None:
             self.manager.close()
 
@@ -250,13 +258,23 @@ class IBPOffloadedCache(Cache):
         idx = self._selection.get(i)
         if idx is None or mask is None:
             return None
+        ready = self._selection_ready.pop(i, None)
+        if ready is not None:  # made on the graphs' stream
+            torch.cuda.current_stream(idx.device).wait_event(ready)
         kwargs["attention_mask"] = gather_mask(mask, idx, n_past, self.num_heads)
         return args, kwargs
 
     def _speculate(self, j: int, hidden: torch.Tensor, pos: tuple, valid: "torch.Tensor | None") -> None:
+        if self.use_graphs and self.use_prefetch and hidden.is_cuda:
+            if self._spec_graphs is None:
+                self._spec_graphs = SpeculationGraphs(self._decoder, self.selector, hidden.device)
+            self._selection[j], self._selection_ready[j] = self._spec_graphs.speculate(j, hidden, pos, valid,
+                                                                                        self.manager)
+            return
         q = project_query(self._decoder[j], hidden, pos)
         idx = self.selector.select(j, q, valid)
         self._selection[j] = idx
+        self._selection_ready.pop(j, None)
         if self.use_prefetch:
             self.manager.prefetch(j, idx, extra_tokens=1)
 
@@ -353,6 +371,7 @@ class IBPOffloadedCache(Cache):
     def _after_change(self, layer: "int | None") -> None:
         """Selections made for the old order are void; restart layer 0's prefetch (dense, GPU) in the new one."""
         self._selection.clear()
+        self._selection_ready.clear()
         if layer is None or layer == self.num_layers - 1:
             self._prefetch_next(self.num_layers - 1)
 
@@ -369,7 +388,9 @@ class IBPOffloadedCache(Cache):
             self.manager = None
         if self.selector is not None:
             self.selector.reset()
+        self._spec_graphs = None  # captured against the old stores and partial key caches
         self._selection.clear()
+        self._selection_ready.clear()
         self._prefill_q.clear()
         for layer in self.layers:
             layer.reset()
@@ -383,6 +404,8 @@ class IBPOffloadedCache(Cache):
             out["partial_key_bytes"] = self.selector.gpu_bytes
             out["gpu_bytes"] = out.get("gpu_bytes", 0) + self.selector.gpu_bytes
             out["selected_k_last"] = list(self.selector.last_k)
+        if self._spec_graphs is not None:
+            out.update(self._spec_graphs.stats())
         return out
 
 

@@ -20,8 +20,10 @@ step. The choice of *which* tokens is always made from the current query.
 GQA: a KV head serves several query heads; its score for a token is the max over those heads, so a token
 that matters to any of them is kept.
 
-On CUDA the scores and the per-head critical counts come from one kernel (``kernels/kv_select.cu``, fp32
-accumulation); on the CPU from the equivalent torch expressions.
+On CUDA two kernels (``kernels/kv_select.cu``) do it: the scores (fp32 accumulation), then per (batch, head) the
+critical count and the top-k tokens in ascending order; on the CPU the equivalent torch expressions. Ties at the k-th
+score go to the lowest token indices on both (:func:`top_k_ascending`), so every transfer path of a cache, eager or
+replayed from a CUDA graph (:meth:`PartialKeySelector.select_static`), picks the same tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SelectionConfig", "PartialKeySelector", "project_query", "valid_from_mask", "gather_mask"]
+__all__ = ["SelectionConfig", "PartialKeySelector", "project_query", "valid_from_mask", "gather_mask",
+           "top_k_ascending", "critical_counts"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,21 @@ def gather_mask(mask: "torch.Tensor | None", idx: torch.Tensor, n_past: int, num
     return rows.gather(-1, cols.to(mask.device)).unsqueeze(2)
 
 
+def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] of the ``k`` highest scores of each row, ascending. Ties at the k-th score go to the lowest
+    indices (a stable descending sort: NaN ranks highest, -0.0 equals 0.0); the CUDA kernel
+    (``kernels.kv_select.select_top``) makes exactly this choice, so a tie never splits GPU and CPU selections."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return order.sort(dim=-1).values
+
+
+def critical_counts(scores: torch.Tensor, alpha: float) -> torch.Tensor:
+    """How many scores of each row are >= the row's max - ``alpha`` (NaN scores neither set the max nor count),
+    as the CUDA kernel counts them."""
+    mx = torch.where(scores.isnan(), float("-inf"), scores).amax(dim=-1, keepdim=True)
+    return (scores >= mx - alpha).sum(dim=-1)
+
+
 class PartialKeySelector:
     """Per-layer partial key caches and the selection of critical tokens (see the module docstring)."""
 
@@ -157,6 +175,7 @@ class PartialKeySelector:
         self._q_dims: list["torch.Tensor | None"] = [None] * num_layers  # [Hq, r]: dims of each query head
         self._keys: list["torch.Tensor | None"] = [None] * num_layers  # [B, Hkv, cap, r]
         self._len = [0] * num_layers
+        self._len_dev: "torch.Tensor | None" = None  # CUDA: int64 [layers], the same counts for captured graphs
         self._count_host: list["torch.Tensor | None"] = [None] * num_layers  # pinned: critical count per (b, head)
         self._count_total = [1] * num_layers  # (batch, head, token) scores the counts were taken over
         self._count_event: list["torch.cuda.Event | None"] = [None] * num_layers
@@ -165,6 +184,7 @@ class PartialKeySelector:
     def reset(self) -> None:
         n = self.num_layers
         self._dims, self._q_dims, self._keys, self._len = [None] * n, [None] * n, [None] * n, [0] * n
+        self._len_dev = None
         self._count_host, self._count_event, self.last_k = [None] * n, [None] * n, [0] * n
         self._count_total = [1] * n
 
@@ -198,7 +218,7 @@ class PartialKeySelector:
         store = torch.empty((b, hkv, cap, self.rank), dtype=keys.dtype, device=keys.device)
         store[:, :, :t].copy_(self._columns(keys, dims))
         self._keys[layer] = store
-        self._len[layer] = t
+        self._set_len(layer, t)
         self._scores_counted(layer, query[:, :, -1:, :], None)
 
     def select_batch(self, indices: torch.Tensor, layer: "int | None" = None) -> None:
@@ -216,7 +236,29 @@ class PartialKeySelector:
 
     def crop(self, n_tokens: int, layer: "int | None" = None) -> None:
         """Forget the partial keys of tokens ``>= n_tokens`` (assisted decoding rejected them)."""
-        self._len = [min(n, n_tokens) if layer in (None, i) else n for i, n in enumerate(self._len)]
+        for i, n in enumerate(self._len):
+            if layer in (None, i) and n > n_tokens:
+                self._set_len(i, n_tokens)
+
+    def _set_len(self, layer: int, n: int) -> None:
+        """The layer's partial-key count, on the host and (CUDA) in the device counter graphs read."""
+        self._len[layer] = n
+        keys = self._keys[layer]
+        if keys is None or not keys.is_cuda:
+            return
+        if self._len_dev is None or self._len_dev.device != keys.device:
+            self._len_dev = torch.zeros(self.num_layers, dtype=torch.int64, device=keys.device)
+        self._len_dev[layer].fill_(n)
+
+    def length_on_device(self, layer: int) -> torch.Tensor:
+        """int64 [1] device view of the layer's token count (what :meth:`select_static` reads)."""
+        if self._len_dev is None:
+            raise RuntimeError("length_on_device: no CUDA partial key cache yet")
+        return self._len_dev[layer : layer + 1]
+
+    def keys_of(self, layer: int) -> "torch.Tensor | None":
+        """The layer's partial key cache [B, Hkv, cap, r] (a new tensor after growth or a batch change)."""
+        return self._keys[layer]
 
     def _columns(self, x: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
         """x[..., dims[h]] per KV head: [B, Hkv, n, D] -> [B, Hkv, n, r]."""
@@ -236,7 +278,7 @@ class PartialKeySelector:
             grown[:, :, :t].copy_(store[:, :, :t])
             store = self._keys[layer] = grown
         store[:, :, t : t + n].copy_(self._columns(keys, self._dims[layer]))
-        self._len[layer] = t + n
+        self._set_len(layer, t + n)
 
     def _scores(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None") -> torch.Tensor:
         """Approximate attention logits [B, Hkv, T] of one query row per head, from the partial keys."""
@@ -251,23 +293,25 @@ class PartialKeySelector:
             s = s.masked_fill(~valid[:, None, :].to(s.device), float("-inf"))
         return s
 
-    def _scores_counted(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None") -> torch.Tensor:
-        """Approximate logits [B, Hkv, T] of one query row, recording the critical counts for the next step."""
+    def _scores_counted(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None",
+                        k: int = 0) -> "tuple[torch.Tensor, torch.Tensor]":
+        """(approximate logits [B, Hkv, T], top-``k`` indices [B, Hkv, k] ascending) of one query row, recording
+        the critical counts for the next step."""
         if query.is_cuda:
-            from ..kernels.kv_select import partial_scores
+            from ..kernels.kv_select import partial_scores, select_top
 
-            t = self._len[layer]
             if valid is not None:
                 valid = valid.to(query.device)
                 if valid.stride(-1) != 1:
                     valid = valid.contiguous()
-            scores, counts = partial_scores(query, self._q_dims[layer], self._keys[layer], t, self.scale,
-                                            self.cfg.alpha, valid)
+            scores = partial_scores(query, self._q_dims[layer], self._keys[layer], self._len[layer], self.scale, valid)
+            idx, counts = select_top(scores, k, self.cfg.alpha)
         else:
             scores = self._scores(layer, query, valid)
-            counts = (scores >= scores.amax(dim=-1, keepdim=True) - self.cfg.alpha).sum(dim=-1)
+            counts = critical_counts(scores, self.cfg.alpha)
+            idx = top_k_ascending(scores, k)
         self._record_count(layer, counts, scores.numel())
-        return scores
+        return scores, idx
 
     def _record_count(self, layer: int, counts: torch.Tensor, total: int) -> None:
         """Per-(batch, head) critical counts, copied to the host without waiting for them."""
@@ -292,6 +336,10 @@ class PartialKeySelector:
         share = int(host.sum()) / self._count_total[layer]
         return max(1, min(self.cfg.max_num_kv, int(math.ceil(share * self._len[layer] - 1e-6))))
 
+    def planned_k(self, layer: int) -> int:
+        """How many tokens per head the next :meth:`select` of ``layer`` returns (from the last measured share)."""
+        return min(self._planned_k(layer), self._len[layer])
+
     def select(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None" = None) -> torch.Tensor:
         """Token indices [B, Hkv, k] (int64, ascending per head) to fetch for ``layer``'s next attention.
 
@@ -299,9 +347,31 @@ class PartialKeySelector:
         """
         if self._dims[layer] is None:
             raise RuntimeError(f"layer {layer}: select before prefill")
-        t = self._len[layer]
-        k = min(self._planned_k(layer), t)
-        scores = self._scores_counted(layer, query, valid)
+        k = self.planned_k(layer)
         self.last_k[layer] = k
-        idx = torch.topk(scores, k, dim=-1, sorted=False).indices
-        return idx.sort(dim=-1).values
+        return self._scores_counted(layer, query, valid, k)[1]
+
+    def select_static(self, layer: int, query: torch.Tensor, k: int, scores: torch.Tensor, idx: torch.Tensor,
+                      counts: torch.Tensor, valid: "torch.Tensor | None" = None) -> None:
+        """CUDA, capturable: :meth:`select` into fixed buffers, the token count read on the device.
+
+        ``scores`` fp32 [B, Hkv, >= cap], ``idx`` int64 [B, Hkv, k], ``counts`` int32 [B, Hkv]; ``valid``: bool
+        [B, >= cap] padding (first count columns read), or None. Same kernels and tie rule as :meth:`select`, so a replay picks what it would.
+        The caller keeps ``k <= `` the layer's count and, after every run, copies ``counts`` to pinned memory
+        (outside the graph: a pinned copy records a host-allocator event) and calls :meth:`note_static`.
+        """
+        from ..kernels.kv_select import partial_scores, select_top
+
+        keys = self._keys[layer]
+        cap = keys.shape[2]
+        n_dev = self.length_on_device(layer)
+        partial_scores(query, self._q_dims[layer], keys, cap, self.scale, valid, n_dev=n_dev, out=scores)
+        select_top(scores[:, :, :cap], k, self.cfg.alpha, n_dev=n_dev, idx=idx, counts=counts)
+
+    def note_static(self, layer: int, k: int, counts_host: torch.Tensor, done: "torch.cuda.Event") -> None:
+        """Host bookkeeping after a run of :meth:`select_static`: its counts size the next step (read after
+        ``done``)."""
+        self.last_k[layer] = k
+        self._count_host[layer] = counts_host
+        self._count_event[layer] = done
+        self._count_total[layer] = counts_host.numel() * self._len[layer]

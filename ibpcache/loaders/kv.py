@@ -637,6 +637,36 @@ class KVOffloadManager:
         st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev,
                               refs=(token_idx, st.row0, *live))
 
+    def graph_fetch(self, layer: int, token_idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Enqueue the zero-copy read of ``token_idx`` [B, H, k] into ``out`` ([B, H, >= k, D]) on the current stream,
+        with no bookkeeping: the fetch part of a captured speculation graph (see :meth:`can_graph_fetch`). Hand each
+        run's result to :meth:`adopt_prefetch`."""
+        st = self._state(layer)
+        st.kv.fetch(token_idx, token_idx.shape[-1], out[0], out[1], read=self._dev_read)
+
+    def layer_store(self, layer: int) -> "AppendStore | None":
+        """The layer's packed store (None before its prompt or on the CPU-gather path): a captured fetch reads its
+        descriptor, so a graph is only valid while this is the same object."""
+        return self._state(layer).kv
+
+    def can_graph_fetch(self, layer: int) -> bool:
+        """Whether :meth:`graph_fetch` may be captured for ``layer`` now: a zero-copy CUDA store in the identity slot
+        layout (a beam reorder or batch selection makes reads go through a slot table that may be replaced)."""
+        st = self._state(layer)
+        return (self.transfer == "zero_copy" and st.kv is not None and st.kv.cuda and st.row0 is None
+                and st.n_tokens > 0)
+
+    def adopt_prefetch(self, layer: int, token_idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor],
+                       extra_tokens: int, done: "torch.cuda.Event", refs: tuple = ()) -> None:
+        """A fetch enqueued elsewhere (a replayed graph, ending at ``done``) becomes ``layer``'s prefetch: :meth:`take`
+        with the same ``token_idx`` object returns ``out`` after the current stream waited for ``done``."""
+        st = self._state(layer)
+        self._flush_pending()
+        self._retire(st)
+        live = st.kv.live_tensors() if st.kv is not None else ()
+        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=done,
+                              refs=(token_idx, *refs, *live))
+
     def _prefetch_cpu_gather(self, st: _LayerState, idx: "torch.Tensor | None", extra: int,
                              out: tuple[torch.Tensor, torch.Tensor], main: torch.cuda.Stream) -> _Pending:
         """InfiniGen's path: the CPU waits for the indices, gathers, and issues one bulk copy per tensor."""

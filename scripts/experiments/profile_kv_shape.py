@@ -11,7 +11,10 @@ time is far above its bytes / PCIe rate is latency-bound.
     python3 scripts/experiments/profile_kv_shape.py --shape qwen7b --batches 16 --contexts 32768 --modes sparse \
         --methods ibpcache,ibpcache_raw,infinigen_cpu_gather --data-root /tmp/data --out $OUT
 
-Takes the benchmark's options (``--steps`` is this script's own); writes ``profile_kv_shape.json``.
+``--trace`` adds one step traced with CPU activity (CUDA runtime calls and aten ops by host time) and one under
+``torch.cuda.set_sync_debug_mode("warn")`` (which calls synchronize, and from where).
+
+Takes the benchmark's options (``--steps`` and ``--trace`` are this script's own); writes ``profile_kv_shape.json``.
 """
 
 from __future__ import annotations
@@ -119,6 +122,54 @@ def profile_steps(model: Any, cache: Any, first: torch.Tensor, filled: int, step
                     for n, (c, t) in top]}
 
 
+def cpu_trace_step(model: Any, cache: Any, first: torch.Tensor, filled: int) -> dict:
+    """One decode step under the profiler with CPU activity: the CUDA runtime calls by total host time (a
+    blocking call such as cudaStreamSynchronize, cudaEventSynchronize or a synchronous memcpy shows up here with
+    the time it waited) and the aten ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ls.decode(model, cache, first, filled, 1, 0, False, "cuda")
+    rows = []
+    for e in prof.key_averages():
+        if e.self_cpu_time_total > 0:
+            rows.append({"name": e.key[:100], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3})
+    rows.sort(key=lambda r: -r["self_cpu_ms"])
+    runtime = [r for r in rows if r["name"].startswith("cuda")]
+    return {"runtime_api": runtime[:12], "top_self_cpu": rows[:25]}
+
+
+def sync_step(model: Any, cache: Any, first: torch.Tensor, filled: int) -> dict:
+    """One decode step under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing call torch sees,
+    with the innermost ibpcache/transformers frames that made it (a sync in a hook stops the CPU running ahead)."""
+    import traceback
+    import warnings
+
+    seen: dict = {}
+
+    def show(message: Any, *a: Any, **k: Any) -> None:
+        frames = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                  if ("ibpcache" in f.filename or "transformers" in f.filename or "scripts" in f.filename)]
+        key = str(message)[:80] + " | " + " < ".join(reversed(frames[-4:]))
+        seen[key] = seen.get(key, 0) + 1
+
+    torch.cuda.synchronize()
+    old = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                ls.decode(model, cache, first, filled, 1, 0, False, "cuda")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    return {"syncs": [{"where": k, "count": v} for k, v in sorted(seen.items(), key=lambda kv: -kv[1])]}
+
+
 def main() -> None:
     argv = sys.argv[1:]
     steps = 3
@@ -126,6 +177,9 @@ def main() -> None:
         i = argv.index("--steps")
         steps = int(argv[i + 1])
         del argv[i:i + 2]
+    trace = "--trace" in argv  # also one CPU-traced step and one step under the sync debug mode
+    if trace:
+        argv.remove("--trace")
     args = ls.parse_args(argv)
     torch.backends.cuda.enable_cudnn_sdp(False)
     time_host_functions()
@@ -140,7 +194,7 @@ def main() -> None:
                      "device": torch.cuda.get_device_name(), "methods": {}}
     for mode in args.modes.split(","):
         for method in args.methods.split(","):
-            filled = context - warm - steps - HOST_STEPS  # every step stays inside the reserved context
+            filled = context - warm - steps - HOST_STEPS - 2 * trace  # every step stays inside the reserved context
             cache = ls.make_cache(method, mode, model, args, context)
             try:
                 ls.fill_cache(cache, method, mode, model, src, batch, filled, args)
@@ -148,6 +202,14 @@ def main() -> None:
                 nxt = out.tokens[:, -1:].cuda()
                 rec = profile_steps(model, cache, nxt, filled + warm, steps)
                 rec["host"] = host_steps(model, cache, nxt, filled + warm + steps, HOST_STEPS)
+                if trace:
+                    at = filled + warm + steps + HOST_STEPS
+                    rec["cpu_trace"] = cpu_trace_step(model, cache, nxt, at)
+                    rec["sync"] = sync_step(model, cache, nxt, at + 1)
+                    for r in rec["cpu_trace"]["runtime_api"][:6] + rec["cpu_trace"]["top_self_cpu"][:10]:
+                        print(f"    cpu {r['self_cpu_ms']:8.2f} ms  {r['calls']:6d}  {r['name'][:70]}", flush=True)
+                    for r in rec["sync"]["syncs"][:8]:
+                        print(f"    sync x{r['count']}: {r['where'][:200]}", flush=True)
                 results["methods"][f"{mode}/{method}"] = rec
                 print(f"{mode}/{method}: wall {rec['wall_ms_per_step']:.1f} ms/step, GPU union "
                       f"{rec['gpu_union_ms_per_step']:.1f}, GPU sum {rec['gpu_sum_ms_per_step']:.1f}, "

@@ -334,6 +334,8 @@ def make_cache(method: str, mode: str, model: Any, args: argparse.Namespace, con
         kw.update(ibp_kwargs(args))
     if mode == "sparse":
         kw.update(model=model, alpha=args.alpha, partial_ratio=args.partial_ratio, max_num_kv=args.max_num_kv)
+        if args.no_graphs:
+            kw["graphs"] = False
     return IBPOffloadedCache(model.config, mode=mode, **kw)
 
 
@@ -458,7 +460,8 @@ def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, item
         return st
     s = cache.stats()
     for key in ("host_bytes", "gpu_bytes", "stored_bytes", "ratio", "fit_s", "decode_steps", "partial_key_bytes",
-                "selected_k_last", "transfer", "compress", "codec", "codecs", "host_layout", "dense_fetch"):
+                "selected_k_last", "transfer", "compress", "codec", "codecs", "host_layout", "dense_fetch",
+                "graph_captures", "graph_replays"):
         if key in s:
             st[key] = s[key]
     st["manager_raw_bytes"] = s.get("raw_bytes")
@@ -780,6 +783,9 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=4.0)
     p.add_argument("--partial-ratio", type=float, default=0.2)
     p.add_argument("--max-num-kv", type=int, default=400)
+    p.add_argument("--no-graphs", action="store_true",
+                   help="IBPOffloadedCache(graphs=False): sparse speculation launched eagerly, not replayed from "
+                        "CUDA graphs (applies to the CPU-gather path too)")
     p.add_argument("--probe-tokens", type=int, default=64, help="prompt positions whose queries seed sparse mode")
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--cudnn-sdpa", action="store_true", help="allow cuDNN attention (not deterministic on H200)")

@@ -172,7 +172,7 @@ def test_speculated_query_is_the_layers_own_query() -> None:
 def test_kv_kernel_launchers_reject_bad_input() -> None:
     """The packed KV launchers check what they are handed before any launch: a clear ValueError, never a bad pointer."""
     from ibpcache.kernels.kv_packed import kvp_append, kvp_fetch
-    from ibpcache.kernels.kv_select import partial_scores
+    from ibpcache.kernels.kv_select import partial_scores, select_top
 
     desc = torch.zeros(48, dtype=torch.int64)
     k = torch.zeros(2, 3, 4, 64, dtype=torch.float16)
@@ -188,9 +188,11 @@ def test_kv_kernel_launchers_reject_bad_input() -> None:
     q = torch.zeros(2, 9, 1, 64, dtype=torch.float16)
     dims = torch.zeros(9, 13, dtype=torch.int64)
     with pytest.raises(ValueError, match="dtype"):
-        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.bfloat16), 16, 0.125, 4.0, None)
+        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.bfloat16), 16, 0.125, None)
     with pytest.raises(ValueError, match="CUDA"):
-        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.float16), 16, 0.125, 4.0, None)
+        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.float16), 16, 0.125, None)
+    with pytest.raises(ValueError, match="CUDA fp32"):
+        select_top(torch.zeros(2, 3, 16), 4, 4.0)  # host scores
 
 
 def test_take_leaves_room_for_current_tokens(code_kv: Any) -> None:
@@ -317,6 +319,19 @@ def test_selection_threshold_cap_and_padding(code_kv: Any) -> None:
     assert torch.equal(valid_from_mask(additive, 300), valid)
     with pytest.raises(ValueError, match="attention mask"):
         valid_from_mask(torch.ones(2, 301, dtype=torch.bool), 300)
+
+
+def test_top_k_ascending_tie_rule() -> None:
+    """Ties at the k-th score go to the lowest indices; NaN ranks highest; -0.0 equals 0.0; output ascending."""
+    from ibpcache.loaders._kv_select import top_k_ascending
+
+    nan, inf = float("nan"), float("inf")
+    s = torch.tensor([[1.0, nan, 3.0, -0.0, 0.0, 3.0, -inf, nan, 3.0]])
+    assert top_k_ascending(s, 1).tolist() == [[1]]
+    assert top_k_ascending(s, 3).tolist() == [[1, 2, 7]]
+    assert top_k_ascending(s, 4).tolist() == [[1, 2, 5, 7]]
+    assert top_k_ascending(s, 7).tolist() == [[0, 1, 2, 3, 5, 7, 8]]  # -0.0 (index 3) before 0.0 (index 4)
+    assert top_k_ascending(s, 0).shape == (1, 0)
 
 
 def test_selection_config_checks() -> None:
@@ -558,28 +573,70 @@ def test_gpu_store_bytes_equal_cpu_store(code_kv: Any, dtype: str, codec: str) -
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_gpu_partial_scores_kernel_matches_float64(code_kv: Any, dtype: str) -> None:
-    """The one-launch speculation kernel: scores equal a float64 evaluation, counts are exact for its scores."""
+    """The scoring kernel over several token tiles: scores equal a float64 evaluation (padding scores -inf), and
+    reading the token count from the device (a graph's way) gives the same scores in a wider buffer."""
     from ibpcache.kernels.kv_select import partial_scores
 
     keys = code_kv(dtype, 3)[0].cuda()  # real keys [2, 3, 400, 64] as the partial key source
     queries = code_kv(dtype, 5)[0][:, :, :3].cuda().reshape(2, 9, 1, 64)  # real vectors of another layer
-    r, cap = 13, 512
+    r, n, cap = 13, 2500, 3072  # 2500 tokens: three 1024-token tiles, the last one partial
     dims = torch.topk(keys.abs().float().mean(dim=(0, 2)), r, dim=-1).indices.sort(dim=-1).values  # [3, r]
     q_dims = dims.repeat_interleave(3, dim=0).contiguous()
+    cols = keys.gather(-1, dims.view(1, 3, 1, r).expand(2, 3, 400, r)).repeat(1, 1, 7, 1)[:, :, :n]
     store = torch.zeros((2, 3, cap, r), dtype=keys.dtype, device="cuda")
-    store[:, :, :400] = keys.gather(-1, dims.view(1, 3, 1, r).expand(2, 3, 400, r))
-    valid = torch.ones(2, 400, dtype=torch.bool, device="cuda")
-    valid[1, 350:] = False  # padding of the second sequence
-    scores, counts = partial_scores(queries, q_dims, store, 400, 0.125, 4.0, valid)
+    store[:, :, :n] = cols
+    valid = torch.ones(2, n, dtype=torch.bool, device="cuda")
+    valid[1, 2200:] = False  # padding of the second sequence
+    scores = partial_scores(queries, q_dims, store, n, 0.125, valid)
     qp = queries[:, :, 0, :].double().gather(-1, q_dims[None].expand(2, -1, -1)).view(2, 3, 3, r) * 0.125
-    ref = torch.einsum("bhgr,bhtr->bhgt", qp, store[:, :, :400].double()).amax(dim=2)
+    ref = torch.einsum("bhgr,bhtr->bhgt", qp, store[:, :, :n].double()).amax(dim=2)
     ref = ref.masked_fill(~valid[:, None, :], float("-inf"))
     assert torch.equal(torch.isinf(scores), torch.isinf(ref))
     fin = torch.isfinite(ref)
     assert torch.allclose(scores.double()[fin], ref[fin], rtol=1e-5, atol=1e-4)
-    ref_counts = (scores >= scores.amax(dim=-1, keepdim=True) - 4.0).sum(dim=-1)
-    assert torch.equal(counts.long(), ref_counts)
-    assert int(counts[1].max()) <= 350
+    wide = torch.full((2, 3, cap), 7.0, device="cuda")
+    n_dev = torch.tensor([n], dtype=torch.int64, device="cuda")
+    padded = torch.zeros(2, cap, dtype=torch.bool, device="cuda")
+    padded[:, :n] = valid
+    partial_scores(queries, q_dims, store, cap, 0.125, padded, n_dev=n_dev, out=wide)
+    assert torch.equal(wide[:, :, :n], scores), "device token count: same bits"
+    assert bool((wide[:, :, n:] == 7.0).all()), "nothing written past the device token count"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["real", "ties", "special", "short"])
+def test_gpu_select_top_matches_cpu_reference(code_kv: Any, case: str) -> None:
+    """The selection kernel returns exactly top_k_ascending's indices (ties to the lowest index, NaN highest,
+    -0.0 == 0.0) and exact critical counts, for every k, also with the row length read on the device."""
+    from ibpcache.kernels.kv_select import select_top
+    from ibpcache.loaders._kv_select import critical_counts, top_k_ascending
+
+    keys = code_kv("fp32", 3)[0]  # [2, 3, 400, 64] real keys: their dot products with a real query are the scores
+    q = code_kv("fp32", 5)[0][:, :, -1:]  # [2, 3, 1, 64]
+    scores = (keys @ q.transpose(-1, -2)).squeeze(-1) / 8.0  # [2, 3, 400]
+    if case == "ties":  # rounded to whole numbers: long runs of equal scores around every k
+        scores = scores.round()
+    elif case == "special":
+        scores = scores.round()
+        scores[0, 0, 5::37] = float("nan")
+        scores[0, 1, ::3] = -0.0
+        scores[0, 1, 1::3] = 0.0
+        scores[1, 2, :] = float("-inf")
+        scores[1, 0, 100:] = float("-inf")
+    elif case == "short":
+        scores = scores[:, :, :37]
+    n = scores.shape[-1]
+    gpu = scores.cuda()
+    for k in sorted({k for k in (0, 1, 2, 7, 64, 399, n) if k <= n}):
+        idx, counts = select_top(gpu, k, 4.0)
+        assert torch.equal(idx.cpu(), top_k_ascending(scores, k)), f"k={k}"
+        assert torch.equal(counts.cpu().long(), critical_counts(scores, 4.0))
+    wide = torch.full((2, 3, n + 50), float("inf"), device="cuda")  # past the device count: never read
+    wide[:, :, :n] = gpu
+    n_dev = torch.tensor([n], dtype=torch.int64, device="cuda")
+    k = min(7, n)
+    idx, _ = select_top(wide, k, 4.0, n_dev=n_dev)
+    assert torch.equal(idx.cpu(), top_k_ascending(scores, k))
 
 
 @pytest.mark.gpu
@@ -655,6 +712,31 @@ def test_gpu_sparse_paths_agree(smollm2: Any) -> None:
                                max_num_kv=16) as cache:
             outs.append(_generate(model, inputs, cache, n=12))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    model.to("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [True, False])
+def test_gpu_sparse_graphs_equal_eager(smollm2: Any, padded: bool) -> None:
+    """Speculation replayed from CUDA graphs (the default) generates exactly what eager speculation does, on every
+    transfer path, with and without padding; the graphs are really used."""
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to("cuda", torch.float16)
+    prompts = ["Explain a linked list.", "Write a haiku about GPUs."] if padded else ["Explain a linked list."] * 2
+    inputs = {k: v.cuda() for k, v in _chat_ids(tok, prompts).items()}
+    assert bool((inputs["attention_mask"] == 0).any()) == padded
+    outs = []
+    for transfer, compress in GPU_PATHS:
+        for graphs in (False, True):
+            with IBPOffloadedCache(model.config, mode="sparse", model=model, transfer=transfer, compress=compress,
+                                   max_num_kv=16, graphs=graphs) as cache:
+                outs.append(_generate(model, inputs, cache, n=12))
+                st = cache.stats()
+                assert (st.get("graph_replays", 0) > 0) == graphs
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
     model.to("cpu", torch.float32)
 
 
