@@ -155,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(IBP_TOP_THREADS)
             }
             const int rem = sh_remaining;
             unsigned int hit = __ballot_sync(0xffffffffu, incl >= rem);
+            __syncwarp();  // every lane has read sh_remaining before one lane rewrites it
             int first = hit ? __ffs(hit) - 1 : 31;
             if (lane == first) {
                 int above = incl - sum;
