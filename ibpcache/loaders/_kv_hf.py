@@ -156,7 +156,7 @@ class IBPOffloadedCache(Cache):
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
         graphs: sparse mode on CUDA: replay each layer's speculation (and a zero-copy store's fetch) from a CUDA
             graph captured per (layer, k) instead of launching it from Python (``_kv_graph``); the same kernels,
-            so the same tokens. Padded batches (an attention mask) speculate eagerly.
+            so the same tokens, padded batches included (the padding is copied into a fixed buffer).
     """
 
     def __init__(self, config: Any, mode: str = "dense", *, model: "torch.nn.Module | None" = None,
