@@ -153,6 +153,14 @@ class _StreamRef:
         self.ptr = ptr
 
 
+def device_index(x: "object") -> int:
+    """The CUDA device ordinal of a tensor or ``torch.device`` (torch's current device when the index is unset)."""
+    import torch
+
+    dev = x.device if isinstance(x, torch.Tensor) else x
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def _current_stream_ptr(device_id: int) -> int:
     import torch
 

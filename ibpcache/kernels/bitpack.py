@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-from ._build import launch
+from ._build import device_index, launch
 from .tables import KernelTables
 
 __all__ = [
@@ -32,10 +32,6 @@ _err_words: dict[int, torch.Tensor] = {}
 
 def _ptr(t: "torch.Tensor | None") -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
-
-
-def _dev_id(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,7 +89,7 @@ class GpuBackend:
     @staticmethod
     def bitcount_lazy(rows: torch.Tensor) -> torch.Tensor:
         n, rb = rows.shape
-        dev = _dev_id(rows)
+        dev = device_index(rows)
         counts = torch.zeros(rb * 8, dtype=torch.int64, device=rows.device)
         gx = -(-rb // 256)
         gy = max(1, min(n, (sm_count(dev) * 64) // gx))
@@ -107,7 +103,7 @@ class GpuBackend:
         k = pc.shape[0]
         if k > 32:
             raise ValueError(f"the GPU fit scores at most 32 thresholds at once, got {k}")
-        dev = _dev_id(rows)
+        dev = device_index(rows)
         lv, iv, pct = _upload([np.ascontiguousarray(level, dtype=np.uint8), np.ascontiguousarray(inv).view(np.int64),
                                np.ascontiguousarray(pc, dtype=np.int32)], rows.device)
         totals = torch.zeros(k, dtype=torch.int64, device=rows.device)
@@ -143,7 +139,7 @@ def size_rows(rows: torch.Tensor, tables: KernelTables) -> torch.Tensor:
     _check_u8_rows(rows, "rows")
     n, rb = rows.shape
     _check_tables(tables, rows.device, rb, "rows")
-    dev = _dev_id(rows)
+    dev = device_index(rows)
     lengths = torch.empty(n, dtype=torch.int32, device=rows.device)
     if n:
         _launch(f"ibp_size_c{tables.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
@@ -168,7 +164,7 @@ def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torc
                              f"{tuple(t.shape)} on {t.device}")
     if n == 0:
         return
-    dev = _dev_id(rows_u8)
+    dev = device_index(rows_u8)
     _launch(f"ibp_encode_c{tables.chunk_bytes}", dev, warp_grid(n, dev), _THREADS,
             (_ptr(rows_u8), np.int64(n), np.int32(rb), np.int32(tables.n_chunks), _ptr(tables.mask),
              _ptr(tables.bitval), _ptr(dst_ptrs), _ptr(lengths_out)))
@@ -192,7 +188,7 @@ def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: to
                              f"{tuple(t.shape)} on {t.device}")
     if out_rows is not None and (out_rows.dtype != torch.int64 or out_rows.numel() != m or not out_rows.is_cuda):
         raise ValueError(f"out_rows: expected a CUDA int64 tensor of {m} elements")
-    dev = _dev_id(out_u8)
+    dev = device_index(out_u8)
     _launch(f"ibp_decode_desc_c{tables.chunk_bytes}", dev, warp_grid(m, dev), _THREADS,
             (_ptr(src_ptrs), _ptr(lengths), _ptr(compressed), _ptr(out_rows), _ptr(out_u8), np.int64(m),
              np.int32(tables.row_bytes), np.int32(tables.n_chunks), _ptr(tables.mask), _ptr(tables.bitval)))
@@ -209,7 +205,7 @@ def gather_rows(base: torch.Tensor, offsets: "torch.Tensor | None", lengths: tor
     """
     _check_u8_rows(out_u8, "out_u8")
     _check_tables(tables, out_u8.device, out_u8.shape[1], "out_u8")
-    dev = _dev_id(out_u8)
+    dev = device_index(out_u8)
     err = _err_word(dev)
     n = ids.numel()
     if n == 0:
@@ -223,7 +219,7 @@ def gather_rows(base: torch.Tensor, offsets: "torch.Tensor | None", lengths: tor
 def gather_raw(base: torch.Tensor, ids: torch.Tensor, out_u8: torch.Tensor, n_rows: int) -> None:
     """Zero-copy gather of raw rows ``base`` (pinned host or device, [n_rows * row_bytes] bytes)."""
     _check_u8_rows(out_u8, "out_u8")
-    dev = _dev_id(out_u8)
+    dev = device_index(out_u8)
     n = ids.numel()
     if n == 0:
         return

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._build import launch
+from ._build import device_index, launch
 from .bitpack import sm_count
 
 __all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_decode"]
@@ -55,7 +55,7 @@ def _grid(n: int, dev: int) -> int:
 def _dev(t: torch.Tensor, what: str) -> int:
     if not t.is_cuda:
         raise ValueError(f"{what}: expected a CUDA tensor")
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return device_index(t)
 
 
 def _rows_u16(x: torch.Tensor, tab: ExponentTables) -> torch.Tensor:

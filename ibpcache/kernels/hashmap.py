@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._build import device_index
+
 __all__ = [
     "Status",
     "IndexMode",
@@ -88,10 +90,6 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, min(-(-n // BLOCK), (1 << 31) - 1)),)
 
 
-def _device_id(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
-
-
 def _launch(symbol: str, n: int, device_id: int, args: tuple) -> None:
     """Build (once per device) and launch ``symbol`` over ``n`` items on torch's current stream."""
     from ._build import launch
@@ -115,7 +113,7 @@ def launch_insert(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor 
     n = keys.numel()
     if n == 0:
         return
-    _launch("ibp_hashmap_insert", n, _device_id(table_keys), (
+    _launch("ibp_hashmap_insert", n, device_index(table_keys), (
         _ptr(keys), _ptr(values), _ptr(valid), np.int64(n), _ptr(table_keys), _ptr(table_values),
         np.int64(table_keys.numel()), np.int32(max_probes), _ptr(status)))
 
@@ -128,7 +126,7 @@ def launch_erase(keys: torch.Tensor, valid: torch.Tensor | None, table_keys: tor
     n = keys.numel()
     if n == 0:
         return
-    _launch("ibp_hashmap_erase", n, _device_id(table_keys), (
+    _launch("ibp_hashmap_erase", n, device_index(table_keys), (
         _ptr(keys), _ptr(valid), np.int64(n), _ptr(table_keys), _ptr(table_values),
         np.int64(table_keys.numel()), np.int32(max_probes), _ptr(status)))
 
@@ -139,7 +137,7 @@ def launch_lookup(ids: torch.Tensor, index: IndexArgs, entries_out: torch.Tensor
     n = ids.numel()
     if n == 0:
         return
-    _launch("ibp_hashmap_lookup", n, _device_id(ids), (
+    _launch("ibp_hashmap_lookup", n, device_index(ids), (
         _ptr(ids), np.int64(n), np.int32(int(index.mode)), _ptr(index.table_keys), _ptr(index.table_values),
         np.int64(index.capacity), np.int32(index.max_probes), _ptr(entries_out)))
 
@@ -156,7 +154,7 @@ def launch_probe(ids: torch.Tensor, n_rows: int, index: IndexArgs, slab_bases: t
     assert counters.dtype == torch.int64 and counters.numel() >= 4 and status.dtype == torch.int32
     if n == 0:
         return
-    _launch("ibp_cache_probe", n, _device_id(ids), (
+    _launch("ibp_cache_probe", n, device_index(ids), (
         _ptr(ids), np.int64(n), np.int64(n_rows), np.int32(int(index.mode)), _ptr(index.table_keys),
         _ptr(index.table_values), np.int64(index.capacity), np.int32(index.max_probes), _ptr(slab_bases),
         np.int64(host.base), _ptr(host.offsets), np.int64(host.stride), _ptr(host.lengths),

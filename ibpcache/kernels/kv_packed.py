@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ._build import launch
+from ._build import device_index, launch
 from .bitpack import sm_count
 
 __all__ = ["kvp_append", "kvp_fetch", "byte_strides", "THREADS"]
@@ -24,10 +24,6 @@ THREADS = 128  # 32 * KVP_WARPS in kv_packed.cu
 
 def _ptr(t: "torch.Tensor | None") -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
-
-
-def _dev(t: torch.Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def _grid(rows: int, dev: int) -> int:
@@ -87,7 +83,7 @@ def kvp_append(desc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     m = b * h * n
     if m == 0:
         return
-    dev = _dev(keys)
+    dev = device_index(keys)
     grid = _grid(m, dev)
     launch(_SRC, "ibp_kvp_size", dev, grid, THREADS, (
         _ptr(desc), _ptr(keys), _ptr(values), *strides, np.int64(n), np.int32(h), np.int32(b * h),
@@ -136,7 +132,7 @@ def kvp_fetch(desc: torch.Tensor, idx: "torch.Tensor | None", k: int, out_k: tor
     m = b * h * k
     if m == 0:
         return
-    dev = _dev(out_k)
+    dev = device_index(out_k)
     launch(_SRC, "ibp_kvp_fetch", dev, _grid(m, dev), THREADS, (
         _ptr(desc), _ptr(idx), np.int64(k), np.int32(k_dyn), np.int32(b * h), np.int64(width), _ptr(out_k),
         _ptr(out_v), _ptr(read), _ptr(row0), np.int32(heads), _ptr(stage_buf), _ptr(stage_off)))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._build import launch
+from ._build import device_index, launch
 
 __all__ = ["partial_scores", "select_top", "MAX_QUERY_VALUES"]
 
@@ -17,10 +17,6 @@ _TILE = 1024  # IBP_SEL_TILE
 _TOP_THREADS = 1024  # IBP_TOP_THREADS
 MAX_QUERY_VALUES = 1024  # IBP_SEL_MAX_QR: groups * r must fit
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-def _dev(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 def _check_count(n_dev: "torch.Tensor | None", like: torch.Tensor) -> None:
@@ -63,7 +59,7 @@ def partial_scores(query: torch.Tensor, q_dims: torch.Tensor, keys: torch.Tensor
         raise ValueError(f"partial_scores: out must be fp32 [{b}, {hkv}, >= {n_tokens}] with contiguous rows")
     if n_tokens == 0 or b * hkv == 0:
         return out[:, :, :n_tokens]
-    launch(_SRC, "ibp_partial_scores", _dev(query), (b * hkv, -(-n_tokens // _TILE)), _THREADS, (
+    launch(_SRC, "ibp_partial_scores", device_index(query), (b * hkv, -(-n_tokens // _TILE)), _THREADS, (
         np.uint64(query.data_ptr()), np.int64(query.stride(0)), np.int64(query.stride(1)),
         np.uint64(q_dims.data_ptr()), np.uint64(keys.data_ptr()), np.int64(cap), np.int32(r), np.int64(n_tokens),
         np.uint64(0 if n_dev is None else n_dev.data_ptr()), np.int32(hkv), np.int32(groups), np.float32(scale),
@@ -100,7 +96,7 @@ def select_top(scores: torch.Tensor, k: int, alpha: float, *, n_dev: "torch.Tens
                          "on the scores' device")
     if b * h == 0:
         return idx, counts
-    launch(_SRC, "ibp_select_top", _dev(scores), b * h, _TOP_THREADS, (
+    launch(_SRC, "ibp_select_top", device_index(scores), b * h, _TOP_THREADS, (
         np.uint64(scores.data_ptr()), np.int64(scores.stride(1)), np.int64(t),
         np.uint64(0 if n_dev is None else n_dev.data_ptr()), np.int32(k), np.float32(alpha),
         np.uint64(idx.data_ptr()), np.uint64(counts.data_ptr())))

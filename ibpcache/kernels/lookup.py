@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._build import launch
+from ._build import device_index, launch
 from .bitpack import sm_count
 from .hashmap import IndexArgs
 from .tables import KernelTables
@@ -181,7 +181,7 @@ def _check(ids: torch.Tensor, out: torch.Tensor, tables: KernelTables, err_ptr: 
     assert out.dtype == torch.uint8 and out.is_cuda and out.is_contiguous()
     assert err_ptr != 0, "err must point at pinned host memory (two int32 words)"
     assert tables.row_bytes > 0
-    return out.device.index if out.device.index is not None else torch.cuda.current_device()
+    return device_index(out)
 
 
 def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: KernelTables,

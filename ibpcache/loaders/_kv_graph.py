@@ -80,7 +80,7 @@ class SpeculationGraphs:
         return buf
 
     def _capture(self, j: int, k: int, mgr: "KVOffloadManager", fetch: bool, valid: "torch.Tensor | None") -> _Graph:
-        from ..kernels._build import get_function
+        from ..kernels._build import device_index, get_function
 
         sel = self.selector
         keys = sel.keys_of(j)
@@ -99,7 +99,7 @@ class SpeculationGraphs:
         if fetch:
             symbols.append(("kv_packed.cu", "ibp_kvp_fetch"))
         for src, symbol in symbols:  # no module loads while capturing
-            get_function(src, symbol, dev.index if dev.index is not None else torch.cuda.current_device())
+            get_function(src, symbol, device_index(dev))
         self.stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self.stream):  # warm the projection's libraries up on this stream
             project_query(self.decoder[j], hidden, (cos, sin))
