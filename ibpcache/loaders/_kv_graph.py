@@ -3,7 +3,8 @@
 Eager, speculating layer j costs the host about 1.5 ms at 8B shapes (profiled on the H100: the query projection,
 the scoring and selection, the fetch launch), about 40 ms of a 28-layer decode step that the GPU finishes in half
 that time. Captured once per (layer, k), a replay costs one launch: the projection of the layer's query from the
-previous layer's input, the partial-key scores and top-k (token count read on the device), and, for a zero-copy store, the fetch of the selected rows into fixed buffers.
+previous layer's input, the partial-key scores and top-k (token count read on the device), and, for a zero-copy
+store, the fetch of the selected rows into fixed buffers.
 
 Replays run on their own stream after it waited for the current one, so layer j's speculation and fetch overlap
 layer j-1's compute; :meth:`KVOffloadManager.take` makes the current stream wait for the replay's event. Every
@@ -38,7 +39,6 @@ class _Graph:
     store: object  # the manager's store of the layer whose descriptor the fetch reads (None: fetch not captured)
     idx: torch.Tensor
     counts: torch.Tensor
-    counts_host: torch.Tensor
     out: "tuple[torch.Tensor, torch.Tensor] | None"  # fetched K/V [B, H, k + 1, D] when the fetch is captured
     refs: tuple  # buffers the graph reads or writes that nothing else keeps alive
 
@@ -90,7 +90,6 @@ class SpeculationGraphs:
         scores = self._scores_buffer(b, hkv, cap)
         idx = torch.empty((b, hkv, k), dtype=torch.int64, device=dev)
         counts = torch.empty((b, hkv), dtype=torch.int32, device=dev)
-        counts_host = torch.empty((b, hkv), dtype=torch.int32, pin_memory=True)
         out = None
         if fetch:
             shape = (b, hkv, k + 1, mgr.head_dim)
@@ -111,7 +110,7 @@ class SpeculationGraphs:
             if fetch:
                 mgr.graph_fetch(j, idx, out)
         self.captures += 1
-        g = _Graph(graph, k, keys, valid, mgr.layer_store(j) if fetch else None, idx, counts, counts_host, out,
+        g = _Graph(graph, k, keys, valid, mgr.layer_store(j) if fetch else None, idx, counts, out,
                    (scores,))
         table = self._graphs[j]
         if len(table) >= _PER_LAYER:
@@ -128,7 +127,7 @@ class SpeculationGraphs:
         sel = self.selector
         k = sel.planned_k(j)
         fetch = mgr.can_graph_fetch(j)
-        self._static_inputs(hidden, pos)
+        h_in, cos_in, sin_in = self._static_inputs(hidden, pos)
         keys = sel.keys_of(j)
         vbuf = None if valid is None else self._valid_buffer(valid, keys.shape[2])
         g = self._graphs[j].get(k)
@@ -138,7 +137,6 @@ class SpeculationGraphs:
             g = None
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
-        h_in, cos_in, sin_in = self._inputs
         with torch.cuda.stream(self.stream):
             h_in.copy_(hidden)
             if self._pos_src is None or self._pos_src[0] is not pos[0] or self._pos_src[1] is not pos[1]:
@@ -152,12 +150,9 @@ class SpeculationGraphs:
             g = self._capture(j, k, mgr, fetch, vbuf)
         with torch.cuda.stream(self.stream):
             g.graph.replay()
-            g.counts_host.copy_(g.counts, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            done = sel.note_static(j, k, g.counts)
         self.replays += 1
         hidden.record_stream(self.stream)
-        sel.note_static(j, k, g.counts_host, done)
         if g.out is not None:
             mgr.adopt_prefetch(j, g.idx, g.out, 1, done, refs=(g.keys,))
         else:  # the CPU-gather path needs the indices on the host: its prefetch starts after the replay, as eager

@@ -310,12 +310,13 @@ class PartialKeySelector:
             scores = self._scores(layer, query, valid)
             counts = critical_counts(scores, self.cfg.alpha)
             idx = top_k_ascending(scores, k)
-        self._record_count(layer, counts, scores.numel())
+        self._record_count(layer, counts)
         return scores, idx
 
-    def _record_count(self, layer: int, counts: torch.Tensor, total: int) -> None:
-        """Per-(batch, head) critical counts, copied to the host without waiting for them."""
-        self._count_total[layer] = total
+    def _record_count(self, layer: int, counts: torch.Tensor) -> "torch.cuda.Event | None":
+        """Per-(batch, head) critical counts over the layer's tokens, copied to the host without waiting for them
+        (CUDA: on the current stream; returns the event recorded after the copy)."""
+        self._count_total[layer] = counts.numel() * self._len[layer]
         if counts.is_cuda:
             host = self._count_host[layer]
             if host is None or host.shape != counts.shape or host.dtype != counts.dtype:
@@ -324,8 +325,9 @@ class PartialKeySelector:
             ev = torch.cuda.Event()
             ev.record()
             self._count_event[layer] = ev
-        else:
-            self._count_host[layer] = counts
+            return ev
+        self._count_host[layer] = counts
+        return None
 
     def _planned_k(self, layer: int) -> int:
         host, ev = self._count_host[layer], self._count_event[layer]
@@ -356,9 +358,10 @@ class PartialKeySelector:
         """CUDA, capturable: :meth:`select` into fixed buffers, the token count read on the device.
 
         ``scores`` fp32 [B, Hkv, >= cap], ``idx`` int64 [B, Hkv, k], ``counts`` int32 [B, Hkv]; ``valid``: bool
-        [B, >= cap] padding (first count columns read), or None. Same kernels and tie rule as :meth:`select`, so a replay picks what it would.
-        The caller keeps ``k <= `` the layer's count and, after every run, copies ``counts`` to pinned memory
-        (outside the graph: a pinned copy records a host-allocator event) and calls :meth:`note_static`.
+        [B, >= cap] padding (first count columns read), or None. Same kernels and tie rule as :meth:`select`, so a
+        replay picks what it would.
+        The caller keeps ``k <= `` the layer's count and calls :meth:`note_static` after every run (outside the
+        graph: the copy of the counts to pinned memory records a host-allocator event).
         """
         from ..kernels.kv_select import partial_scores, select_top
 
@@ -368,10 +371,8 @@ class PartialKeySelector:
         partial_scores(query, self._q_dims[layer], keys, cap, self.scale, valid, n_dev=n_dev, out=scores)
         select_top(scores[:, :, :cap], k, self.cfg.alpha, n_dev=n_dev, idx=idx, counts=counts)
 
-    def note_static(self, layer: int, k: int, counts_host: torch.Tensor, done: "torch.cuda.Event") -> None:
-        """Host bookkeeping after a run of :meth:`select_static`: its counts size the next step (read after
-        ``done``)."""
+    def note_static(self, layer: int, k: int, counts: torch.Tensor) -> "torch.cuda.Event":
+        """After a run of :meth:`select_static`, on its stream: its ``counts`` size the next step (copied to the host
+        as :meth:`select` copies its own). Returns the event recorded after the run and that copy."""
         self.last_k[layer] = k
-        self._count_host[layer] = counts_host
-        self._count_event[layer] = done
-        self._count_total[layer] = counts_host.numel() * self._len[layer]
+        return self._record_count(layer, counts)

@@ -631,18 +631,23 @@ class KVOffloadManager:
             self._timed_end(start)
             ev = torch.cuda.Event()
             ev.record(self._side)
-        # The side stream reads tensors that a later append on the current stream may replace (growth):
-        # keep them alive until take() has made the current stream wait for the event.
-        live = st.kv.live_tensors()
-        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=ev,
-                              refs=(token_idx, st.row0, *live))
+        self._set_pending(st, token_idx, out, extra_tokens, ev, (st.row0,))
+
+    @staticmethod
+    def _set_pending(st: _LayerState, token_idx: "torch.Tensor | None", out: tuple[torch.Tensor, torch.Tensor],
+                     extra_tokens: int, done: "torch.cuda.Event", refs: tuple) -> None:
+        """A device fetch into ``out`` that ends at ``done`` becomes the layer's prefetch. It reads tensors that a
+        later append on the current stream may replace (growth): keep them alive until take() has made the current
+        stream wait for ``done``."""
+        live = st.kv.live_tensors() if st.kv is not None else ()
+        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=done,
+                              refs=(token_idx, *refs, *live))
 
     def graph_fetch(self, layer: int, token_idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Enqueue the zero-copy read of ``token_idx`` [B, H, k] into ``out`` ([B, H, >= k, D]) on the current stream,
         with no bookkeeping: the fetch part of a captured speculation graph (see :meth:`can_graph_fetch`). Hand each
         run's result to :meth:`adopt_prefetch`."""
-        st = self._state(layer)
-        st.kv.fetch(token_idx, token_idx.shape[-1], out[0], out[1], read=self._dev_read)
+        self._read(self._state(layer), token_idx, out)
 
     def layer_store(self, layer: int) -> "AppendStore | None":
         """The layer's packed store (None before its prompt or on the CPU-gather path): a captured fetch reads its
@@ -663,9 +668,7 @@ class KVOffloadManager:
         st = self._state(layer)
         self._flush_pending()
         self._retire(st)
-        live = st.kv.live_tensors() if st.kv is not None else ()
-        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=done,
-                              refs=(token_idx, *refs, *live))
+        self._set_pending(st, token_idx, out, extra_tokens, done, refs)
 
     def _prefetch_cpu_gather(self, st: _LayerState, idx: "torch.Tensor | None", extra: int,
                              out: tuple[torch.Tensor, torch.Tensor], main: torch.cuda.Stream) -> _Pending:
