@@ -155,8 +155,9 @@ class IBPOffloadedCache(Cache):
         alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
         graphs: sparse mode on CUDA: replay each layer's speculation (and a zero-copy store's fetch) from a CUDA
-            graph captured per (layer, k) instead of launching it from Python (``_kv_graph``); the same kernels,
-            so the same tokens, padded batches included (the padding is copied into a fixed buffer).
+            graph captured per (layer, k) instead of launching it from Python (``_kv_graph``), and the layer's
+            append after attention (store and partial keys) likewise; the same kernels, so the same tokens and the
+            same stored bytes, padded batches included (the padding is copied into a fixed buffer).
     """
 
     def __init__(self, config: Any, mode: str = "dense", *, model: "torch.nn.Module | None" = None,
@@ -308,6 +309,10 @@ class IBPOffloadedCache(Cache):
             self._prefetch_next(i)
             return k, v
         idx = self._selection.pop(i, None) if q_len == 1 else None
+        if idx is not None and self._spec_graphs is not None:  # sparse mode: the appends replayed from graphs
+            out = self._spec_graphs.append(i, idx, k, v, m)
+            if out is not None:
+                return out
         keys, values = m.take(i, idx, extra_tokens=q_len)
         m.append(i, k, v, into=(keys, values))  # stores the new tokens and puts them after the fetched ones
         if self.selector is not None:

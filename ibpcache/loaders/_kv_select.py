@@ -272,13 +272,35 @@ class PartialKeySelector:
             raise RuntimeError(f"layer {layer}: append_keys before prefill")
         n = keys.shape[2]
         t = self._len[layer]
+        store = self.reserve_keys(layer, n)
+        store[:, :, t : t + n].copy_(self._columns(keys, self._dims[layer]))
+        self._set_len(layer, t + n)
+
+    def reserve_keys(self, layer: int, n: int) -> torch.Tensor:
+        """Room for ``n`` more tokens in the layer's partial key cache (grown 2x, so rarely a new tensor: graphs
+        that captured the old one must be captured again). Returns the cache."""
+        store = self._keys[layer]
+        t = self._len[layer]
         if t + n > store.shape[2]:
             grown = torch.empty((*store.shape[:2], max(t + n, 2 * store.shape[2]), self.rank),
                                 dtype=store.dtype, device=store.device)
             grown[:, :, :t].copy_(store[:, :, :t])
             store = self._keys[layer] = grown
-        store[:, :, t : t + n].copy_(self._columns(keys, self._dims[layer]))
-        self._set_len(layer, t + n)
+        return store
+
+    def append_keys_static(self, layer: int, keys: torch.Tensor) -> None:
+        """CUDA, capturable: :meth:`append_keys` of one token ([B, Hkv, 1, D], a fixed buffer) at the position the
+        device counter holds, which it then moves on. Before each run: :meth:`reserve_keys` (same cache, else
+        capture again); after: :meth:`note_appended`."""
+        if keys.shape[2] != 1:
+            raise ValueError(f"append_keys_static: one token at a time, got {keys.shape[2]}")
+        pos = self.length_on_device(layer)
+        self._keys[layer].index_copy_(2, pos, self._columns(keys, self._dims[layer]))
+        pos.add_(1)
+
+    def note_appended(self, layer: int, n: int) -> None:
+        """Host side of a run of :meth:`append_keys_static` (the device counter moved already)."""
+        self._len[layer] += n
 
     def _scores(self, layer: int, query: torch.Tensor, valid: "torch.Tensor | None") -> torch.Tensor:
         """Approximate attention logits [B, Hkv, T] of one query row per head, from the partial keys."""
@@ -335,7 +357,7 @@ class PartialKeySelector:
             return self.cfg.max_num_kv
         if ev is not None:
             ev.synchronize()  # recorded a whole step ago: already complete in steady state
-        share = int(host.sum()) / self._count_total[layer]
+        share = int(host.numpy().sum(dtype="int64")) / self._count_total[layer]  # numpy: a tenth of torch's overhead
         return max(1, min(self.cfg.max_num_kv, int(math.ceil(share * self._len[layer] - 1e-6))))
 
     def planned_k(self, layer: int) -> int:

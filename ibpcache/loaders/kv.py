@@ -649,6 +649,54 @@ class KVOffloadManager:
         run's result to :meth:`adopt_prefetch`."""
         self._read(self._state(layer), token_idx, out)
 
+    def graph_append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> "tuple[int, int]":
+        """Capturable: enqueue the append of one decode step's [B, H, 1, D] K/V (fixed buffers) to the layer's
+        zero-copy store at the token count the device keeps, so a replay appends after whatever is stored then.
+        Returns ``(slot0, t0)``, where the capture was made; call :meth:`before_graph_append` before and
+        :meth:`after_graph_append` after every replay (no bookkeeping here)."""
+        st = self._state(layer)
+        if not self.can_graph_append(layer) or keys.shape[2] != 1:
+            raise ValueError(f"graph_append: layer {layer} needs a zero-copy CUDA store in the identity slot layout "
+                             "whose next slot is its next free one (no crop since), and one token")
+        t0 = st.n_tokens
+        slot0 = self._slot_of_token(st, t0)
+        st.kv.reserve(slot0 + self.rows_per_token)
+        st.kv.launch_dynamic(keys, values, slot0, t0, written=self._dev_written)
+        return slot0, t0
+
+    def can_graph_append(self, layer: int) -> bool:
+        """Whether :meth:`graph_append` may be captured for ``layer`` now (see :meth:`graph_append_ok`)."""
+        st = self._state(layer)
+        return self.can_graph_fetch(layer) and self.graph_append_ok(layer, st.kv, self._slot_of_token(st, st.n_tokens),
+                                                                    st.n_tokens)
+
+    def graph_append_ok(self, layer: int, store: "AppendStore", slot0: int, t0: int) -> bool:
+        """Whether a decode-step append captured at ``(slot0, t0)`` of ``store`` may be replayed now: same store,
+        identity slot layout, as many slots per token, and its next slot is the store's next free one (an eager
+        append, crop, reorder or batch change in between makes this False: capture again or append eagerly)."""
+        st = self._state(layer)
+        if st.kv is not store or st.row0 is not None or st.prompt is not None:
+            return False
+        if not st.segments or st.segments[-1][2] != self.rows_per_token or st.segments[-1][0] > t0:
+            return False
+        slot = slot0 + (st.n_tokens - t0) * self.rows_per_token
+        return slot == self._slot_of_token(st, st.n_tokens) == store.high_water
+
+    def before_graph_append(self, layer: int) -> None:
+        """Host bookkeeping before a replay of :meth:`graph_append` (room for its slots and chunks; never waits)."""
+        st = self._state(layer)
+        self._flush_pending()
+        self._retire(st)
+        st.kv.prepare_dynamic(self.rows_per_token)
+
+    def after_graph_append(self, layer: int) -> None:
+        """Host bookkeeping after a replay of :meth:`graph_append` was enqueued: one more token."""
+        st = self._state(layer)
+        self._mark_appended(st)
+        st.n_tokens += 1
+        if layer == 0:
+            self.decode_steps += 1
+
     def layer_store(self, layer: int) -> "AppendStore | None":
         """The layer's packed store (None before its prompt or on the CPU-gather path): a captured fetch reads its
         descriptor, so a graph is only valid while this is the same object."""
@@ -979,17 +1027,14 @@ class KVStepGraph:
         mgr = self.mgr
         st = mgr._state(self.layer)
         mgr._flush_pending()
-        mgr._retire(st)
         if st.kv is not self._store or st.n_tokens != self._tokens or st.row0 is not None:
             raise RuntimeError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
                                "or reset): capture again")
         n = st.n_tokens
         if n + 1 > self.max_tokens:
             raise CapacityError(f"the captured step of layer {self.layer} holds at most {self.max_tokens} tokens")
-        self._store.prepare_dynamic(mgr.rows_per_token)
+        mgr.before_graph_append(self.layer)
         self.graph.replay()
-        mgr._mark_appended(st)
-        st.n_tokens = self._tokens = n + 1
-        if self.layer == 0:
-            mgr.decode_steps += 1
+        mgr.after_graph_append(self.layer)
+        self._tokens = n + 1
         return self.keys_out[:, :, : n + 1], self.values_out[:, :, : n + 1]

@@ -718,8 +718,9 @@ def test_gpu_sparse_paths_agree(smollm2: Any) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("padded", [True, False])
 def test_gpu_sparse_graphs_equal_eager(smollm2: Any, padded: bool) -> None:
-    """Speculation replayed from CUDA graphs (the default) generates exactly what eager speculation does, on every
-    transfer path, with and without padding; the graphs are really used."""
+    """Speculation and appends replayed from CUDA graphs (the default) generate exactly what the eager hooks do, on
+    every transfer path, with and without padding, and leave the same bytes in the store and the same partial keys;
+    the graphs are really used."""
     from ibpcache.loaders.kv import IBPOffloadedCache
 
     model, tok = smollm2
@@ -729,12 +730,26 @@ def test_gpu_sparse_graphs_equal_eager(smollm2: Any, padded: bool) -> None:
     assert bool((inputs["attention_mask"] == 0).any()) == padded
     outs = []
     for transfer, compress in GPU_PATHS:
+        kept = []
         for graphs in (False, True):
             with IBPOffloadedCache(model.config, mode="sparse", model=model, transfer=transfer, compress=compress,
                                    max_num_kv=16, graphs=graphs) as cache:
                 outs.append(_generate(model, inputs, cache, n=12))
                 st = cache.stats()
                 assert (st.get("graph_replays", 0) > 0) == graphs
+                assert (st.get("append_graph_replays", 0) > 0) == graphs
+                sel, mgr = cache.selector, cache.manager
+                assert sel._len_dev.tolist() == [sel.seq_length(i) for i in range(cache.num_layers)]  # device == host
+                kept.append(([mgr.fetch_all(i) for i in range(cache.num_layers)],
+                             [sel.keys_of(i)[:, :, : sel.seq_length(i)].clone() for i in range(cache.num_layers)],
+                             [sel.seq_length(i) for i in range(cache.num_layers)],
+                             st["stored_bytes"], st["pcie_write_bytes"], st["tokens"], st["decode_steps"]))
+        (kv_e, pk_e, *rest_e), (kv_g, pk_g, *rest_g) = kept
+        assert rest_g == rest_e, (transfer, compress)
+        for (ke, ve), (kg, vg), pe, pg in zip(kv_e, kv_g, pk_e, pk_g):
+            assert torch.equal(kg.view(torch.int16), ke.view(torch.int16))
+            assert torch.equal(vg.view(torch.int16), ve.view(torch.int16))
+            assert torch.equal(pg.view(torch.int16), pe.view(torch.int16))
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     model.to("cpu", torch.float32)
