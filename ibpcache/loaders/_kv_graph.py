@@ -72,6 +72,7 @@ class SpeculationGraphs:
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: list[dict[int, _Graph]] = [{} for _ in range(len(decoder))]
+        self._last_k: list[int] = [-1] * len(decoder)  # each layer's k at its previous speculation
         self._inputs: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = None  # hidden, cos, sin
         self._pos_src: "tuple[torch.Tensor, torch.Tensor] | None" = None
         self._scores: "torch.Tensor | None" = None
@@ -79,6 +80,7 @@ class SpeculationGraphs:
         self.captures = 0
         self.replays = 0
         self.append_replays = 0
+        self.eager = 0  # speculations left to the caller (a k not seen at the layer's previous step)
 
     def _static_inputs(self, hidden: torch.Tensor, pos: tuple) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
         cur = self._inputs
@@ -141,18 +143,28 @@ class SpeculationGraphs:
         return g
 
     def speculate(self, j: int, hidden: torch.Tensor, pos: tuple, valid: "torch.Tensor | None",
-                  mgr: "KVOffloadManager") -> "tuple[torch.Tensor, torch.cuda.Event]":
+                  mgr: "KVOffloadManager") -> "tuple[torch.Tensor, torch.cuda.Event] | None":
         """Replay layer ``j``'s speculation (capturing it first if needed) for the decode query at ``hidden`` with
         RoPE tables ``pos`` and padding ``valid`` ([B, n_past] bool, or None). Returns the selected token indices
         [B, Hkv, k] and the event after which they (and, captured, their fetch) are ready; the fetch is left
-        pending in ``mgr`` (captured, or started eagerly after the replay)."""
+        pending in ``mgr`` (captured, or started eagerly after the replay).
+
+        Returns None, doing nothing, when k has no graph and differs from the layer's previous k: the caller then
+        speculates eagerly. A capture waits for the device and costs more than an eager step, so only a k seen twice
+        in a row is captured: short contexts, where k follows the token count every step, stay eager."""
         sel = self.selector
         k = sel.planned_k(j)
         fetch = mgr.can_graph_fetch(j)
-        h_in, cos_in, sin_in = self._static_inputs(hidden, pos)
         keys = sel.keys_of(j)
-        vbuf = None if valid is None else self._valid_buffer(valid, keys.shape[2])
         g = self._graphs[j].get(k)
+        if g is None and self._last_k[j] != k:
+            self._last_k[j] = k
+            self.eager += 1
+            return None
+        self._last_k[j] = k
+        h_in, cos_in, sin_in = self._static_inputs(hidden, pos)
+        g = self._graphs[j].get(k)  # (new static inputs drop every graph)
+        vbuf = None if valid is None else self._valid_buffer(valid, keys.shape[2])
         if g is not None and (g.keys is not keys or g.valid is not vbuf
                               or g.store is not (mgr.layer_store(j) if fetch else None)):
             self._graphs[j].pop(k)
@@ -249,4 +261,4 @@ class SpeculationGraphs:
 
     def stats(self) -> dict[str, Any]:
         return {"graph_captures": self.captures, "graph_replays": self.replays,
-                "append_graph_replays": self.append_replays}
+                "append_graph_replays": self.append_replays, "graph_eager_speculations": self.eager}

@@ -269,9 +269,10 @@ class IBPOffloadedCache(Cache):
         if self.use_graphs and self.use_prefetch and hidden.is_cuda:
             if self._spec_graphs is None:
                 self._spec_graphs = SpeculationGraphs(self._decoder, self.selector, hidden.device)
-            self._selection[j], self._selection_ready[j] = self._spec_graphs.speculate(j, hidden, pos, valid,
-                                                                                        self.manager)
-            return
+            replayed = self._spec_graphs.speculate(j, hidden, pos, valid, self.manager)
+            if replayed is not None:
+                self._selection[j], self._selection_ready[j] = replayed
+                return
         q = project_query(self._decoder[j], hidden, pos)
         idx = self.selector.select(j, q, valid)
         self._selection[j] = idx

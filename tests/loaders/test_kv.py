@@ -756,6 +756,26 @@ def test_gpu_sparse_graphs_equal_eager(smollm2: Any, padded: bool) -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_sparse_graphs_skip_a_changing_k(smollm2: Any) -> None:
+    """Selecting every token (k = the token count, new at every step) captures nothing: each step is speculated
+    eagerly, and generates what graphs=False does."""
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    model, tok = smollm2
+    model = model.to("cuda", torch.float16)
+    inputs = {k: v.cuda() for k, v in _chat_ids(tok, ["Explain a linked list."]).items()}
+    outs = []
+    for graphs in (False, True):
+        with IBPOffloadedCache(model.config, mode="sparse", model=model, alpha=float("inf"), max_num_kv=10**6,
+                               graphs=graphs) as cache:
+            outs.append(_generate(model, inputs, cache, n=6))
+            st = cache.stats()
+    assert st["graph_captures"] == 0 and st["graph_replays"] == 0 and st["graph_eager_speculations"] > 0
+    assert torch.equal(outs[1], outs[0])
+    model.to("cpu", torch.float32)
+
+
+@pytest.mark.gpu
 def test_bench_llm_quick_smoke(tmp_path: Any) -> None:
     """The benchmark runs end to end at --quick size, and its own output checks hold."""
     import json
