@@ -461,7 +461,7 @@ def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, item
     s = cache.stats()
     for key in ("host_bytes", "gpu_bytes", "stored_bytes", "ratio", "fit_s", "decode_steps", "partial_key_bytes",
                 "selected_k_last", "transfer", "compress", "codec", "codecs", "host_layout", "dense_fetch",
-                "graph_captures", "graph_replays"):
+                "graph_captures", "graph_replays", "append_graph_replays", "graph_eager_speculations"):
         if key in s:
             st[key] = s[key]
     st["manager_raw_bytes"] = s.get("raw_bytes")
