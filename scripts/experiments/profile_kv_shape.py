@@ -57,7 +57,9 @@ TIMED = {
                                     "PartialKeySelector._planned_k"],
     "ibpcache.loaders.kv": ["KVOffloadManager.prefetch", "KVOffloadManager.take", "KVOffloadManager.append",
                             "KVOffloadManager._read"],
-    "ibpcache.cache.append_store": ["AppendStore.append", "AppendStore.fetch", "AppendStore.note_append"],
+    "ibpcache.cache.append_store": ["AppendStore.append", "AppendStore.fetch", "AppendStore.note_append",
+                                    "AppendStore.prepare_dynamic"],
+    "ibpcache.loaders._kv_graph": ["SpeculationGraphs.speculate", "SpeculationGraphs.append"],
 }
 HOST_S: dict = {}
 HOST_STEPS = 2
