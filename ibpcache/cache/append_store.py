@@ -574,8 +574,15 @@ class AppendStore:
         if m < 0 or 2 * m * self.row_bytes > self.min_chunk:
             raise ValueError(f"a captured append must be a decode step starting at the next free slot "
                              f"({self.high_water}) whose worst case fits the smallest chunk ({self.min_chunk} bytes)")
-        self._scratch_room(2 * m)
+        if 2 * m > self._scratch.numel():  # growing it here would be captured (and replayed) too
+            raise ValueError("launch_dynamic: call prepare_capture first (scratch room)")
         kvp_append(self._desc, keys, values, slot0, t0, dyn=True, written=written, into=into, att_pos0=att_pos0)
+
+    def prepare_capture(self, slot0: int, m: int) -> None:
+        """Before capturing :meth:`launch_dynamic` of ``m`` slots from ``slot0``: grow what it reads now, outside the
+        capture (growth allocates and copies: captured, it would be replayed over later appends)."""
+        self.reserve(slot0 + m)
+        self._scratch_room(2 * m)
 
     def prepare_dynamic(self, slots_per_step: int) -> None:
         """Before each run of a captured decode step: room for its slots and chunks (host only, never waits)."""

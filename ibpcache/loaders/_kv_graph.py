@@ -235,6 +235,7 @@ class SpeculationGraphs:
         from ..kernels._build import device_index, get_function
 
         if zero_copy:
+            mgr.prepare_graph_append(j)  # growth is never captured
             inputs = (g.out[0][:, :, -1:], g.out[1][:, :, -1:])
             for symbol in ("ibp_kvp_size", "ibp_kvp_encode"):  # no module loads while capturing
                 get_function("kv_packed.cu", symbol, device_index(self.device))

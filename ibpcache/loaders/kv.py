@@ -652,17 +652,21 @@ class KVOffloadManager:
     def graph_append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> "tuple[int, int]":
         """Capturable: enqueue the append of one decode step's [B, H, 1, D] K/V (fixed buffers) to the layer's
         zero-copy store at the token count the device keeps, so a replay appends after whatever is stored then.
-        Returns ``(slot0, t0)``, where the capture was made; call :meth:`before_graph_append` before and
-        :meth:`after_graph_append` after every replay (no bookkeeping here)."""
+        Returns ``(slot0, t0)``, where the capture was made. Call :meth:`prepare_graph_append` before the capture,
+        :meth:`before_graph_append` before and :meth:`after_graph_append` after every replay (no bookkeeping here)."""
         st = self._state(layer)
         if not self.can_graph_append(layer) or keys.shape[2] != 1:
             raise ValueError(f"graph_append: layer {layer} needs a zero-copy CUDA store in the identity slot layout "
                              "whose next slot is its next free one (no crop since), and one token")
         t0 = st.n_tokens
         slot0 = self._slot_of_token(st, t0)
-        st.kv.reserve(slot0 + self.rows_per_token)
         st.kv.launch_dynamic(keys, values, slot0, t0, written=self._dev_written)
         return slot0, t0
+
+    def prepare_graph_append(self, layer: int) -> None:
+        """Outside the capture of :meth:`graph_append`: grow the store's slot tables and scratch for it now."""
+        st = self._state(layer)
+        st.kv.prepare_capture(self._slot_of_token(st, st.n_tokens), self.rows_per_token)
 
     def can_graph_append(self, layer: int) -> bool:
         """Whether :meth:`graph_append` may be captured for ``layer`` now (see :meth:`graph_append_ok`)."""
@@ -1009,8 +1013,7 @@ class KVStepGraph:
         self.values_out = torch.zeros_like(self.keys_out)
         store = st.kv
         slot0 = mgr._slot_of_token(st, t0)
-        store.reserve(slot0 + mgr.rows_per_token)
-        store._scratch_room(2 * mgr.rows_per_token)
+        store.prepare_capture(slot0, mgr.rows_per_token)
         for symbol in ("ibp_kvp_size", "ibp_kvp_encode", "ibp_kvp_fetch"):  # no module loads while capturing
             get_function("kv_packed.cu", symbol, dev.index)
         torch.cuda.synchronize(dev)
