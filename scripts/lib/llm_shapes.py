@@ -761,7 +761,9 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--modes", default="dense,sparse")
     p.add_argument("--methods", default=",".join(ORDER))
     p.add_argument("--decode-tokens", type=int, default=3, help="timed decode steps per run")
-    p.add_argument("--warmup-tokens", type=int, default=1, help="untimed decode steps first in every run")
+    p.add_argument("--warmup-tokens", type=int, default=2,
+                   help="untimed decode steps first in every run (sparse: step 1 speculates eagerly, step 2 captures "
+                        "the CUDA graphs of a k seen twice)")
     p.add_argument("--repeats", type=int, default=3, help="rounds, round-robin over the methods")
     p.add_argument("--max-host-gb", type=float, default=None,
                    help="skip a method whose host store would exceed this (default: 90%% of MemAvailable at start)")
