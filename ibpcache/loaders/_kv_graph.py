@@ -232,6 +232,9 @@ class SpeculationGraphs:
         return out
 
     def _capture_append(self, j: int, g: _Graph, mgr: "KVOffloadManager", zero_copy: bool) -> _AppendGraph:
+        """Capture layer ``j``'s append after the selection of ``g``: partial keys always, the store's append when
+        ``zero_copy`` (it then reads the new token from ``g.out``'s last position). Growth and kernel loading happen
+        before the capture, so the graph holds only the append's own launches."""
         from ..kernels._build import device_index, get_function
 
         if zero_copy:

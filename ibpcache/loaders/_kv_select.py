@@ -357,7 +357,7 @@ class PartialKeySelector:
             return self.cfg.max_num_kv
         if ev is not None:
             ev.synchronize()  # recorded a whole step ago: already complete in steady state
-        share = int(host.numpy().sum(dtype="int64")) / self._count_total[layer]  # numpy: a tenth of torch's overhead
+        share = int(host.numpy().sum(dtype="int64")) / self._count_total[layer]  # numpy: no torch dispatch
         return max(1, min(self.cfg.max_num_kv, int(math.ceil(share * self._len[layer] - 1e-6))))
 
     def planned_k(self, layer: int) -> int:
