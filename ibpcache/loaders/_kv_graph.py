@@ -156,14 +156,13 @@ class SpeculationGraphs:
         k = sel.planned_k(j)
         fetch = mgr.can_graph_fetch(j)
         keys = sel.keys_of(j)
+        h_in, cos_in, sin_in = self._static_inputs(hidden, pos)  # (new static inputs drop every graph)
         g = self._graphs[j].get(k)
         if g is None and self._last_k[j] != k:
             self._last_k[j] = k
             self.eager += 1
             return None
         self._last_k[j] = k
-        h_in, cos_in, sin_in = self._static_inputs(hidden, pos)
-        g = self._graphs[j].get(k)  # (new static inputs drop every graph)
         vbuf = None if valid is None else self._valid_buffer(valid, keys.shape[2])
         if g is not None and (g.keys is not keys or g.valid is not vbuf
                               or g.store is not (mgr.layer_store(j) if fetch else None)):

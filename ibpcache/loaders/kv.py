@@ -1029,7 +1029,6 @@ class KVStepGraph:
         """Run the captured step; returns (keys, values) [B, H, T + 1, D] views of the output buffers."""
         mgr = self.mgr
         st = mgr._state(self.layer)
-        mgr._flush_pending()
         if st.kv is not self._store or st.n_tokens != self._tokens or st.row0 is not None:
             raise RuntimeError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
                                "or reset): capture again")
