@@ -20,7 +20,8 @@ PACKAGE = Path(ibpcache.__file__).resolve().parent
 BARE = {"ValueError", "TypeError", "RuntimeError", "IndexError", "KeyError"}
 """Built-ins that bad input must not raise bare: each has a home in ``ibpcache.errors``."""
 
-SWEPT = ["_validation.py", "errors.py", "cache/feature_cache.py", "cache/partitioned.py", "loaders/pyg.py"]
+SWEPT = ["_validation.py", "errors.py", "__main__.py", "cache/feature_cache.py", "cache/partitioned.py",
+         "loaders/pyg.py"]
 """Modules already raising only ibpcache errors (the guard below keeps them so)."""
 
 BUILTIN_OF = {
