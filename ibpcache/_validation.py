@@ -94,13 +94,18 @@ def _is_float(value: object) -> bool:
     return isinstance(value, (float, np.floating))
 
 
+def _plain(value: object) -> object:
+    """A NumPy scalar as the Python number it holds (messages show ``0`` rather than ``np.int64(0)``)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def check_fraction(value: object, name: str) -> float:
-    """A ratio in (0, 1] (a float, or the ints 1): what ``cache_ratio``-style arguments take. NaN, bools, strings
+    """A ratio in (0, 1] (a float, or the int 1): what ``cache_ratio``-style arguments take. NaN, bools, strings
     and values outside (0, 1] raise, naming ``name`` and the value."""
     if not (_is_int(value) or _is_float(value)):
         raise InvalidTypeError(f"{name}: expected a number in (0, 1], got {type(value).__name__} {value!r}")
     if not 0.0 < float(value) <= 1.0:  # NaN fails this too
-        raise InvalidArgumentError(f"{name}={value!r}: must be in (0, 1]")
+        raise InvalidArgumentError(f"{name}={_plain(value)!r}: must be in (0, 1]")
     return float(value)
 
 
@@ -114,13 +119,13 @@ def check_budget(budget: object, name: str = "budget_bytes") -> "int | float":
     if _is_float(budget):
         if not 0.0 < float(budget) <= 1.0:  # NaN fails this too
             raise InvalidArgumentError(
-                f"{name}={budget!r}: a float budget is a fraction of the table's raw bytes and must be in (0, 1] "
+                f"{name}={_plain(budget)!r}: a float budget is a fraction of the table's raw bytes and must be in (0, 1] "
                 "(1.0 = the whole table); for a byte count pass an int")
         return float(budget)
     if _is_int(budget):
         if budget < 1:
             raise InvalidArgumentError(
-                f"{name}={budget!r}: an int budget is a byte count and must be >= 1; for a fraction of the table's "
+                f"{name}={_plain(budget)!r}: an int budget is a byte count and must be >= 1; for a fraction of the table's "
                 "raw bytes pass a float in (0, 1]")
         return int(budget)
     raise InvalidTypeError(f"{name}: expected a float fraction in (0, 1] of the table's raw bytes or an int byte "
@@ -140,7 +145,7 @@ def resolve_budget(budget: object, total_bytes: int, min_row_bytes: int = 1, nam
     nbytes = int(value * total_bytes) if isinstance(value, float) else value
     min_bytes = -(-max(int(min_row_bytes), 1) // align) * align
     if nbytes < min_bytes:
-        given = f"{name}={budget!r}" + (f" ({nbytes} bytes of {total_bytes})" if isinstance(value, float)
+        given = f"{name}={_plain(budget)!r}" + (f" ({nbytes} bytes of {total_bytes})" if isinstance(value, float)
                                          else " (an int budget is a byte count)")
         raise CapacityError(f"{given}: too small to cache one row; the smallest valid budget is {min_bytes} bytes "
                             f"(an int){_min_fraction_hint(min_bytes, total_bytes)}")

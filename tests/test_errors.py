@@ -125,6 +125,10 @@ def test_budget_keeps_numpy_scalars_and_their_kind() -> None:
     assert check_budget(np.float32(0.5)) == 0.5 and isinstance(check_budget(np.float32(0.5)), float)
     with pytest.raises(errors.InvalidTypeError):
         check_budget(np.bool_(True))
+    with pytest.raises(errors.InvalidArgumentError, match=r"^budget_bytes=0: an int budget"):
+        check_budget(np.int64(0))
+    with pytest.raises(errors.CapacityError, match=r"^budget_bytes=3 \(an int budget"):
+        resolve_budget(np.int32(3), TOTAL, ROW, align=16)
 
 
 def test_one_is_a_byte_and_one_point_zero_the_whole_table() -> None:
