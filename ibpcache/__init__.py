@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from .codec import Codec
 from .compressed import CompressedRows
-from .errors import CapacityError, FormatError, IbpcacheError, InvalidIdsError, KernelBuildError
+from .errors import (CapacityError, ConfigError, DeviceError, FormatError, IbpcacheError, InternalError,
+                     InvalidArgumentError, InvalidIdsError, InvalidTypeError, KernelBuildError, StateError,
+                     UnsupportedError)
 from .format import FORMAT_VERSION, Layout
 
 __all__ = [
@@ -21,6 +23,13 @@ __all__ = [
     "CapacityError",
     "KernelBuildError",
     "InvalidIdsError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "ConfigError",
+    "StateError",
+    "UnsupportedError",
+    "DeviceError",
+    "InternalError",
 ]
 
 __version__ = "0.1.0"

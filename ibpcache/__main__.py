@@ -15,6 +15,10 @@ is a feature-serving demo on the Cora graph bundled with the package:
 The job exits with status 1 if any fetched batch differs from the rows. New tasks register a function in
 :data:`TASKS` and a config in ``configs/task/`` (plus its packaged default in :func:`register_packaged_configs`).
 
+Every task's runner first checks all of its settings (``validate_<task>``), before loading data or fitting a codec;
+a bad one raises :class:`~ibpcache.errors.ConfigError` naming it as typed (``task.batch_size=0: must be a positive
+integer``), and the job prints that line and exits with status 2, without a traceback.
+
 Configs: ``configs/`` at the repository root when running from a checkout (the files a user edits); an installed
 wheel has no ``configs/`` and uses the same defaults registered in Hydra's ConfigStore. ``--config-dir DIR``
 adds DIR to the search path (it overrides the packaged defaults; in a checkout ``configs/`` wins on equal
@@ -23,15 +27,18 @@ names), ``--config-path /abs/DIR`` replaces ``configs/`` altogether.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from ibpcache.errors import CapacityError, ConfigError, InvalidArgumentError, InvalidTypeError
+
 __all__ = ["main", "run", "TASKS", "DemoTask", "MainConfig", "register_packaged_configs", "checkout_config_dir",
-           "sample_batches", "format_demo_report"]
+           "sample_batches", "format_demo_report", "validate_demo", "validate_serve"]
 
 CONFIG_NAME = "ibpcache"
 
@@ -45,7 +52,9 @@ class DemoTask:
     """``task=demo``: serve a GNN-like id stream on bundled Cora through one FeatureCache per policy."""
 
     name: str = "demo"
-    budget: float = 0.01  # cache size: fraction of the raw feature bytes (float) or bytes (int)
+    # cache size: a float in (0, 1] is a fraction of the raw feature bytes, an int a byte count (typed Any so that
+    # an int given on the command line stays an int, as it does with configs/)
+    budget: Any = 0.01
     policies: list[str] = field(default_factory=lambda: ["static", "lru", "lfu"])
     batch_size: int = 256  # seed nodes per batch
     fanouts: list[int] = field(default_factory=lambda: [25, 10])
@@ -115,6 +124,137 @@ def checkout_config_dir() -> Path | None:
     """``configs/`` of the repository this package was imported from (checkout or editable install), if any."""
     cand = Path(__file__).resolve().parent.parent / "configs"
     return cand if (cand / f"{CONFIG_NAME}.yaml").is_file() else None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Settings checks: each task's runner calls its validate_<task> first, so a bad setting costs no data load or fit
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as a user would type it (``[25, 10]``, ``null``, ``abc``)."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+    except ImportError:
+        pass
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else repr(value)
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{key}={_shown(value)}: {why}")
+
+
+@contextlib.contextmanager
+def _as_config_error() -> Iterator[None]:
+    """Library argument checks (which already name the setting they were given) surface as ConfigError."""
+    try:
+        yield
+    except (InvalidArgumentError, InvalidTypeError, CapacityError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_setting(task: Any, key: str, low: int, high: "int | None" = None, why: str = "must be a positive integer"
+                 ) -> int:
+    """``task.key`` as an int in ``[low, high)``; ``why`` says what is expected."""
+    value = task.get(key)
+    if not _is_int(value) or value < low or (high is not None and value >= high):
+        raise _bad(f"task.{key}", value, why)
+    return value
+
+
+def _list_setting(task: Any, key: str) -> list:
+    value = task.get(key)
+    try:
+        from omegaconf import ListConfig
+
+        if isinstance(value, ListConfig):
+            return list(value)
+    except ImportError:
+        pass
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise _bad(f"task.{key}", value, "must be a list, e.g. [a, b]")
+
+
+def _known_keys(task: Any, schema: type) -> None:
+    """No setting the task does not read (a misspelt ``+task.batchsize=...`` would be ignored silently)."""
+    known = {f.name for f in fields(schema)}
+    for key in task:
+        if key not in known:
+            raise _bad(f"task.{key}", task.get(key), f"unknown setting of task={task.get('name')}; known: "
+                                                       f"{sorted(known)}")
+
+
+def _validate_device(cfg: Any) -> None:
+    """``device``: auto, cpu, cuda or cuda:N of a GPU torch sees."""
+    import torch
+
+    name = cfg.get("device")
+    if not isinstance(name, str):
+        raise _bad("device", name, "must be auto, cpu or cuda")
+    if name == "auto":
+        return
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise _bad("device", name, "must be auto, cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise _bad("device", name, "must be auto, cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise _bad("device", name, "torch sees no CUDA GPU (use device=cpu or device=auto)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise _bad("device", name, f"torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+
+
+def validate_demo(cfg: Any) -> None:
+    """Check every ``task=demo`` setting (and ``device``); raises ConfigError naming the first bad one."""
+    from ibpcache._validation import check_budget
+    from ibpcache.cache.policy import PolicyKind
+
+    task = cfg.task
+    _known_keys(task, DemoTask)
+    _validate_device(cfg)
+    with _as_config_error():
+        check_budget(task.get("budget"), "task.budget")
+    policies = _list_setting(task, "policies")
+    names = [m.value for m in PolicyKind]
+    if not policies:
+        raise _bad("task.policies", policies, f"must name at least one policy of {names}")
+    for p in policies:
+        if not isinstance(p, str) or p.lower() not in names:
+            raise _bad("task.policies", policies, f"{_shown(p)} is not a policy; known: {names}")
+    _int_setting(task, "batch_size", 1)
+    fanouts = _list_setting(task, "fanouts")
+    if not all(_is_int(f) and f >= 1 for f in fanouts):
+        raise _bad("task.fanouts", fanouts, "must be a list of positive integers (neighbours sampled per hop)")
+    _int_setting(task, "epochs", 1)
+    _int_setting(task, "seed", 0, 2**64, "must be an integer in [0, 2**64)")
+
+
+def _check_demo_budget(budget: Any, x: Any, min_row_bytes: int) -> None:
+    """``task.budget`` against the rows: it must hold a stored row of ``min_row_bytes`` (1 before the codec fit:
+    budgets that hold nothing at all; the compressed rows' smallest length after it)."""
+    from ibpcache._validation import resolve_budget
+    from ibpcache.cache.slab import SLAB_ALIGN
+
+    with _as_config_error():
+        resolve_budget(budget, x.nbytes, min_row_bytes, "task.budget", SLAB_ALIGN)
+
+
+def _budget_text(budget: Any) -> str:
+    return f"{budget} of the raw feature bytes" if isinstance(budget, float) else f"{budget} bytes"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -219,6 +359,7 @@ def _serve(cache: Any, x_u8: Any, batches: list[Any], sync: Callable[[], None]) 
 
 def run_demo(cfg: Any) -> int:
     """The default task (see the module docstring); returns the exit status: 0 when every fetch was exact."""
+    validate_demo(cfg)
     import torch
 
     from ibpcache import Codec, FeatureCache
@@ -228,6 +369,7 @@ def run_demo(cfg: Any) -> int:
     device = _resolve_device(str(cfg.device))
     graph = load_cora()
     x = graph.features
+    _check_demo_budget(task.budget, x, 1)  # before the fit: budgets that hold nothing at all
     n, row_bytes = x.shape[0], x[0].numel() * x.element_size()
     x_u8 = x.reshape(n, -1).view(torch.uint8)
     print(f"ibpcache demo: serving Cora features ({n:,} nodes x {x.shape[1]} float32, {_fmt_bytes(x.nbytes)}, "
@@ -236,6 +378,7 @@ def run_demo(cfg: Any) -> int:
     t0 = time.perf_counter()
     codec = Codec.fit(x)
     packed = codec.compress(x, layout="inplace", pin=False)
+    _check_demo_budget(task.budget, x, int(packed.lengths.min()))  # exact: the smallest compressed row
     exact_codec = torch.equal(packed.decompress().reshape(n, -1).view(torch.uint8), x_u8)
     print(f"codec: {codec.chunk_bytes}-byte chunks, compression ratio {packed.ratio:.2f}x "
           f"({_fmt_bytes(x.nbytes)} -> {_fmt_bytes(packed.nbytes)}), round trip "
@@ -246,7 +389,7 @@ def run_demo(cfg: Any) -> int:
     requested = sum(int(b.numel()) for b in batches)
     print(f"id stream: {len(batches)} batches of {task.batch_size} seed nodes + 2-hop neighbours "
           f"(fanouts {list(task.fanouts)}), {requested:,} ids ({requested / len(batches):,.0f} per batch), "
-          f"{task.epochs} epochs; cache budget {task.budget} of the raw feature bytes", flush=True)
+          f"{task.epochs} epochs; cache budget {_budget_text(task.budget)}", flush=True)
 
     degree = torch.bincount(graph.src, minlength=n)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -275,12 +418,34 @@ def run_demo(cfg: Any) -> int:
     return 0 if ok else 1
 
 
+def validate_serve(cfg: Any) -> None:
+    """Check every ``task=serve`` setting before publishing anything; raises ConfigError naming the first bad one."""
+    from ibpcache import _shm
+
+    task = cfg.task
+    _known_keys(task, ServeTask)
+    stores = task.get("stores")
+    if not stores or not hasattr(stores, "items"):
+        raise _bad("task.stores", stores, "task=serve needs at least one store: task.stores.NAME=/path/to/file.ibp")
+    for name, path in stores.items():
+        try:
+            _shm._check_name(str(name))
+        except ValueError as exc:  # the shared-store name rule lives in _shm
+            raise _bad(f"task.stores.{name}", path, str(exc)) from None
+        if not isinstance(path, str) or not Path(path).is_file():
+            raise _bad(f"task.stores.{name}", path, "no such file (a store written by CompressedRows.save)")
+    ready = task.get("ready_file")
+    if ready is not None and (not isinstance(ready, str) or not ready or not Path(ready).parent.is_dir()):
+        raise _bad("task.ready_file", ready, "must be null or a file path in an existing folder")
+    if not isinstance(task.get("replace"), bool):
+        raise _bad("task.replace", task.get("replace"), "must be true or false")
+
+
 def run_serve(cfg: Any) -> int:
     """``task=serve``: the store host (``ibpcache.cache.service``); returns when stopped by SIGTERM/SIGINT."""
+    validate_serve(cfg)
     from ibpcache.cache.service import serve_config
 
-    if not cfg.task.stores:
-        raise ValueError("task=serve needs at least one store: task.stores.NAME=/path/to/file.ibp")
     serve_config(cfg.task)
     return 0
 
@@ -291,9 +456,9 @@ TASKS: dict[str, Callable[[Any], int]] = {"demo": run_demo, "serve": run_serve}
 
 def run(cfg: Any) -> int:
     """Run the task a composed config names; returns its exit status."""
-    name = str(cfg.task.name)
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
+    name = cfg.task.get("name")
+    if not isinstance(name, str) or name not in TASKS:
+        raise _bad("task.name", name, f"unknown task; known: {sorted(TASKS)}")
     return TASKS[name](cfg)
 
 
@@ -310,7 +475,11 @@ def main() -> None:
     @hydra.main(config_path=None if conf_dir is None else str(conf_dir), config_name=CONFIG_NAME,
                 version_base=None)
     def _app(cfg: Any) -> None:
-        status.append(run(cfg))
+        try:
+            status.append(run(cfg))
+        except ConfigError as exc:  # a setting, named in the message: no traceback to read through
+            print(f"ibpcache: {exc}", file=sys.stderr)
+            status.append(2)
 
     _app()
     sys.exit(status[0] if status else 0)

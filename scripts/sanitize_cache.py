@@ -48,7 +48,7 @@ def main() -> int:
         src = kw.pop("rows", rows)
         for policy in ("static", "lru", "lfu"):
             for index in ("hash", "direct"):
-                for budget in (0, 0.05):
+                for budget in (None, 0.05):  # None: no slab, every row from the host store
                     for transfer in ("zero_copy", "cpu_gather"):
                         fc = FeatureCache(src, budget, policy=policy, device="cuda", codec=codec, index=index,
                                           transfer=transfer, **kw)

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -181,3 +182,155 @@ def test_serve_task_without_stores_fails_cleanly(tmp_path: Path) -> None:
     res = _run(["task=serve"], tmp_path, timeout=120)
     assert res.returncode != 0
     assert "task.stores" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Settings are checked before any work, named as typed, and end the job with status 2 and no traceback
+
+
+def _demo_cfg(**task: Any) -> Any:
+    """A composed config as configs/ gives it (untyped: a user's typo reaches the job as typed)."""
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    from ibpcache.__main__ import DemoTask
+
+    return OmegaConf.create({"device": task.pop("device", "cpu"), "task": {**asdict(DemoTask()), **task}})
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading data or fitting a codec fails the test: validation must come first."""
+    import ibpcache.datasets
+    from ibpcache import Codec
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("work started before the settings were checked")
+
+    monkeypatch.setattr(ibpcache.datasets, "load_cora", boom)
+    monkeypatch.setattr(Codec, "fit", boom)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"batch_size": 0}, "task.batch_size=0: must be a positive integer"),
+    ({"batch_size": -5}, "task.batch_size=-5: must be a positive integer"),
+    ({"batch_size": "abc"}, "task.batch_size=abc: must be a positive integer"),
+    ({"batch_size": 2.5}, "task.batch_size=2.5: must be a positive integer"),
+    ({"batch_size": True}, "task.batch_size=true: must be a positive integer"),
+    ({"epochs": 0}, "task.epochs=0: must be a positive integer"),
+    ({"seed": -1}, "task.seed=-1: must be an integer in [0, 2**64)"),
+    ({"budget": 0}, "task.budget=0: an int budget is a byte count and must be >= 1"),
+    ({"budget": 0.0}, "task.budget=0.0: a float budget is a fraction"),
+    ({"budget": 1.5}, "task.budget=1.5: a float budget is a fraction"),
+    ({"budget": "1GB"}, "task.budget: expected a float fraction in (0, 1]"),
+    ({"budget": True}, "task.budget: expected a float fraction in (0, 1]"),
+    ({"policies": []}, "task.policies=[]: must name at least one policy"),
+    ({"policies": ["static", "fifo"]}, "task.policies=[static, fifo]: fifo is not a policy; known: ['static', 'lru', 'lfu']"),
+    ({"policies": "lru"}, "task.policies=lru: must be a list"),
+    ({"fanouts": [25, 0]}, "task.fanouts=[25, 0]: must be a list of positive integers"),
+    ({"fanouts": [-1]}, "task.fanouts=[-1]: must be a list of positive integers"),
+    ({"batchsize": 64}, "task.batchsize=64: unknown setting of task=demo"),
+    ({"device": "tpu"}, "device=tpu: must be auto, cpu or cuda"),
+    ({"name": "nosuch"}, "task.name=nosuch: unknown task; known: ['demo', 'serve']"),
+])
+def test_bad_demo_settings_fail_before_any_work(no_work: None, setting: dict, message: str) -> None:
+    from ibpcache.__main__ import run
+    from ibpcache.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        run(_demo_cfg(**setting))
+    assert str(info.value).startswith(message), str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_default_and_edge_settings_pass_validation() -> None:
+    from omegaconf import OmegaConf
+
+    from ibpcache.__main__ import DemoTask, validate_demo
+
+    validate_demo(_demo_cfg())
+    validate_demo(_demo_cfg(budget=1.0, policies=["LRU"], fanouts=[], seed=2**64 - 1, device="auto"))
+    validate_demo(OmegaConf.create({"device": "cpu", "task": OmegaConf.structured(DemoTask)}))
+
+
+def test_packaged_config_keeps_an_int_budget_an_int() -> None:
+    """The ConfigStore schema must not turn task.budget=2 (bytes) into 2.0 (a fraction), or a wheel would read the
+    same command line differently from a checkout."""
+    from omegaconf import OmegaConf
+
+    from ibpcache.__main__ import DemoTask
+
+    task = OmegaConf.structured(DemoTask)
+    OmegaConf.update(task, "budget", 2)
+    assert task.budget == 2 and isinstance(task.budget, int)
+
+
+@pytest.mark.parametrize("budget, message", [
+    (2, "task.budget=2 (an int budget is a byte count): too small to cache one row; the smallest valid budget is "
+        "16 bytes"),
+    (1e-9, "task.budget=1e-09 (0 bytes of 15522256): too small to cache one row"),
+])
+def test_budget_below_any_row_fails_before_the_fit(monkeypatch: pytest.MonkeyPatch, budget: Any,
+                                                   message: str) -> None:
+    from ibpcache import Codec
+    from ibpcache.__main__ import run
+    from ibpcache.errors import ConfigError
+
+    monkeypatch.setattr(Codec, "fit", lambda *a, **k: pytest.fail("the codec was fitted before the budget check"))
+    with pytest.raises(ConfigError, match="^" + message.replace("(", "\\(").replace(")", "\\)")):
+        run(_demo_cfg(budget=budget))
+
+
+def test_budget_below_the_smallest_compressed_row_names_the_smallest_valid_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between 16 bytes and Cora's smallest compressed row the check needs the codec; it runs before any cache."""
+    import ibpcache
+    from ibpcache import Codec
+    from ibpcache.__main__ import run
+    from ibpcache.datasets import load_cora
+    from ibpcache.errors import ConfigError
+
+    fitted, real_fit = [], Codec.fit
+    monkeypatch.setattr(Codec, "fit", lambda *a, **k: fitted.append(real_fit(*a, **k)) or fitted[-1])
+    monkeypatch.setattr(ibpcache, "FeatureCache", lambda *a, **k: pytest.fail("a cache was built"))
+    with pytest.raises(ConfigError, match=r"^task.budget=17 \(an int budget is a byte count\): too small") as info:
+        run(_demo_cfg(budget=17))
+    x = load_cora().features
+    smallest = -(-int(fitted[0].stored_lengths(x).min()) // 16) * 16
+    assert smallest > 17 and f"smallest valid budget is {smallest} bytes" in str(info.value)
+
+
+def test_bad_setting_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    res = _run(["task.batch_size=0"], tmp_path, timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip() == "ibpcache: task.batch_size=0: must be a positive integer"
+    assert "codec:" not in res.stdout and "serving" not in res.stdout  # nothing was loaded or fitted
+
+
+def test_bad_serve_settings_fail_before_publishing(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from ibpcache.__main__ import run
+    from ibpcache.errors import ConfigError
+
+    store = tmp_path / "s.ibp"
+    store.write_bytes(b"")
+
+    def cfg(**task: Any) -> Any:
+        return OmegaConf.create({"device": "auto", "task": {"name": "serve", "stores": {"ok": str(store)},
+                                                            "ready_file": None, "replace": True, **task}})
+
+    cases = [
+        (cfg(stores={}), "task.stores={}: task=serve needs at least one store"),
+        (cfg(stores={"feats": str(tmp_path / "missing.ibp")}), f"task.stores.feats={tmp_path / 'missing.ibp'}: "
+                                                              "no such file"),
+        (cfg(stores={"bad/name": str(store)}), "task.stores.bad/name="),
+        (cfg(ready_file=str(tmp_path / "nowhere" / "ready.json")), "task.ready_file="),
+        (cfg(replace="yes"), "task.replace=yes: must be true or false"),
+        (cfg(store={"a": "b"}), "task.store={'a': 'b'}: unknown setting of task=serve"),
+    ]
+    for c, message in cases:
+        with pytest.raises(ConfigError) as info:
+            run(c)
+        assert str(info.value).startswith(message), str(info.value)

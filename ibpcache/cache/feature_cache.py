@@ -37,16 +37,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._validation import as_row_bytes, check_ids, resolve_device
+from .._validation import as_row_bytes, check_ids, resolve_budget, resolve_device
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import CapacityError, InvalidIdsError
+from ..errors import CapacityError, InternalError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, UnsupportedError
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
 from .host_store import CacheMirror, HostStore, Transfer, fit_codec
 from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
-from .slab import Slab, usable_bytes
+from .slab import SLAB_ALIGN, Slab, usable_bytes
 from .stats import FetchStats
 
 __all__ = ["FeatureCache", "mode_name"]
@@ -63,19 +63,6 @@ def mode_name(compress_cache: bool, compress_host: bool) -> str:
             (True, True): "IBP(C/M)"}[(bool(compress_cache), bool(compress_host))]
 
 
-def resolve_budget(budget_bytes: "int | float", raw_nbytes: int) -> int:
-    """Bytes from an int byte count or a float fraction in (0, 1] of the raw feature bytes."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float, np.integer, np.floating)):
-        raise TypeError(f"budget_bytes: expected int bytes or a float fraction, got {type(budget_bytes).__name__}")
-    if isinstance(budget_bytes, (float, np.floating)):
-        if not 0.0 < float(budget_bytes) <= 1.0:
-            raise ValueError(f"budget_bytes as a fraction must be in (0, 1], got {budget_bytes}")
-        return int(float(budget_bytes) * raw_nbytes)
-    if budget_bytes < 0:
-        raise CapacityError(f"budget_bytes must be >= 0, got {budget_bytes}")
-    return int(budget_bytes)
-
-
 class FeatureCache:
     """Rows of a dataset, served by id from a byte-budgeted cache slab plus a host store.
 
@@ -84,9 +71,13 @@ class FeatureCache:
             :class:`CompressedRows` (then its codec is used and rows stay compressed on the host). A
             non-contiguous tensor (a slice, a transpose) is copied once with ``.contiguous()`` during
             construction, which copies every row into the cache and host store anyway; fetches never copy it.
-        budget_bytes: cache slab size, as int bytes, or as a float fraction in (0, 1] of the raw feature
-            bytes (``0.01`` = 1% of ``N * row_bytes``). The slab never exceeds it. Index and per-row
-            tables are metadata outside the budget and are reported by :meth:`stats`.
+        budget_bytes: cache slab size. A float in (0, 1] is a fraction of the raw feature bytes (``0.01`` = 1% of
+            ``N * row_bytes``, ``1.0`` = all of them); an int >= 1 is a byte count (so ``1`` is one byte, not 100%);
+            ``None`` builds no slab (every row is read from the host store: e.g. labels kept beside features). The
+            budget must hold at least one stored row (rows sit in 16-byte units): a smaller one, 0, a negative
+            number, NaN, a bool or a float above 1 raises an :class:`~ibpcache.errors.IbpcacheError`
+            (``ValueError`` / ``TypeError``) naming the value and the smallest valid budget. The slab never
+            exceeds it. Index and per-row tables are metadata outside the budget and are reported by :meth:`stats`.
         hotness: ``[N]`` score for the ``static`` policy (node degree, trace frequency); None = id order.
             Ignored by dynamic policies.
         policy: ``"static"``, ``"lru"`` or ``"lfu"`` (see ``policy.py``).
@@ -119,7 +110,7 @@ class FeatureCache:
     def __init__(
         self,
         rows: "torch.Tensor | CompressedRows",
-        budget_bytes: "int | float",
+        budget_bytes: "int | float | None",
         hotness: torch.Tensor | None = None,
         policy: "str | PolicyKind" = "static",
         device: "str | torch.device" = "cuda",
@@ -135,15 +126,16 @@ class FeatureCache:
     ) -> None:
         self.device = resolve_device(device)
         if validate not in ("eager", "lazy"):
-            raise ValueError(f"validate must be 'eager' or 'lazy', got {validate!r}")
+            raise InvalidArgumentError(f"validate must be 'eager' or 'lazy', got {validate!r}")
         self.validate = validate
         self.policy_kind = PolicyKind.from_str(policy)
         self.compress_cache = bool(compress_cache)
         if compress_host not in (True, False, "auto"):
-            raise ValueError(f"compress_host must be True, False or 'auto', got {compress_host!r}")
+            raise InvalidArgumentError(f"compress_host must be True, False or 'auto', got {compress_host!r}")
         self.compress_host = compress_host is not False  # "auto" decides below, once the codec is fitted
         rows = self._describe_rows(rows)
-        self.budget_bytes = resolve_budget(budget_bytes, self.n_rows * self.row_bytes)
+        # before the codec fit: a raw slab's rows are row_bytes each; a compressed one's are known after sizing
+        self.budget_bytes = self._budget(budget_bytes, 1 if self.compress_cache else self.row_bytes)
         self.codec = self._resolve_codec(rows, codec)
         self.host_layout = self._plan_host(rows, compress_host)
         self._decode_codec = self.codec if self.codec is not None else Codec.raw(self.dtype, self.row_shape)
@@ -152,6 +144,7 @@ class FeatureCache:
                               share_rows=True)  # read-only here: raw rows already pinned are served in place
         self._rows = rows
         self.cache_lengths = self._cache_lengths(rows)  # int32 [N] on CPU: stored bytes in the slab format
+        self._budget(budget_bytes, int(self.cache_lengths.min()))  # now exact: the budget holds the smallest row
         self._index_kind, self._max_probes = index, max_probes
         self.stats_ = FetchStats(self.device, self.row_bytes)
         self._probe_status = torch.zeros(2, dtype=torch.int32, device=self.device)
@@ -180,6 +173,12 @@ class FeatureCache:
     # construction
     # ------------------------------------------------------------------------------------------------
 
+    def _budget(self, budget_bytes: object, min_row_bytes: int) -> int:
+        """Budget bytes (0 for ``None``: no slab); raises unless the budget holds a row of ``min_row_bytes``."""
+        if budget_bytes is None:
+            return 0
+        return resolve_budget(budget_bytes, self.n_rows * self.row_bytes, min_row_bytes, "budget_bytes", SLAB_ALIGN)
+
     def _describe_rows(self, rows: "torch.Tensor | CompressedRows") -> "torch.Tensor | CompressedRows":
         """Record the rows' geometry; returns them contiguous (a strided tensor is copied once, here, so the
         codec fit, the host store and the slab fill below all read the same transient copy)."""
@@ -188,18 +187,18 @@ class FeatureCache:
             self.dtype, self.row_shape = rows.dtype, tuple(rows.codec.row_shape)
         elif isinstance(rows, torch.Tensor):
             if rows.dim() < 1:
-                raise ValueError("rows: expected a tensor of shape [N, ...], got a 0-d tensor")
+                raise InvalidArgumentError("rows: expected a tensor of shape [N, ...], got a 0-d tensor")
             if not rows.is_contiguous():  # construction copies every row into the slab / host store anyway
                 rows = rows.contiguous()
             self.n_rows = int(rows.shape[0])
             self.dtype, self.row_shape = rows.dtype, tuple(rows.shape[1:])
             self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * rows.element_size()
             if self.row_bytes == 0:
-                raise ValueError(f"rows of zero bytes cannot be cached (shape {tuple(rows.shape)})")
+                raise InvalidArgumentError(f"rows of zero bytes cannot be cached (shape {tuple(rows.shape)})")
         else:
-            raise TypeError(f"rows: expected a torch.Tensor or CompressedRows, got {type(rows).__name__}")
+            raise InvalidTypeError(f"rows: expected a torch.Tensor or CompressedRows, got {type(rows).__name__}")
         if self.n_rows == 0:
-            raise ValueError("rows: expected at least one row")
+            raise InvalidArgumentError("rows: expected at least one row")
         check_row_length(self.row_bytes)
         return rows
 
@@ -219,15 +218,15 @@ class FeatureCache:
     def _resolve_codec(self, rows: "torch.Tensor | CompressedRows", codec: "Codec | str | None") -> Codec | None:
         if isinstance(rows, CompressedRows):
             if isinstance(codec, Codec) and not codec.same_tables(rows.codec):
-                raise ValueError("codec differs from the codec the CompressedRows were made with")
+                raise InvalidArgumentError("codec differs from the codec the CompressedRows were made with")
             return rows.codec
         if isinstance(codec, Codec):
             if (codec.row_bytes, codec.dtype, tuple(codec.row_shape)) != (self.row_bytes, self.dtype, self.row_shape):
-                raise ValueError(f"codec is for {codec.dtype} rows of shape {codec.row_shape}, got {self.dtype} "
+                raise InvalidArgumentError(f"codec is for {codec.dtype} rows of shape {codec.row_shape}, got {self.dtype} "
                                  f"rows of shape {self.row_shape}")
             return codec
         if codec not in (None, "auto"):
-            raise ValueError(f"codec must be None, 'auto' or a Codec, got {codec!r}")
+            raise InvalidArgumentError(f"codec must be None, 'auto' or a Codec, got {codec!r}")
         if not (self.compress_cache or self.compress_host):
             return None
         return fit_codec(rows, self.device)  # large tables: a seeded sample (the engine's one rule)
@@ -262,7 +261,7 @@ class FeatureCache:
         typed = raw.contiguous().view(self.dtype).reshape(ids.numel(), *self.row_shape)
         packed = self.codec.compress(typed, layout="packed", pin=False, device=self.device)
         if not torch.equal(packed.lengths.cpu(), lengths.cpu().to(torch.int32)):
-            raise RuntimeError("internal error: re-compressed rows differ in length from the dataset pass")
+            raise InternalError("internal error: re-compressed rows differ in length from the dataset pass")
         return packed.data
 
     def _build_static(self, policy: StaticPolicy) -> None:
@@ -282,14 +281,29 @@ class FeatureCache:
         self.cached_ids = chosen
         self._slab_offsets = offsets  # slab byte offset of each cached row (the cpu-gather path's hit addresses)
 
+    def _check_slots(self, asked: "int | str", n_slots: int) -> None:
+        """An explicit ``slot_bytes`` must let the cache hold a row: slots no smaller than the smallest stored row,
+        and at least one slot in the budget (``"auto"`` and ``budget_bytes=None`` always pass)."""
+        if asked == "auto" or self.budget_bytes == 0:
+            return
+        smallest = int(self.cache_lengths.min())
+        if self.slot_bytes < smallest:
+            raise CapacityError(f"slot_bytes={asked!r}: smaller than every stored row (the smallest takes {smallest} "
+                                f"bytes), so no row could be cached; use slot_bytes >= {smallest} or 'auto'")
+        if n_slots == 0:
+            raise CapacityError(f"slot_bytes={asked!r}: budget_bytes ({self.budget_bytes} bytes, used in "
+                                f"{SLAB_ALIGN}-byte units) holds no slot of {self.slot_bytes} bytes; use a smaller "
+                                "slot_bytes, 'auto', or a larger budget")
+
     def _build_dynamic(self, slot_bytes: "int | str") -> None:
         if slot_bytes == "auto":
             self.slot_bytes = choose_slot_bytes(self.cache_lengths, usable_bytes(self.budget_bytes), self.row_bytes)
         elif isinstance(slot_bytes, (int, np.integer)) and not isinstance(slot_bytes, bool) and 0 < slot_bytes:
             self.slot_bytes = min(int(slot_bytes), self.row_bytes)
         else:
-            raise ValueError(f"slot_bytes must be 'auto' or a positive int, got {slot_bytes!r}")
+            raise InvalidArgumentError(f"slot_bytes must be 'auto' or a positive int, got {slot_bytes!r}")
         n_slots = min(usable_bytes(self.budget_bytes) // self.slot_bytes, self.n_rows)
+        self._check_slots(slot_bytes, n_slots)
         self.slab = Slab(n_slots * self.slot_bytes, self.budget_bytes, self.device)
         self.slot_view = self.slab.slots(self.slot_bytes)
         self.capacity_rows = n_slots
@@ -330,7 +344,7 @@ class FeatureCache:
         out_u8 = out.view(torch.uint8).reshape(b, self.row_bytes)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if capturing and not fused:
-            raise RuntimeError("only a static-policy CUDA FeatureCache can be captured in a CUDA graph (dynamic "
+            raise UnsupportedError("only a static-policy CUDA FeatureCache can be captured in a CUDA graph (dynamic "
                                "policies decide admissions on the host)")
         with self._order.exclusive():
             t0 = None if capturing else self.stats_.start()
@@ -426,14 +440,14 @@ class FeatureCache:
         if out is None:
             return torch.empty(shape, dtype=self.dtype, device=self.device)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+            raise InvalidTypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
         if out.dtype != self.dtype or tuple(out.shape) != shape:
-            raise ValueError(f"out: expected a {self.dtype} tensor of shape {shape}, got {out.dtype} "
+            raise InvalidArgumentError(f"out: expected a {self.dtype} tensor of shape {shape}, got {out.dtype} "
                              f"{tuple(out.shape)}")
         if out.device.type != self.device.type:
-            raise ValueError(f"out: expected a tensor on {self.device}, got {out.device}")
+            raise InvalidArgumentError(f"out: expected a tensor on {self.device}, got {out.device}")
         if not out.is_contiguous():
-            raise ValueError("out: expected a contiguous tensor")
+            raise InvalidArgumentError("out: expected a contiguous tensor")
         return out
 
     def _workspace(self, b: int) -> dict[str, torch.Tensor]:

@@ -40,7 +40,12 @@ def deal_rows(hotness: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 class PartitionedFeatureCache:
-    """This rank's share of a node-wide cache over ``rows``; ``fetch`` returns any rows, bit-exact. Collective."""
+    """This rank's share of a node-wide cache over ``rows``; ``fetch`` returns any rows, bit-exact. Collective.
+
+    ``budget_bytes`` is each rank's slab, as :class:`~ibpcache.cache.feature_cache.FeatureCache` takes it: a float in
+    (0, 1] is a fraction of the whole table's raw bytes, an int >= 1 a byte count; a budget that holds no stored row
+    of the table raises on every rank (each rank checks the same table and budget, before any exchange).
+    """
 
     def __init__(self, rows: Any, hotness: torch.Tensor, budget_bytes: "int | float", device: "str | torch.device",
                  group: "dist.ProcessGroup | None" = None, **cache_kwargs: Any) -> None:

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validation import resolve_device
+from .._validation import check_fraction, resolve_device
 from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidIdsError
 from ..cache.host_store import FitOptions, HostStore, Transfer
@@ -215,8 +215,7 @@ class _CachedBagBase(nn.Module):
             raise ValueError(f"embedding_dim: expected a positive int, got {embedding_dim!r}")
         if mode not in _MODES:
             raise ValueError(f"mode has to be one of sum, mean or max, got {mode!r}")
-        if not 0.0 < float(cache_ratio) <= 1.0:
-            raise ValueError(f"cache_ratio must be in (0, 1], got {cache_ratio}")
+        check_fraction(cache_ratio, "cache_ratio")  # a fraction of the rows (Colossal-AI's), >= 1 row; never bytes
         if not 0.0 <= float(warmup_ratio) <= 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1], got {warmup_ratio}")
         if refit_threshold is not None and not 0.0 < float(refit_threshold) <= 1.0:

@@ -1,6 +1,6 @@
 """FeatureCache on CPU: every fetch equals ``rows[ids]`` bit for bit, for the four compress_cache x
 compress_host combinations and every policy, on real data (Cora, MiniLM), with skewed and uniform ids,
-duplicates, empty batches, zero and oversized budgets; plus input validation and the stats contract."""
+duplicates, empty batches, no slab and oversized budgets; plus input validation and the stats contract."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from cache_helpers import assert_same_rows, id_batches, uniform, zipf
 
 from ibpcache.cache.feature_cache import FeatureCache, mode_name
-from ibpcache.errors import CapacityError, InvalidIdsError
+from ibpcache.errors import CapacityError, IbpcacheError, InvalidArgumentError, InvalidIdsError, InvalidTypeError
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]
 POLICIES = ["static", "lru", "lfu"]
@@ -64,8 +64,8 @@ def test_minilm_fetch_is_bit_exact(minilm_x, minilm_codec, combo, policy) -> Non
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("combo", COMBOS, ids=[mode_name(*c) for c in COMBOS])
-def test_zero_budget_serves_everything_from_host(cora_x, cora_codec, combo, policy) -> None:
-    fc = _cache(cora_x, cora_codec, combo, policy=policy, budget_bytes=0)
+def test_no_slab_serves_everything_from_host(cora_x, cora_codec, combo, policy) -> None:
+    fc = _cache(cora_x, cora_codec, combo, policy=policy, budget_bytes=None)
     ids = zipf(cora_x.shape[0], 500, 3)
     assert_same_rows(fc.fetch(ids), cora_x, ids)
     st = _check_invariants(fc, 500)
@@ -206,15 +206,49 @@ def test_bad_ids_raise(cora_x, cora_codec, bad, err) -> None:
 
 
 @pytest.mark.parametrize("budget, err, match", [
-    (-1, CapacityError, ">= 0"),
-    (1.5, ValueError, "fraction"),
-    (0.0, ValueError, "fraction"),
-    (True, TypeError, "budget_bytes"),
-    ("1GB", TypeError, "budget_bytes"),
+    (-1, InvalidArgumentError, "budget_bytes=-1: an int budget is a byte count and must be >= 1"),
+    (0, InvalidArgumentError, "budget_bytes=0: an int budget"),
+    (1.5, InvalidArgumentError, "budget_bytes=1.5: a float budget is a fraction"),
+    (0.0, InvalidArgumentError, "budget_bytes=0.0: a float budget is a fraction"),
+    (float("nan"), InvalidArgumentError, "budget_bytes=nan"),
+    (-0.5, InvalidArgumentError, "must be in \\(0, 1\\]"),
+    (True, InvalidTypeError, "budget_bytes: .* got bool True"),
+    ("1GB", InvalidTypeError, "budget_bytes: .* got str '1GB'"),
 ])
 def test_bad_budgets_raise(cora_x, cora_codec, budget, err, match) -> None:
-    with pytest.raises(err, match=match):
+    with pytest.raises(err, match=match) as info:
         FeatureCache(cora_x, budget, device="cpu", codec=cora_codec)
+    assert isinstance(info.value, IbpcacheError)
+
+
+@pytest.mark.parametrize("compress_cache", [False, True])
+@pytest.mark.parametrize("policy", ["static", "lru"])
+def test_budget_below_one_row_raises_with_the_smallest_valid_budget(cora_x, cora_codec, policy,
+                                                                     compress_cache) -> None:
+    """An int is bytes: ``budget_bytes=1`` used to build a silent cache of 0 rows. The error names the smallest
+    budget that holds a stored row, and that budget (as bytes and as the named fraction) then holds one."""
+    kw = dict(device="cpu", codec=cora_codec, policy=policy, compress_cache=compress_cache)
+    for tiny in (1, 15, 0.0000001):
+        with pytest.raises(CapacityError, match=f"budget_bytes={tiny!r}.*too small to cache one row"):
+            FeatureCache(cora_x, tiny, **kw)
+    smallest = -(-int(cora_codec.stored_lengths(cora_x).min()) // 16) * 16 if compress_cache else 5744
+    with pytest.raises(CapacityError, match=f"smallest valid budget is {smallest} bytes") as info:
+        FeatureCache(cora_x, smallest - 1, **kw)
+    frac = float(str(info.value).split("fraction >= ")[1].split(" ")[0])
+    for ok in (smallest, frac):
+        fc = FeatureCache(cora_x, ok, **kw)
+        assert fc.capacity_rows >= 1
+        ids = zipf(cora_x.shape[0], 200, 0)
+        assert_same_rows(fc.fetch(ids), cora_x, ids)
+    assert FeatureCache(cora_x, 1.0, **kw).capacity_rows == cora_x.shape[0]  # 1.0 is the whole table
+
+
+def test_explicit_slot_bytes_that_hold_no_row_raise(cora_x, cora_codec) -> None:
+    kw = dict(device="cpu", codec=cora_codec, policy="lru")
+    with pytest.raises(CapacityError, match="slot_bytes=1: smaller than every stored row"):
+        FeatureCache(cora_x, 0.01, slot_bytes=1, **kw)
+    with pytest.raises(CapacityError, match="holds no slot of 5732 bytes"):
+        FeatureCache(cora_x, 4096, slot_bytes=5732, **kw)
 
 
 def test_bad_constructor_arguments(cora_x, cora_codec, minilm_codec) -> None:

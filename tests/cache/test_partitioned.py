@@ -73,3 +73,22 @@ def test_two_gloo_ranks_partition_the_hot_rows(tmp_path: Path, cora: Any, free_p
 @pytest.mark.multi_gpu
 def test_two_gpus_partition_the_hot_rows(tmp_path: Path, cora: Any, free_port: int) -> None:
     _check(_run(2, "nccl", tmp_path, free_port), cora)
+
+
+def test_bad_budgets_raise_before_any_exchange(tmp_path: Path, cora: Any) -> None:
+    """Each rank's FeatureCache checks the budget (the same table and budget on every rank, so all raise alike)."""
+    import torch.distributed as dist
+
+    from ibpcache.cache.partitioned import PartitionedFeatureCache
+    from ibpcache.errors import CapacityError, InvalidArgumentError
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        hot = torch.ones(cora.num_nodes)
+        for bad, err in ((1, CapacityError), (0, InvalidArgumentError), (2.0, InvalidArgumentError)):
+            with pytest.raises(err, match=f"budget_bytes={bad!r}"):
+                PartitionedFeatureCache(cora.features, hot, bad, device="cpu", compress_cache=False)
+        part = PartitionedFeatureCache(cora.features, hot, 5744, device="cpu", compress_cache=False)
+        assert part.node_cached_rows == 1  # 5744 bytes: one 5732-byte row in 16-byte units
+    finally:
+        dist.destroy_process_group()

@@ -6,6 +6,10 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ibpcache.errors import InvalidArgumentError, InvalidIdsError, InvalidTypeError, UnsupportedError
 
 pytest.importorskip("torch_geometric")
 
@@ -107,12 +111,143 @@ def test_feature_store_api(cora: Any) -> None:
     assert store.get_tensor_size(group_name=None, attr_name="x", index=None) == tuple(cora.features.shape)
     assert {a.attr_name for a in store.get_all_tensor_attrs()} == {"x", "y"}
     assert store.remove_tensor(group_name=None, attr_name="y", index=None)
-    with pytest.raises(ValueError, match="whole attributes"):
+    with pytest.raises(InvalidArgumentError, match="whole attributes"):
         store.put_tensor(cora.features, attr_name="z", index=torch.tensor([1]))
-    with pytest.raises(TypeError, match="put_tensor"):
+    with pytest.raises(InvalidTypeError, match="IBPFeatureStore.put_tensor"):
         IBPFeatureStore().put_tensor([1, 2], attr_name="z", index=None)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(InvalidIdsError, match="outside"):
         TorchNeighborSampler(torch.tensor([[0], [5]]), 3, [2])
+    with pytest.raises(InvalidIdsError, match="float32"):  # float node ids were truncated to ints
+        TorchNeighborSampler(torch.tensor([[0.0], [1.5]]), 3, [2])
+    with pytest.raises(InvalidArgumentError, match="num_neighbors"):
+        TorchNeighborSampler(torch.tensor([[0], [1]]), 3, [2.5])
+    with pytest.raises(UnsupportedError, match="nodes only"):
+        TorchNeighborSampler(torch.tensor([[0], [1]]), 3, [2]).sample_from_edges(None)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# get_tensor's index reads as torch indexing (and PyG's in-memory Data) does, or is refused; never misread
+
+
+@pytest.fixture(scope="module")
+def stores(cora: Any) -> tuple[Any, Any]:
+    """(ours, PyG's in-memory Data) over Cora's features, both as FeatureStores."""
+    from torch_geometric.data import Data
+
+    from ibpcache.loaders.pyg import IBPFeatureStore
+
+    ours = IBPFeatureStore(device="cpu", budget_bytes=0.05)
+    ours.put_tensor(cora.features, attr_name="x", index=None)
+    return ours, Data(x=cora.features, num_nodes=cora.num_nodes)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _indices(cora: Any) -> list[Any]:
+    n = cora.num_nodes
+    return [
+        cora.train_mask,  # 140 rows: read as x[mask.long()] (2708 copies of rows 0/1) before
+        cora.test_mask, torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool),
+        cora.train_mask.tolist(),  # a list of bools is a mask in torch too
+        torch.tensor([4, 0, 2707, 4]), torch.tensor([4, 0, 2707, 4], dtype=torch.int32),
+        torch.tensor([-1, -2708, 5, -1]), torch.tensor([[1, 2], [3, -4]]), torch.tensor(7), torch.tensor(-3),
+        torch.empty(0, dtype=torch.int64), [3, 1, 3], [], range(5, 40, 7), range(-3, 2), slice(10, 30, 4),
+        slice(-5, None), slice(None), None, 0, 2707, -1,
+    ]
+
+
+def test_index_reads_as_torch_and_pyg_in_memory_do(cora: Any, stores: tuple[Any, Any]) -> None:
+    ours, data = stores
+    x = cora.features
+    for index in _indices(cora):
+        got = ours.get_tensor(attr_name="x", index=index)
+        assert _same(got, data.get_tensor(attr_name="x", index=index)), index
+        assert _same(got, x if index is None else x[index]), index
+    assert ours.get_tensor(attr_name="x", index=cora.train_mask).shape == (140, 1433)
+    assert _same(ours.get_tensor(attr_name="x"), x)  # index left out: all rows, as Data does
+
+
+def test_integer_dtypes_widen_exactly_and_numpy_indices_work(cora: Any, stores: tuple[Any, Any]) -> None:
+    """torch indexes with int64/int32 only; the narrower ints and uint16/32 hold the same ids, read the same."""
+    import numpy as np
+
+    ours, _ = stores
+    x = cora.features
+    ids = torch.tensor([5, 0, 2707, 100, 5])
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32):
+        small = ids.clamp(max=torch.iinfo(dtype).max).to(dtype)
+        assert _same(ours.get_tensor(attr_name="x", index=small), x[small.to(torch.int64)]), dtype
+    arr = np.array([[3, -1], [0, 2]])
+    assert _same(ours.get_tensor(attr_name="x", index=arr), x[torch.from_numpy(arr)])
+    back = ours.get_tensor(attr_name="x", index=arr, convert_type=True)  # PyG: numpy index -> numpy rows
+    assert isinstance(back, np.ndarray) and np.array_equal(back, x[torch.from_numpy(arr)].numpy())
+
+
+@pytest.mark.parametrize("index, match", [
+    (torch.tensor([1.0, 2.0]), "dtype torch.float32"),
+    (torch.tensor([1.9]), "dtype torch.float32"),  # truncated to row 1 before
+    (torch.tensor([1.0], dtype=torch.float64), "dtype torch.float64"),
+    (torch.tensor([1, 2], dtype=torch.uint8), "uint8 indices as a deprecated bool mask"),
+    (torch.tensor([1], dtype=torch.uint64), "uint64"),
+    (torch.ones(10, dtype=torch.bool), r"must have shape \[2708\].*got shape \(10,\)"),
+    (torch.ones(2708, 2, dtype=torch.bool), r"must have shape \[2708\]"),
+    (torch.tensor(True), r"must have shape \[2708\]"),
+    (True, "a bool"),
+    ((1, 2), "tuple"),
+    (1.0, "got float"),
+    ([1.0, 2.0], "dtype torch.float32"),
+    ([[1, 2], [3]], "cannot read list"),
+    (torch.tensor([2708]), "id 2708 is out of range for 2708 rows"),
+    (torch.tensor([0, -2709]), "id -2709 is out of range"),
+    (2708, "id 2708 is out of range"),
+    (-2709, "id -2709 is out of range"),
+    (slice(None, None, -1), "slice step must be a positive int"),
+])
+def test_indices_torch_would_read_otherwise_are_refused(stores: tuple[Any, Any], index: Any, match: str) -> None:
+    ours, _ = stores
+    with pytest.raises(InvalidIdsError, match=match) as info:
+        ours.get_tensor(attr_name="x", index=index)
+    assert isinstance(info.value, IndexError)  # what torch (and PyG's Data) raise for bad indices
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(min_value=-2708, max_value=2707), max_size=300),
+       st.sampled_from([torch.int64, torch.int32, torch.int16]))
+def test_any_int_index_equals_torch_indexing(stores: tuple[Any, Any], ids: list[int], dtype: torch.dtype) -> None:
+    ours, data = stores
+    index = torch.tensor(ids, dtype=dtype) if ids else torch.empty(0, dtype=dtype)
+    x = data.x
+    assert _same(ours.get_tensor(attr_name="x", index=index), x[index.to(torch.int64)])
+
+
+def test_group_name_may_be_left_out_when_unambiguous(cora: Any, stores: tuple[Any, Any]) -> None:
+    from ibpcache.loaders.pyg import IBPFeatureStore
+
+    ours, data = stores
+    assert ours.get_tensor_size(attr_name="x") == data.get_tensor_size(attr_name="x") == (2708, 1433)
+    assert ours.get_tensor_size(attr_name="nope") is None
+    hetero = IBPFeatureStore(device="cpu")
+    hetero.put_tensor(cora.features[:100], group_name="paper", attr_name="x", index=None, compress=False)
+    hetero.put_tensor(cora.features[100:130], group_name="author", attr_name="x", index=None, compress=False)
+    hetero.put_tensor(cora.labels[:100], group_name="paper", attr_name="y", index=None, compress=False)
+    assert hetero.get_tensor_size(attr_name="y") == (100,)
+    assert _same(hetero.get_tensor(attr_name="y", index=[0, -1]), cora.labels[[0, 99]])
+    assert hetero.get_tensor_size(group_name="author", attr_name="x") == (30, 1433)
+    with pytest.raises(InvalidArgumentError, match=r"'x' is held by groups \['paper', 'author'\]; pass group_name"):
+        hetero.get_tensor_size(attr_name="x")
+    with pytest.raises(InvalidArgumentError, match="pass group_name"):
+        hetero.get_tensor(attr_name="x", index=None)
+
+
+def test_repr_and_errors_name_the_public_class(stores: tuple[Any, Any]) -> None:
+    ours, _ = stores
+    assert repr(ours) == "IBPFeatureStore(device=cpu, attrs=['x'])"
+    assert type(ours).__name__ == "IBPFeatureStore"
+    with pytest.raises(InvalidTypeError) as info:
+        ours.put_tensor("rows", attr_name="z", index=None)
+    assert "IBPFeatureStore" in str(info.value) and "_Store" not in str(info.value)
 
 
 def test_sampler_takes_at_most_k_distinct_in_neighbours(cora: Any) -> None:
