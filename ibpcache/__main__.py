@@ -37,8 +37,9 @@ from typing import Any, Optional
 
 from ibpcache.errors import CapacityError, ConfigError, InvalidArgumentError, InvalidTypeError
 
-__all__ = ["main", "run", "TASKS", "DemoTask", "MainConfig", "register_packaged_configs", "checkout_config_dir",
-           "sample_batches", "format_demo_report", "validate_demo", "validate_serve"]
+__all__ = ["main", "run", "TASKS", "DemoTask", "ServeTask", "GcTask", "MainConfig", "register_packaged_configs",
+           "checkout_config_dir", "sample_batches", "format_demo_report", "validate_demo", "validate_serve",
+           "validate_gc"]
 
 CONFIG_NAME = "ibpcache"
 
@@ -75,6 +76,19 @@ class ServeTask:
     stores: dict[str, str] = field(default_factory=dict)
     ready_file: Optional[str] = None
     replace: bool = True
+
+
+@dataclass
+class GcTask:
+    """``task=gc``: remove this user's shared stores (``/dev/shm/ibpcache.*``) whose owner process is gone.
+
+    A store outlives its owner when the owner dies without removing it (kill -9, an OOM kill, SIGTERM of a script);
+    every ``share``/``attach``/``serve`` sweeps such segments too. Stores of live owners, of other users and of
+    owners that cannot be judged (another pid namespace) are kept. ``dry_run`` only reports.
+    """
+
+    name: str = "gc"
+    dry_run: bool = False
 
 
 _HYDRA_SETTINGS: dict[str, Any] = {
@@ -118,6 +132,7 @@ def register_packaged_configs() -> None:
     cs.store(name=CONFIG_NAME, node={**primary, "hydra": _HYDRA_SETTINGS})
     cs.store(group="task", name="demo", node=DemoTask)
     cs.store(group="task", name="serve", node=ServeTask)
+    cs.store(group="task", name="gc", node=GcTask)
 
 
 def checkout_config_dir() -> Path | None:
@@ -450,7 +465,30 @@ def run_serve(cfg: Any) -> int:
     return 0
 
 
-TASKS: dict[str, Callable[[Any], int]] = {"demo": run_demo, "serve": run_serve}
+def validate_gc(cfg: Any) -> None:
+    """Check the ``task=gc`` settings before sweeping anything; raises ConfigError naming the bad one."""
+    _known_keys(cfg.task, GcTask)
+    if not isinstance(cfg.task.get("dry_run"), bool):
+        raise _bad("task.dry_run", cfg.task.get("dry_run"), "must be true or false")
+
+
+def run_gc(cfg: Any) -> int:
+    """``task=gc``: sweep shared stores whose owner died (``ibpcache._shm.sweep``); prints what went and stayed."""
+    validate_gc(cfg)
+    from ibpcache._shm import SHM_DIR, sweep
+
+    dry_run = cfg.task.dry_run
+    report = sweep(dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for file_name, why in sorted(report.removed.items()):
+        print(f"{verb} {SHM_DIR / file_name}: {why}")
+    for file_name, why in sorted(report.kept.items()):
+        print(f"kept {SHM_DIR / file_name}: {why}")
+    print(f"ibpcache gc: {verb} {len(report.removed)} segment(s), kept {len(report.kept)} in {SHM_DIR}")
+    return 0
+
+
+TASKS: dict[str, Callable[[Any], int]] = {"demo": run_demo, "serve": run_serve, "gc": run_gc}
 """Task name (``task.name`` in the config) -> function taking the composed config, returning an exit status."""
 
 

@@ -34,10 +34,12 @@ def _flags_from_lengths(lengths: torch.Tensor, row_bytes: int) -> torch.Tensor:
 
 
 def _readonly_tensor(arr: np.ndarray) -> torch.Tensor:
-    """A CPU tensor viewing a read-only numpy array (shared memory) without copying it.
+    """A CPU tensor viewing a read-only numpy array (a shared-store section) without copying it.
 
-    torch has no read-only tensors; it warns once about that, which we silence because the mapping itself
-    is ``PROT_READ``: a write cannot land in the shared store.
+    torch has no read-only tensors; it warns once about that, which we silence because no write through such a
+    tensor lands in the shared store: an attached store's tensors view a private copy-on-write mapping (see
+    ``ibpcache._shm``); only the GPU's view (``host_data_for_gpu``) is the shared read-only mapping, which nothing
+    in ibpcache writes (an adopted host store refuses write-back).
     """
     import warnings
 
@@ -90,7 +92,8 @@ class CompressedRows:
             raise FormatError(f"row lengths must lie in [1, {rb}]")
         self.origin = origin
         self._device_meta: dict[str, dict[str, torch.Tensor]] = {}
-        self.shared: "_shm.Segment | None" = None  # set by attach(): the read-only segment the bytes live in
+        self.shared: "_shm.Segment | None" = None  # set by attach(): the segment the bytes live in
+        self._gpu_data: "torch.Tensor | None" = None  # attached: the payload as the GPU reads it (host_data_for_gpu)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -161,15 +164,15 @@ class CompressedRows:
     def host_data_for_gpu(self) -> torch.Tensor:
         """The stored bytes, pinned so GPU warps can read them zero-copy (pins a copy once if needed).
 
-        An attached shared store is never copied: its read-only mapping is page-locked in place
-        (``cudaHostRegister``, mapped + read-only), once per process.
+        An attached shared store is never copied: its shared read-only mapping is page-locked in place
+        (``cudaHostRegister``, mapped + read-only, once per process) and the result views the payload there, not
+        through ``self.data`` (a private copy-on-write mapping; see ``ibpcache._shm`` for why the GPU must not
+        pin that one).
         """
         if self.shared is not None:
-            if not self.shared._registered:
-                base = int(np.frombuffer(self.shared.mm, dtype=np.uint8, count=1).ctypes.data)
-                _shm.register_host(base, self.shared.nbytes)
-                self.shared._registered.append(base)
-            return self.data
+            if self._gpu_data is None:
+                self._gpu_data = _readonly_tensor(self.shared.gpu_view("data"))
+            return self._gpu_data
         if not self.data.is_pinned():
             self.data = self.data.pin_memory()
         return self.data
@@ -178,9 +181,11 @@ class CompressedRows:
     def share(self, name: str, *, replace: bool = True) -> "_shm.Segment":
         """Publish these rows in POSIX shared memory as store ``name`` (mode 0600) and return its handle.
 
-        Other processes of this user then :meth:`attach` it with no copy. Keep the handle alive as long as
-        the store should exist; ``handle.unlink()`` retires and removes it (readers raise StaleStoreError on
-        their next use). Re-sharing under the same name publishes a new generation and retires the old one.
+        Other processes of this user then :meth:`attach` it with no copy. The store lives as long as the handle:
+        ``handle.close()``/``unlink()``, dropping the handle and a normal exit of this process remove it (readers
+        raise StaleStoreError on their next use); if this process dies without that (kill -9, an OOM kill), the
+        next ``share``/``attach`` on the machine, or ``python -m ibpcache task=gc``, removes it. Re-sharing under
+        the same name publishes a new generation and retires the old one.
         """
         manifest = {"kind": "ibpcache.CompressedRows", "codec": self.codec.header(), "layout": self.layout.value,
                     "n_rows": self.n_rows}
@@ -190,13 +195,17 @@ class CompressedRows:
 
     @classmethod
     def attach(cls, name: str, *, verify: bool = False) -> "CompressedRows":
-        """Map shared store ``name`` read-only, with no copy of its payload or per-row tables.
+        """Map shared store ``name``, with no copy of its payload or per-row tables.
 
         The result is an ordinary ``CompressedRows`` (FeatureCache, HostStore and the DGL adapter take it)
-        whose tensors view the mapping; writing into them is an error (numpy views are read-only; a raw
-        write faults). Every :meth:`gather`/fetch first checks, with a few loads, that the store was not
-        replaced since (else :class:`~ibpcache._shm.StaleStoreError`). ``verify=True`` also re-checks every
-        section's CRC32 (reads the whole payload once).
+        whose tensors view the mapping. They view it copy-on-write: a write into them (``rows.data[0] = 1``)
+        changes a private copy of that page in this process only and raises nothing; the shared bytes, which
+        other processes and this process's GPU read, stay as published (the numpy views in ``rows.shared.sections``
+        refuse writes; under strict overcommit the mapping is read-only instead, see ``ibpcache._shm``).
+        Every :meth:`gather`/fetch first checks, with a few loads, that the store was not replaced, stopped or
+        orphaned since (else :class:`~ibpcache._shm.StaleStoreError`). ``verify=True`` also re-checks every
+        section's CRC32 (reads the whole payload once). Attaching never removes a live store; it first sweeps
+        away segments whose owner died.
         """
         seg = _shm.open_segment(name)
         try:
@@ -217,6 +226,7 @@ class CompressedRows:
             self.origin = "cpu"
             self._device_meta = {}
             self.shared = seg
+            self._gpu_data = None
             self._check_attached(int(man.get("n_rows", -1)))
         except BaseException:
             seg.close()

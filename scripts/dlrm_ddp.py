@@ -11,8 +11,8 @@ What happens:
    cut to ``--dim`` floats, resampled to ``--rows-per-table`` rows each), IBP-compresses them once (in-place layout)
    and publishes them with ``CompressedRows.share`` (``--store NAME`` instead attaches a store that
    ``python -m ibpcache task=serve`` already hosts). No other rank ever holds the dense tables.
-2. Every rank attaches the store (``CompressedRows.attach``: a read-only mapping, no copy, page-locked in place for
-   the GPU) and builds a ``TableBatchedCachedEmbeddingBag`` over it (``_weight=rows``): the module serves the
+2. Every rank attaches the store (``CompressedRows.attach``: mapped with no copy, page-locked in place for the
+   GPU) and builds a ``TableBatchedCachedEmbeddingBag`` over it (``_weight=rows``): the module serves the
    shared bytes, so N ranks use the store's host bytes once, not N times.
 3. Each step, every rank takes its shard of the global batch (Zipf ids per table, dense features, labels; the same
    seeded data on every rank), looks the embeddings up (on CUDA one fused, sync-free launch), runs the dense part
@@ -262,7 +262,7 @@ def main(argv: "list[str] | None" = None) -> int:
                                              warmup_ratio=0.0, device=device)
         emb.requires_grad_(False)  # frozen: the shared store is read-only
         emb.eval()
-        no_copy = emb.cache_weight_mgr.store.data.data_ptr() == rows.data.data_ptr()
+        no_copy = rows.shared.contains(emb.cache_weight_mgr.store.data.data_ptr())  # the segment itself, no copy
 
         data = StepData(args.steps, args.batch, args.bag, args.tables, args.rows_per_table, args.dense, args.zipf,
                         args.seed)

@@ -131,16 +131,18 @@ def real_rows() -> Callable[[str], Any]:
 
 @pytest.fixture
 def store_name() -> Any:
-    """A unique shared-store name; whatever segment is left under it is removed afterwards."""
+    """A unique shared-store name. Afterwards, pass or fail, every shared-store handle of this process is closed
+    (owners' segments removed, attached stores' CUDA registrations dropped) and any file left under the name (or a
+    name it begins, ``NAME-b``) is removed."""
     import secrets
 
     from ibpcache import _shm
 
     name = f"test-{os.getpid()}-{secrets.token_hex(3)}"
     yield name
-    path = _shm.segment_path(name)
-    if path.exists():
-        path.unlink()
+    _shm.release()
+    for path in _shm.SHM_DIR.glob(f"ibpcache.{name}*"):
+        path.unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -82,7 +82,8 @@ def test_installed_wheel_without_configs_uses_packaged_defaults(tmp_path: Path) 
 
 
 def test_configs_folder_equals_packaged_defaults() -> None:
-    """configs/ (what a user edits) and the ConfigStore defaults (what a wheel runs) compose to the same config."""
+    """configs/ (what a user edits) and the ConfigStore defaults (what a wheel runs) compose to the same config, for
+    every task."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
@@ -92,7 +93,7 @@ def test_configs_folder_equals_packaged_defaults() -> None:
     assert checkout_config_dir() == REPO / "configs"
     keys = ("run", "sweep", "output_subdir", "job.chdir", "help.app_name", "help.header", "help.footer")
 
-    def composed(config_dir: "str | None") -> tuple[dict, list]:
+    def composed(config_dir: "str | None", overrides: list[str]) -> tuple[dict, list]:
         GlobalHydra.instance().clear()
         if config_dir is None:
             register_packaged_configs()
@@ -102,18 +103,21 @@ def test_configs_folder_equals_packaged_defaults() -> None:
         else:
             ctx = initialize_config_dir(config_dir=config_dir, version_base=None)
         with ctx:
-            cfg = compose(config_name=CONFIG_NAME, return_hydra_config=True)
+            cfg = compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=True)
         plain = OmegaConf.to_container(cfg)
         hydra_plain = [OmegaConf.select(cfg.hydra, k) for k in keys]  # unresolved: ${now:...} differs per call
         hydra_plain = [OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for v in hydra_plain]
         return {k: v for k, v in plain.items() if k != "hydra"}, hydra_plain
 
-    try:
-        from_files = composed(str(REPO / "configs"))
-        packaged = composed(None)
+    tasks = sorted(p.stem for p in (REPO / "configs" / "task").glob("*.yaml"))
+    assert tasks == ["demo", "gc", "serve"]
+    try:  # every folder composition first: once registered, the ConfigStore would validate the files against it
+        from_files = [composed(str(REPO / "configs"), [f"task={task}"]) for task in tasks]
+        packaged = [composed(None, [f"task={task}"]) for task in tasks]
     finally:
         GlobalHydra.instance().clear()
-    assert from_files == packaged
+    for task, a, b in zip(tasks, from_files, packaged):
+        assert a == b, task
 
 
 def test_demo_exits_non_zero_when_a_fetch_is_not_exact(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,11 +175,61 @@ def test_serve_task_publishes_until_sigterm(tmp_path: Path) -> None:
         assert torch.equal(att.decompress().view(torch.uint8), rows.view(torch.uint8))
         host.send_signal(signal.SIGTERM)
         assert host.wait(timeout=60) == 0, host.stderr.read().decode()[-2000:]
+        assert "ibpcache serve: stopped" in host.stderr.read().decode()
         assert not _shm.segment_path(name).exists()
+        with pytest.raises(_shm.StaleStoreError, match=f"its store host \\(pid {host.pid}\\) stopped"):
+            att.decompress()  # told the host stopped, not that the store was replaced
+        with pytest.raises(FileNotFoundError, match="is the host running"):
+            CompressedRows.attach(name)
     finally:
         if host.poll() is None:
             host.kill()
             host.wait()
+
+
+def test_gc_task_removes_a_killed_owners_store_and_keeps_live_ones(tmp_path: Path) -> None:
+    """``python -m ibpcache task=gc``: a store whose owner was killed (kill -9: nothing of it ran) is removed, a store
+    of a live owner (this process) is kept; ``task.dry_run=true`` only reports."""
+    import signal
+    import time
+    import uuid
+
+    from ibpcache import Codec, _shm
+    from ibpcache.datasets import load_cora
+
+    rows = load_cora().features[:300].contiguous()
+    path = tmp_path / "rows.ibp"
+    Codec.fit(rows).compress(rows, layout="packed", pin=False).save(path)
+    dead, live = f"test-gc-{uuid.uuid4().hex[:8]}", f"test-gc-{uuid.uuid4().hex[:8]}"
+    ready = tmp_path / "ready.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    mine = Codec.fit(rows).compress(rows, layout="packed", pin=False).share(live)  # before: share() sweeps too
+    host = subprocess.Popen([sys.executable, "-m", "ibpcache.cache.service", "--store", f"{dead}={path}",
+                             "--ready-file", str(ready)], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert host.poll() is None, host.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        host.send_signal(signal.SIGKILL)
+        host.wait(timeout=30)
+        assert _shm.segment_path(dead).exists()
+        res = _run(["task=gc", "task.dry_run=true"], tmp_path, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"would remove {_shm.segment_path(dead)}: published by pid {host.pid}, which is gone" in res.stdout
+        assert _shm.segment_path(dead).exists()
+        res = _run(["task=gc"], tmp_path, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"removed {_shm.segment_path(dead)}" in res.stdout
+        assert f"kept {_shm.segment_path(live)}: published by pid {os.getpid()}, which runs" in res.stdout
+        assert not _shm.segment_path(dead).exists() and _shm.segment_path(live).exists()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+        mine.close()
+        _shm.segment_path(dead).unlink(missing_ok=True)
 
 
 def test_serve_task_without_stores_fails_cleanly(tmp_path: Path) -> None:
@@ -232,7 +286,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     ({"fanouts": [-1]}, "task.fanouts=[-1]: must be a list of positive integers"),
     ({"batchsize": 64}, "task.batchsize=64: unknown setting of task=demo"),
     ({"device": "tpu"}, "device=tpu: must be auto, cpu or cuda"),
-    ({"name": "nosuch"}, "task.name=nosuch: unknown task; known: ['demo', 'serve']"),
+    ({"name": "nosuch"}, "task.name=nosuch: unknown task; known: ['demo', 'gc', 'serve']"),
 ])
 def test_bad_demo_settings_fail_before_any_work(no_work: None, setting: dict, message: str) -> None:
     from ibpcache.__main__ import run
@@ -334,3 +388,24 @@ def test_bad_serve_settings_fail_before_publishing(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as info:
             run(c)
         assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"dry_run": "maybe"}, "task.dry_run=maybe: must be true or false"),
+    ({"dryrun": True}, "task.dryrun=true: unknown setting of task=gc"),
+])
+def test_bad_gc_settings_fail_before_any_sweep(monkeypatch: pytest.MonkeyPatch, setting: dict, message: str) -> None:
+    from omegaconf import OmegaConf
+
+    import ibpcache._shm
+    from ibpcache.__main__ import run
+    from ibpcache.errors import ConfigError
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the sweep started before the settings were checked")
+
+    monkeypatch.setattr(ibpcache._shm, "sweep", boom)
+    cfg = OmegaConf.create({"device": "cpu", "task": {"name": "gc", "dry_run": False, **setting}})
+    with pytest.raises(ConfigError) as info:
+        run(cfg)
+    assert str(info.value).startswith(message), str(info.value)

@@ -1,9 +1,12 @@
 """The store host: load saved compressed stores into shared memory once per node and keep them there.
 
-Every training process of the node then ``CompressedRows.attach(name)``-es them (read-only, no copy), so N
-processes use the store's host bytes once instead of N times. The host holds the only writable mapping and
-is the only process that ever removes a segment: on SIGTERM/SIGINT (or ``stop``) it retires every store
-(attached readers get ``StaleStoreError`` on their next fetch) and unlinks it.
+Every training process of the node then ``CompressedRows.attach(name)``-es them (no copy; a client's writes stay
+private to it), so N processes use the store's host bytes once instead of N times. The host owns the segments: it
+is the only process that writes the shared bytes, and it keeps every store until it stops; on SIGTERM/SIGINT (or
+``stop``) it marks every store STOPPED (attached readers get ``StaleStoreError`` saying the store host stopped, on
+their next fetch) and removes it. Clients never remove a segment, so a client that dies leaves the stores as
+they were; a host that dies without stopping (kill -9, an OOM kill) leaves them until the next
+``share``/``attach``/``serve`` on the machine or ``python -m ibpcache task=gc`` sweeps them away.
 
 Run it with ``python -m ibpcache.cache.service --store feats=/path/feats.ibp [--store ...]`` or from Python
 with :func:`serve`; the Hydra job can call :func:`serve_config` with its ``serve`` node.
@@ -29,7 +32,7 @@ __all__ = ["StoreHost", "serve", "serve_config", "main"]
 
 
 class StoreHost:
-    """Owns the published segments of a set of stores; :meth:`close` retires and removes them all."""
+    """Owns the published segments of a set of stores until :meth:`close`, which stops and removes them all."""
 
     def __init__(self, stores: Mapping[str, "str | os.PathLike[str]"], *, replace: bool = True) -> None:
         if not stores:
@@ -56,9 +59,8 @@ class StoreHost:
         del rows  # the private copy goes; only the shared segment remains
 
     def close(self) -> None:
-        """Retire and unlink every segment this host published (idempotent)."""
+        """Mark every segment this host published STOPPED and remove it (idempotent)."""
         for seg in self.segments.values():
-            seg.unlink()
             seg.close()
         self.segments.clear()
 
@@ -74,9 +76,9 @@ def serve(stores: Mapping[str, "str | os.PathLike[str]"], *, ready_file: "str | 
     """Publish ``stores`` (name -> file written by ``CompressedRows.save``) and block until stopped.
 
     Stops on SIGTERM/SIGINT (handlers are installed when called from the main thread) or when ``stop`` is
-    set; then removes every segment. ``ready_file``: once all stores are published, a JSON description of
-    them is written there (atomically), so a launcher can wait for it before starting clients. Returns that
-    description.
+    set; then marks every segment STOPPED (attached readers are told the host stopped) and removes it.
+    ``ready_file``: once all stores are published, a JSON description of them is written there (atomically), so a
+    launcher can wait for it before starting clients. Returns that description.
     """
     stop = stop if stop is not None else threading.Event()
     log = log if log is not None else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -97,6 +99,7 @@ def serve(stores: Mapping[str, "str | os.PathLike[str]"], *, ready_file: "str | 
             while not stop.wait(0.5):
                 pass
             log("ibpcache serve: stopping, removing segments")
+        log(f"ibpcache serve: stopped; removed {', '.join(repr(n) for n in info)}")
         return info
     finally:
         for sig, handler in previous.items():

@@ -18,8 +18,8 @@ from pathlib import Path
 from ..errors import KernelBuildError
 
 __all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy",
-           "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free",
-           "copy_host_to_device"]
+           "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free", "host_register_read_only",
+           "host_unregister", "copy_host_to_device"]
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
@@ -200,6 +200,43 @@ def host_alloc(nbytes: int) -> int:
 def host_free(ptr: int) -> None:
     """Release memory from :func:`host_alloc` (the caller makes sure no kernel still reads or writes it)."""
     import_cupy().cuda.runtime.freeHost(int(ptr))
+
+
+_HOST_REGISTER_MAPPED = 0x02
+_HOST_REGISTER_READ_ONLY = 0x08
+
+
+def host_register_read_only(ptr: int, nbytes: int) -> None:
+    """Page-lock the existing host range ``[ptr, ptr + nbytes)`` in place for every device (``cudaHostRegister``,
+    mapped + read-only), so kernels read it at its host address (UVA) like pinned memory, with no copy.
+
+    Read-only because the pages are a shared-memory mapping the process may only read: the driver then pins them
+    without asking for write access (which a ``PROT_READ`` mapping refuses). The caller must call
+    :func:`host_unregister` before the range is unmapped: the driver keeps the range registered past ``munmap``,
+    and a later allocation that the kernel places at an overlapping address then fails with "resource already
+    mapped". Through CuPy, whose failed calls also reset the runtime's last error (nothing sticky is left behind
+    for an unrelated later check to report).
+    """
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    # Kernels use the host address itself, valid on the device only where it may use host pointers of registered
+    # memory (cudaDevAttrCanUseHostPointerForRegisteredMem).
+    if not getattr(props, "can_use_host_pointer_for_registered_mem", True):
+        raise RuntimeError("this GPU cannot use host pointers of registered memory (no UVA mapping); the zero-copy "
+                           "host store needs it")
+    import_cupy().cuda.runtime.hostRegister(int(ptr), int(nbytes), _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY)
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo :func:`host_register_read_only` of the range starting at ``ptr`` (before that range is unmapped).
+
+    Waits for the current device first: a kernel enqueued before the last view of the range was dropped may still
+    be reading it."""
+    import torch
+
+    torch.cuda.synchronize()
+    import_cupy().cuda.runtime.hostUnregister(int(ptr))
 
 
 def copy_host_to_device(dst: int, src: int, nbytes: int, stream_ptr: int) -> None:

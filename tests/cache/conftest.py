@@ -6,12 +6,26 @@ cache; ``codec="auto"`` has its own test.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 MINILM_ROWS = 2048
+
+
+@pytest.fixture(autouse=True)
+def _release_shared_and_registered_memory() -> Iterator[None]:
+    """After every cache test, pass or fail: close every shared-store handle it left (owners' segments are removed,
+    attached stores' CUDA registrations dropped, so a failed test cannot leave page-locked mappings behind for
+    later tests), then wait for the GPU, so an asynchronous CUDA error fails the test that caused it."""
+    yield
+    from ibpcache import _shm
+
+    _shm.release()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""Shared stores: share/attach across processes, permissions, generations, killed clients, the serve host."""
+"""Shared stores: share/attach across processes, permissions, generations, killed clients, the serve host, and the
+lifecycle: a segment goes with its owner (closed, dropped, normal exit, or swept after the owner died), never with a
+client; a CUDA registration goes before its mapping."""
 
 from __future__ import annotations
 
@@ -80,46 +82,54 @@ def test_segment_is_private_to_its_user(cora: Any, store_name: str) -> None:
         seg.close()
 
 
-def test_attach_is_zero_copy_and_read_only(cora: Any, store_name: str) -> None:
+def test_attach_is_zero_copy(cora: Any, store_name: str) -> None:
     from ibpcache import CompressedRows, FeatureCache
 
     rows = cora.features
     seg = _compressed(rows).share(store_name)
     try:
         att = CompressedRows.attach(store_name, verify=True)
-        base = np.frombuffer(att.shared.mm, dtype=np.uint8, count=1).ctypes.data
-        assert base <= att.data.data_ptr() < base + att.shared.nbytes  # the payload is the mapping itself
-        assert base <= att.lengths.data_ptr() < base + att.shared.nbytes
+        assert att.shared.contains(att.data.data_ptr()) and att.shared.contains(att.lengths.data_ptr())
+        assert not seg.contains(att.data.data_ptr()) and not att.shared.contains(rows.data_ptr())
         cache = FeatureCache(att, budget_bytes=0.1, device="cpu")
         assert cache.host.data.data_ptr() == att.data.data_ptr()  # the host store kept the mapping, no copy
         ids = torch.randint(0, rows.shape[0], (3000,), generator=torch.Generator().manual_seed(1))
         assert torch.equal(cache.fetch(ids).view(torch.uint8), rows[ids].view(torch.uint8))
         with pytest.raises(ValueError, match="read-only"):
             att.shared.sections["data"][0] = 1
-        with pytest.raises(TypeError):
-            att.shared.mm[0:1] = b"x"
     finally:
         seg.unlink()
         seg.close()
 
 
-def test_raw_write_into_an_attached_store_faults_only_the_writer(cora: Any, store_name: str) -> None:
+def test_write_into_an_attached_store_stays_in_the_writer(cora: Any, store_name: str, tmp_path: Path) -> None:
+    """``rows.data[0] = 1`` (and fills of every attached tensor) in a client: no signal, the writer sees its own
+    bytes, and the shared bytes that the owner and every other client see are unchanged."""
     from ibpcache import CompressedRows
 
     packed = _compressed(cora.features)
     seg = packed.share(store_name)
+    out = tmp_path / "w.npz"
     try:
-        code = ("import sys, torch; from ibpcache import CompressedRows; "
-                f"r = CompressedRows.attach({store_name!r}); r.data.fill_(0)")
-        res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, timeout=120)
-        assert res.returncode == -signal.SIGSEGV, res.stderr.decode()[-2000:]
-        assert torch.equal(CompressedRows.attach(store_name).data, packed.data)
+        res = subprocess.run([sys.executable, str(CLIENT), store_name, "write", "0", str(out)], env=_env(),
+                             capture_output=True, timeout=120)
+        assert res.returncode == 0, (res.returncode, res.stderr.decode()[-2000:])  # not killed by SIGSEGV
+        own = np.load(out)
+        assert bool(own["private"]) and own["data_head"][0] == 1 and (own["data_tail"] == 0xAB).all()
+        assert (own["lengths"] == 5).all()
+        other = CompressedRows.attach(store_name, verify=True)  # every section's CRC still holds
+        for key in ("data", "lengths", "offsets", "flags"):
+            assert torch.equal(getattr(other, key), getattr(packed, key)), key
+            assert np.array_equal(seg.sections[key], getattr(packed, key).numpy()), key
+        other.check_shared()
     finally:
         seg.unlink()
         seg.close()
 
 
 def test_killed_client_leaves_the_store_usable(real_rows: Any, store_name: str, tmp_path: Path) -> None:
+    from ibpcache import _shm
+
     rows = real_rows("cora")
     seg = _compressed(rows, "packed").share(store_name)
     ready = tmp_path / "ready"
@@ -134,6 +144,7 @@ def test_killed_client_leaves_the_store_usable(real_rows: Any, store_name: str, 
         assert victim.wait(timeout=30) == -signal.SIGKILL
         assert seg.path.exists()
         seg.check()  # still the published generation
+        assert seg.path.name in _shm.sweep().kept  # a sweep never touches a live owner's store
         _check_exact(_run_clients(store_name, [11, 12], tmp_path), rows)
     finally:
         if victim.poll() is None:
@@ -170,7 +181,7 @@ def test_recreated_store_gives_new_generation_or_clear_error(cora: Any, store_na
         second.unlink()
         second.close()
         first.close()
-    with pytest.raises(StaleStoreError):
+    with pytest.raises(StaleStoreError, match="stopped"):
         new.gather(ids, device="cpu")  # the host removed it
     with pytest.raises(FileNotFoundError, match="no shared store"):
         CompressedRows.attach(store_name)
@@ -232,7 +243,7 @@ def test_serve_publishes_and_sigterm_removes_segments(cora: Any, store_name: str
         assert host.wait(timeout=60) == 0, host.stderr.read().decode()[-2000:]
         for n in names:
             assert not _shm.segment_path(n).exists()
-        with pytest.raises(_shm.StaleStoreError):
+        with pytest.raises(_shm.StaleStoreError, match=f"store host \\(pid {host.pid}\\) stopped"):
             att.gather(torch.tensor([0]), device="cpu")
     finally:
         if host.poll() is None:
@@ -280,6 +291,193 @@ def test_attached_rows_feed_the_dgl_adapter(cora: Any, store_name: str) -> None:
         seg.close()
 
 
+def _start_owner(name: str, tmp_path: Path, mode: str = "own") -> tuple[subprocess.Popen, Path]:
+    """A process that shares Cora as ``name``; returns it and the segment path once it is published."""
+    ready = tmp_path / f"ready-{name}"
+    proc = subprocess.Popen([sys.executable, str(CLIENT), name, mode, "0", str(ready)], env=_env(),
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if proc.poll() is not None:
+            assert mode == "own-exit" and proc.returncode == 0, proc.stderr.read().decode()[-2000:]
+            break
+        assert time.monotonic() < deadline, "owner never published"
+        time.sleep(0.05)
+    return proc, Path(ready.read_text())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_dead_owners_segment_is_swept_by_the_next_process(cora: Any, store_name: str, tmp_path: Path,
+                                                              sig: int) -> None:
+    """kill -9 (or SIGTERM of a script with no handler) of the owner leaves the file; the next process that
+    attaches finds /dev/shm clean of it and says why, and a reader attached before is told the owner died."""
+    from ibpcache import CompressedRows, _shm
+
+    owner, path = _start_owner(store_name, tmp_path)
+    try:
+        reader = CompressedRows.attach(store_name)
+        assert reader.shared.published_by.pid == owner.pid
+        owner.send_signal(sig)
+        assert owner.wait(timeout=30) == -sig
+        assert path.exists()  # nothing ran in the dead owner
+        code = ("import sys; from ibpcache import CompressedRows\n"
+                "try:\n    CompressedRows.attach(sys.argv[1])\nexcept FileNotFoundError as exc:\n"
+                "    print(exc)\nelse:\n    sys.exit('attached a dead owner\\'s store')")
+        res = subprocess.run([sys.executable, "-c", code, store_name], env=_env(), capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"pid {owner.pid}, which is gone" in res.stdout
+        assert not path.exists() and not list(_shm.SHM_DIR.glob(path.name + "*"))
+        with pytest.raises(_shm.StaleStoreError, match=f"the process that shared it \\(pid {owner.pid}\\) died"):
+            reader.gather(torch.tensor([0, 5]), device="cpu")
+        assert torch.equal(reader.data, _compressed(cora.features, "packed").data)  # its mapping still reads
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_owner_exit_or_dropped_handle_removes_the_segment(cora: Any, store_name: str, tmp_path: Path) -> None:
+    import gc
+
+    from ibpcache import CompressedRows, _shm
+
+    owner, path = _start_owner(store_name, tmp_path, "own-exit")  # a normal exit without unlink()
+    assert owner.wait(timeout=60) == 0
+    assert not path.exists()
+    handle = _compressed(cora.features).share(store_name)
+    reader = CompressedRows.attach(store_name)
+    del handle
+    gc.collect()
+    assert not _shm.segment_path(store_name).exists()
+    with pytest.raises(_shm.StaleStoreError, match=f"pid {os.getpid()}\\) stopped or dropped it"):
+        reader.check_shared()
+
+
+def test_owner_identity_tells_a_recycled_pid_from_the_owner() -> None:
+    from dataclasses import replace
+
+    from ibpcache._shm import Owner
+
+    me = Owner.current()
+    assert me.pid == os.getpid() and me.alive() is True
+    assert Owner.from_manifest(me.to_manifest()) == me
+    if me.start is None:
+        pytest.skip("no /proc here: liveness rests on the pid alone")
+    assert replace(me, start=me.start + 1).alive() is False  # same pid, another process
+    assert replace(me, boot="an-earlier-boot").alive() is False
+    assert replace(me, pidns=me.pidns + 1).alive() is None  # another pid namespace: cannot tell
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert Owner(child.pid).alive() is False
+    assert Owner.from_manifest({"pid": "1"}) is None and Owner.from_manifest(None) is None
+
+
+def test_sweep_removes_a_dead_writers_half_written_file_and_keeps_foreign_ones(store_name: str) -> None:
+    from ibpcache import _shm
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    tmp = _shm.SHM_DIR / f"ibpcache.{store_name}.{child.pid}.0a1b2c3d.tmp"  # its writer died before any header
+    legacy = _shm.segment_path(store_name + "-legacy")  # no owner recorded: cannot be judged
+    try:
+        tmp.write_bytes(b"\0" * 100)
+        legacy.write_bytes(b"\0" * 4096)
+        assert tmp.name in _shm.sweep(dry_run=True).removed and tmp.exists()
+        report = _shm.sweep()
+        assert tmp.name in report.removed and not tmp.exists()
+        assert legacy.name in report.kept and legacy.exists()
+    finally:
+        tmp.unlink(missing_ok=True)
+        legacy.unlink(missing_ok=True)
+
+
+def _mapped(addr: int) -> bool:
+    """Whether ``addr`` lies in a mapping of this process (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+        if lo <= addr < hi:
+            return True
+    return False
+
+
+def test_cuda_registration_goes_before_its_mapping(cora: Any, store_name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "resource already mapped" poisoning: a registered mapping must never be unmapped while registered.
+    With the CUDA calls recorded (no GPU here): registered once however often asked, unregistered exactly once,
+    while still mapped, when the last view goes; close() unregisters at once and the drop does not again."""
+    import gc
+
+    from ibpcache import CompressedRows
+    from ibpcache.kernels import _build
+
+    calls: list[tuple[str, int, bool]] = []
+    monkeypatch.setattr(_build, "host_register_read_only", lambda ptr, n: calls.append(("register", ptr, _mapped(ptr))))
+    monkeypatch.setattr(_build, "host_unregister", lambda ptr: calls.append(("unregister", ptr, _mapped(ptr))))
+    seg = _compressed(cora.features).share(store_name)
+    att = CompressedRows.attach(store_name)
+    gpu = att.host_data_for_gpu()
+    assert att.host_data_for_gpu() is gpu and att.shared.registered
+    assert att.shared.contains(gpu.data_ptr()) and gpu.data_ptr() != att.data.data_ptr()  # the shared mapping
+    assert torch.equal(gpu, att.data)
+    base = calls[0][1]
+    assert calls == [("register", base, True)]
+    del att
+    gc.collect()
+    assert calls == [("register", base, True)]  # a view (gpu) still reads it: still registered and mapped
+    del gpu
+    gc.collect()
+    assert calls == [("register", base, True), ("unregister", base, True)] and not _mapped(base)
+
+    calls.clear()
+    att = CompressedRows.attach(store_name)
+    att.host_data_for_gpu()
+    base = calls[0][1]
+    att.shared.close()
+    assert calls[-1] == ("unregister", base, True)
+    del att
+    gc.collect()
+    assert [c[0] for c in calls] == ["register", "unregister"] and not _mapped(base)
+    seg.close()
+
+
+def test_a_failed_registration_leaves_nothing_registered(cora: Any, store_name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from ibpcache import CompressedRows
+    from ibpcache.kernels import _build
+
+    unregistered: list[int] = []
+
+    def refuse(ptr: int, n: int) -> None:
+        raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
+
+    monkeypatch.setattr(_build, "host_register_read_only", refuse)
+    monkeypatch.setattr(_build, "host_unregister", unregistered.append)
+    seg = _compressed(cora.features).share(store_name)
+    att = CompressedRows.attach(store_name)
+    with pytest.raises(RuntimeError, match="AlreadyRegistered"):
+        att.host_data_for_gpu()
+    assert not att.shared.registered
+    del att
+    gc.collect()
+    assert unregistered == []
+    seg.close()
+
+
+def test_release_closes_every_handle_of_this_process(cora: Any, store_name: str) -> None:
+    from ibpcache import CompressedRows, _shm
+
+    seg = _compressed(cora.features).share(store_name)
+    att = CompressedRows.attach(store_name)
+    assert _shm.release(store_name) == 2
+    assert not seg.path.exists()
+    with pytest.raises(_shm.StaleStoreError, match="closed"):
+        att.check_shared()
+    assert torch.equal(att.data[:8], _compressed(cora.features).data[:8])  # its views still read the bytes
+
+
 @pytest.mark.gpu
 def test_attached_store_is_registered_not_copied_on_cuda(cora: Any, store_name: str) -> None:
     from ibpcache import CompressedRows, FeatureCache
@@ -288,14 +486,46 @@ def test_attached_store_is_registered_not_copied_on_cuda(cora: Any, store_name: 
     seg = _compressed(rows).share(store_name)
     try:
         att = CompressedRows.attach(store_name)
-        ptr = att.data.data_ptr()
         cache = FeatureCache(att, budget_bytes=0.05, device="cuda")
-        assert cache.host.data.data_ptr() == ptr  # registered in place, not pinned into a new buffer
-        assert att.shared._registered
+        ptr = cache.host.data.data_ptr()
+        assert att.shared.contains(ptr) and ptr == att.host_data_for_gpu().data_ptr()  # in place, not a pinned copy
+        assert att.shared.registered
         ids = torch.randint(0, rows.shape[0], (4096,), generator=torch.Generator().manual_seed(3))
         got = cache.fetch(ids.cuda())
         assert torch.equal(got.cpu().view(torch.uint8), rows[ids].view(torch.uint8))
         assert torch.equal(att.gather(ids.cuda(), device="cuda").cpu(), rows[ids])
+        att.data[: att.data.numel() // 2].fill_(0)  # a private write: the GPU keeps reading the shared bytes
+        assert torch.equal(cache.fetch(ids.cuda()).cpu().view(torch.uint8), rows[ids].view(torch.uint8))
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+@pytest.mark.gpu
+def test_dropped_attached_stores_do_not_poison_pinned_allocations(cora: Any, store_name: str) -> None:
+    """Attach, read on the GPU, drop, then allocate pinned memory of the segment's size (the kernel tends to hand
+    the freed range out again): with a registration left past munmap this fails with "resource already mapped"."""
+    import gc
+
+    from ibpcache import CompressedRows, FeatureCache
+    from ibpcache.kernels._build import host_alloc, host_free
+
+    rows = cora.features
+    seg = _compressed(rows).share(store_name)
+    ids = torch.randint(0, rows.shape[0], (2048,), generator=torch.Generator().manual_seed(4)).cuda()
+    try:
+        for _ in range(20):
+            att = CompressedRows.attach(store_name)
+            cache = FeatureCache(att, budget_bytes=0.02, device="cuda")
+            assert torch.equal(cache.fetch(ids).cpu(), rows[ids.cpu()])
+            torch.cuda.synchronize()
+            nbytes = att.shared.nbytes
+            del att, cache
+            gc.collect()
+            ptr = host_alloc(nbytes)  # cudaHostAlloc, as torch's pinned allocator does
+            host_free(ptr)
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            del pinned
     finally:
         seg.unlink()
         seg.close()
