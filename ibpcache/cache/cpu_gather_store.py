@@ -1,4 +1,4 @@
-"""The baseline row store behind :class:`~ibpcache.loaders.kv.KVOffloadManager` (``transfer="cpu_gather"``).
+"""The baseline row store behind :class:`~ibpcache.cache.kv_manager.KVOffloadManager` (``transfer="cpu_gather"``).
 
 A *slot* is the position of one (token, batch, head) row of ``head_dim`` values; the manager numbers
 slots token-major (``slot = (t * B + b) * H + h``) so that the rows of newly generated tokens always land
