@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from ..codec import Codec
 from ..errors import CapacityError, InvalidIdsError
 from .append_store import AppendStore, RowCodec, StagedChunks
-from .cpu_gather_store import CpuGatherStore, RowStore, identity_codec
+from .cpu_gather_store import CpuGatherStore
 from .planner import ROW_METHODS, RowCodecChoice, choose_row_codecs
 
 __all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES"]
@@ -40,6 +41,13 @@ DENSE_FETCHES = ("bulk", "zero_copy")
 """How a fetch of every token reads a GPU store (see ``KVOffloadManager(dense_fetch=...)``)."""
 
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> Codec:
+    """The raw codec (:meth:`Codec.raw`) for these rows: gives the uncompressed variant the same kernels."""
+    codec = Codec.raw(dtype, row_shape)
+    assert codec.row_bytes == row_bytes, (codec.row_bytes, row_bytes)
+    return codec
 
 
 @dataclass
@@ -67,11 +75,10 @@ class _Pending:
 
 @dataclass
 class _LayerState:
-    """One layer: ``kv`` (the packed append store: zero-copy and host paths) or ``k_store``/``v_store`` (CPU-gather)."""
+    """One layer: ``kv`` (the packed append store: zero-copy and host paths) or ``gather`` (CPU-gather baseline)."""
 
     kv: "AppendStore | None" = None
-    k_store: "RowStore | None" = None
-    v_store: "RowStore | None" = None
+    gather: "CpuGatherStore | None" = None
     prompt: "tuple[torch.Tensor, torch.Tensor] | None" = None  # kept back until flush() (see defer_prompt_bytes)
     n_tokens: int = 0
     fit_s: float = 0.0
@@ -251,7 +258,7 @@ class KVOffloadManager:
         self._flush_pending()
         if st.kv is not None:
             return st.kv.codecs
-        return None if st.k_store is None else (st.k_store.codec, st.v_store.codec)
+        return None if st.gather is None else st.gather.codecs
 
     # -- writing ----------------------------------------------------------------------------------
     def _check_kv(self, x: object, name: str) -> torch.Tensor:
@@ -284,7 +291,7 @@ class KVOffloadManager:
     def _make_codecs(self, prompts: "list[tuple[torch.Tensor, torch.Tensor]]") -> "list[tuple[RowCodecChoice, RowCodecChoice]]":
         """(K, V) codec choices per layer, made together on samples of the layers' prompts (the engine's planner)."""
         if not self.compress:
-            ident = RowCodecChoice(identity_codec(self.row_bytes, self.dtype, (self.head_dim,)), "raw", {})
+            ident = RowCodecChoice(_identity_codec(self.row_bytes, self.dtype, (self.head_dim,)), "raw", {})
             return [(ident, ident)] * len(prompts)
         samples = [self._fit_sample(self._rows(x)) for kv in prompts for x in kv]  # k0, v0, k1, v1, ...
         method = self.codec_method
@@ -299,9 +306,6 @@ class KVOffloadManager:
             chunks = [self.chunk_bytes] * (len(samples) - len(choices))
         choices += choose_row_codecs(samples[len(choices):], method, self.threshold, chunks)
         return [(choices[2 * i], choices[2 * i + 1]) for i in range(len(prompts))]
-
-    def _make_store(self, codec: RowCodec) -> RowStore:
-        return CpuGatherStore(codec, self.device)  # type: ignore[arg-type]
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                into: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> None:
@@ -324,7 +328,7 @@ class KVOffloadManager:
         # A prefetch not taken is stale after this append (take matches on the token count); retiring it orders
         # the current stream after its reads, so a chunk this append replaces is never freed under a copy.
         self._retire(st)
-        first = st.kv is None and st.k_store is None and st.prompt is None
+        first = st.kv is None and st.gather is None and st.prompt is None
         if first and self.defer_prompt_bytes > 0:  # keep it on the GPU; flush() fits and stores it
             st.prompt = (keys.clone(), values.clone())  # the caller may reuse its buffers
             st.n_tokens += n
@@ -375,10 +379,9 @@ class KVOffloadManager:
             self._count(moved, "write")
             self._mark_appended(st)
         else:
-            for store, x in ((st.k_store, keys), (st.v_store, values)):
-                if need > store.capacity:
-                    store.reserve(reserve)
-                self._count(store.write(self._rows(x).view(torch.uint8), slot0), "write")
+            if need > st.gather.slot_cap:
+                st.gather.reserve(reserve)
+            self._count(st.gather.append(keys, values, slot0), "write")
             if into is not None:
                 into[0][:, :, -n:].copy_(keys)
                 into[1][:, :, -n:].copy_(values)
@@ -423,7 +426,7 @@ class KVOffloadManager:
         for (st, _, _), (k_choice, v_choice) in zip(items, codecs):
             st.choices = (k_choice, v_choice)
             if self.transfer == "cpu_gather":
-                st.k_store, st.v_store = self._make_store(k_choice.codec), self._make_store(v_choice.codec)
+                st.gather = CpuGatherStore(k_choice.codec, v_choice.codec, self.device)
             else:
                 st.kv = AppendStore(k_choice.codec, v_choice.codec, self.device, rows_per_token=self.rows_per_token,
                                     max_chunk_bytes=self.host_chunk_bytes,
@@ -510,10 +513,10 @@ class KVOffloadManager:
         if idx is None and st.row0 is not None:  # every token, through the slot table
             idx = torch.arange(t, device=self.device).view(1, 1, t).expand(self.batch_size, self.num_kv_heads, t)
         if idx is None:
-            if isinstance(st.k_store, CpuGatherStore):
-                for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
+            if st.gather is not None:
+                for side, dst in enumerate(out):
                     tmp = torch.empty((t * self.rows_per_token, self.row_bytes), dtype=torch.uint8, device=self.device)
-                    self._count(store.read_range(t * self.rows_per_token, tmp), counter)
+                    self._count(st.gather.read_range(side, t * self.rows_per_token, tmp), counter)
                     dst[:, :, :t].copy_(tmp.view(self.dtype).view(t, self.batch_size, self.num_kv_heads,
                                                                   self.head_dim).permute(1, 2, 0, 3))
                 return
@@ -530,9 +533,9 @@ class KVOffloadManager:
                 self._count(st.kv.read_rows(side, slots.numpy(), out_u8, None if out_rows is None else out_rows.numpy()),
                             counter)
             return
-        for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
+        for side, dst in enumerate(out):
             out_u8 = dst.view(-1, self.head_dim).view(torch.uint8)
-            self._count(store.read(slots, out_u8, out_rows), counter)
+            self._count(st.gather.read(side, slots, out_u8, out_rows), counter)
 
     def fetch(self, layer: int, token_idx: torch.Tensor,
               out: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -736,15 +739,15 @@ class KVOffloadManager:
                 self._read(st, None, out, counter="read_worker")
             else:
                 k = out[0].shape[2] - extra
-                for store, dst in ((st.k_store, out[0]), (st.v_store, out[1])):
+                for side, dst in enumerate(out):
                     if extra == 0:
-                        moved = store.read_cpu(slots_host, dst.view(-1, self.head_dim).view(torch.uint8))
+                        moved = st.gather.read_cpu(side, slots_host, dst.view(-1, self.head_dim).view(torch.uint8))
                     else:
                         tmp = torch.empty((slots_host.numel(), self.row_bytes), dtype=torch.uint8, device=self.device)
-                        moved = store.read_cpu(slots_host, tmp)
+                        moved = st.gather.read_cpu(side, slots_host, tmp)
                         dst[:, :, :k].copy_(tmp.view(self.dtype).view(self.batch_size, self.num_kv_heads, k,
                                                                       self.head_dim))
-                    self._count(moved, "read_worker")  # K and V stores have their own staging buffers
+                    self._count(moved, "read_worker")  # K and V have their own staging buffers
             self._timed_end(start)
             ev = torch.cuda.Event()
             ev.record(self._side)
@@ -912,10 +915,10 @@ class KVOffloadManager:
         for st in self._layers:
             n_slots = self._slot_of_token(st, st.n_tokens)  # physical slots in use (rows beams dropped included)
             raw += 2 * st.n_tokens * self.rows_per_token * self.row_bytes
-            stores = (st.kv,) if st.kv is not None else (st.k_store, st.v_store) if st.k_store is not None else ()
+            store = st.kv if st.kv is not None else st.gather
             if st.kv is not None:
                 st.kv.check()  # a kernel's status word (never expected to be set) becomes an exception here
-            for store in stores:
+            if store is not None:
                 stored += store.stored_bytes(n_slots)
                 host += store.host_nbytes
                 gpu += store.device_nbytes
@@ -957,8 +960,9 @@ class KVOffloadManager:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for st in self._layers:
-            if st.kv is not None:
-                st.kv.release()
+            for store in (st.kv, st.gather):
+                if store is not None:
+                    store.release()
 
     def close(self) -> None:
         """Stop the gather thread (cpu_gather only) and free the host chunks. The manager is unusable afterwards."""
