@@ -28,6 +28,7 @@ from ..codec import Codec
 from ..errors import CapacityError, InvalidIdsError
 from .append_store import AppendStore, RowCodec, StagedChunks
 from .cpu_gather_store import CpuGatherStore
+from .kv_slots import SlotLayout
 from .planner import ROW_METHODS, RowCodecChoice, choose_row_codecs
 
 __all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES"]
@@ -85,11 +86,7 @@ class _LayerState:
     choices: tuple = ()  # (K, V) RowCodecChoice of the planner
     pending: "_Pending | None" = None
     written: list = field(default_factory=list)
-    # Physical layout. segments: (first token, its first slot, slots per token), one per batch size the layer
-    # has been written with (the first covers token 0). row0: None while slot (t, b, h) = t * B * H + b * H + h;
-    # after a beam reorder or batch selection, int64 [capacity, B] on the manager's device: the slot of (t, b, 0).
-    segments: list = field(default_factory=list)
-    row0: "torch.Tensor | None" = None
+    slots: SlotLayout = field(default_factory=SlotLayout)  # which slot holds each (token, batch row, head)
     # CUDA: recorded after the layer's latest append. A bulk prefetch's copies wait for it, not for everything the
     # current stream has queued: waiting there would also wait for the previous layer's decode, serialising copy
     # and decode (measured on the H100: 1.40 s/token at 32k instead of the ~1 s the copies take).
@@ -348,27 +345,13 @@ class KVOffloadManager:
         self._write(st, keys, values, st.n_tokens, into)
         st.n_tokens += n
 
-    @staticmethod
-    def _slot_of_token(st: _LayerState, t: int) -> int:
-        """Physical slot of (token ``t``, batch 0, head 0) as written (``t`` = the tokens stored: the end)."""
-        for t0, s0, width in reversed(st.segments):
-            if t >= t0:
-                return s0 + (t - t0) * width
-        return 0
-
     def _write(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, t0: int,
                into: "tuple[torch.Tensor, torch.Tensor] | None") -> None:
         """Store [B, H, n, D] keys/values as tokens ``t0 .. t0 + n - 1``, after the slots of tokens ``< t0``.
 
         Slots of tokens cropped away are reused; a batch size other than the previous tokens' starts a segment."""
         n = keys.shape[2]
-        slot0 = self._slot_of_token(st, t0)
-        while st.segments and st.segments[-1][0] >= t0:
-            st.segments.pop()
-        if not st.segments or st.segments[-1][2] != self.rows_per_token:
-            st.segments.append((t0, slot0, self.rows_per_token))
-        if st.row0 is not None:
-            self._fill_row0(st, t0, n, slot0)
+        slot0 = st.slots.place(t0, n, self.batch_size, self.num_kv_heads, self.device)
         need = slot0 + n * self.rows_per_token
         reserve = max(need, self.reserve_tokens * self.rows_per_token)
         if st.kv is not None:
@@ -467,9 +450,9 @@ class KVOffloadManager:
     def _slots(self, st: _LayerState, idx: torch.Tensor) -> torch.Tensor:
         """[B, H, k] token indices -> flat slot ids in [B, H, k] order: ``(t * B + b) * H + h`` (one kernel), or
         ``row0[t, b] + h`` after a beam reorder / batch selection."""
-        if st.row0 is None:
+        if st.slots.row0 is None:
             return torch.add(self._bh(idx.device), idx, alpha=self.rows_per_token).reshape(-1)
-        row0 = st.row0.to(idx.device)
+        row0 = st.slots.row0.to(idx.device)
         b = torch.arange(self.batch_size, device=idx.device).view(-1, 1, 1)
         h = torch.arange(self.num_kv_heads, device=idx.device).view(1, -1, 1)
         return (row0.view(-1)[idx * self.batch_size + b] + h).reshape(-1)
@@ -499,18 +482,19 @@ class KVOffloadManager:
         if self._bulk(st, idx):
             if staged is None:
                 staged = st.kv.stage_chunks()
-            st.kv.fetch(None, st.n_tokens, out[0], out[1], row0=st.row0, staged=staged)
+            st.kv.fetch(None, st.n_tokens, out[0], out[1], row0=st.slots.row0, staged=staged)
             self._count(staged.nbytes, counter)  # the DMA copies' bytes: what crossed PCIe
             return
         if st.kv is not None and st.kv.cuda:  # one launch for K and V; slots and positions looked up in the kernel
             if idx is not None and idx.dtype != torch.int64:
                 idx = idx.to(torch.int64)
             st.kv.fetch(idx if idx is None or idx.is_contiguous() else idx.contiguous(),
-                        st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], read=self._dev_read, row0=st.row0)
+                        st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], read=self._dev_read,
+                        row0=st.slots.row0)
             return
         width = out[0].shape[2]
         t = st.n_tokens
-        if idx is None and st.row0 is not None:  # every token, through the slot table
+        if idx is None and st.slots.row0 is not None:  # every token, through the slot table
             idx = torch.arange(t, device=self.device).view(1, 1, t).expand(self.batch_size, self.num_kv_heads, t)
         if idx is None:
             if st.gather is not None:
@@ -623,7 +607,7 @@ class KVOffloadManager:
             self._timed_end(start)
             ev = torch.cuda.Event()
             ev.record(self._side)
-        self._set_pending(st, token_idx, out, extra_tokens, ev, (st.row0,))
+        self._set_pending(st, token_idx, out, extra_tokens, ev, (st.slots.row0,))
 
     @staticmethod
     def _set_pending(st: _LayerState, token_idx: "torch.Tensor | None", out: tuple[torch.Tensor, torch.Tensor],
@@ -651,32 +635,33 @@ class KVOffloadManager:
             raise ValueError(f"graph_append: layer {layer} needs a zero-copy CUDA store in the identity slot layout "
                              "whose next slot is its next free one (no crop since), and one token")
         t0 = st.n_tokens
-        slot0 = self._slot_of_token(st, t0)
+        slot0 = st.slots.slot_of_token(t0)
         st.kv.launch_dynamic(keys, values, slot0, t0, written=self._dev_written)
         return slot0, t0
 
     def prepare_graph_append(self, layer: int) -> None:
         """Outside the capture of :meth:`graph_append`: grow the store's slot tables and scratch for it now."""
         st = self._state(layer)
-        st.kv.prepare_capture(self._slot_of_token(st, st.n_tokens), self.rows_per_token)
+        st.kv.prepare_capture(st.slots.slot_of_token(st.n_tokens), self.rows_per_token)
 
     def can_graph_append(self, layer: int) -> bool:
         """Whether :meth:`graph_append` may be captured for ``layer`` now (see :meth:`graph_append_ok`)."""
         st = self._state(layer)
-        return self.can_graph_fetch(layer) and self.graph_append_ok(layer, st.kv, self._slot_of_token(st, st.n_tokens),
-                                                                    st.n_tokens)
+        return self.can_graph_fetch(layer) and self.graph_append_ok(layer, st.kv,
+                                                                    st.slots.slot_of_token(st.n_tokens), st.n_tokens)
 
     def graph_append_ok(self, layer: int, store: "AppendStore", slot0: int, t0: int) -> bool:
         """Whether a decode-step append captured at ``(slot0, t0)`` of ``store`` may be replayed now: same store,
         identity slot layout, as many slots per token, and its next slot is the store's next free one (an eager
         append, crop, reorder or batch change in between makes this False: capture again or append eagerly)."""
         st = self._state(layer)
-        if st.kv is not store or st.row0 is not None or st.prompt is not None:
+        if st.kv is not store or st.slots.row0 is not None or st.prompt is not None:
             return False
-        if not st.segments or st.segments[-1][2] != self.rows_per_token or st.segments[-1][0] > t0:
+        segments = st.slots.segments
+        if not segments or segments[-1][2] != self.rows_per_token or segments[-1][0] > t0:
             return False
         slot = slot0 + (st.n_tokens - t0) * self.rows_per_token
-        return slot == self._slot_of_token(st, st.n_tokens) == store.high_water
+        return slot == st.slots.slot_of_token(st.n_tokens) == store.high_water
 
     def before_graph_append(self, layer: int) -> None:
         """Host bookkeeping before a replay of :meth:`graph_append` (room for its slots and chunks; never waits)."""
@@ -702,7 +687,7 @@ class KVOffloadManager:
         """Whether :meth:`graph_fetch` may be captured for ``layer`` now: a zero-copy CUDA store in the identity slot
         layout (a beam reorder or batch selection makes reads go through a slot table that may be replaced)."""
         st = self._state(layer)
-        return (self.transfer == "zero_copy" and st.kv is not None and st.kv.cuda and st.row0 is None
+        return (self.transfer == "zero_copy" and st.kv is not None and st.kv.cuda and st.slots.row0 is None
                 and st.n_tokens > 0)
 
     def adopt_prefetch(self, layer: int, token_idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor],
@@ -790,33 +775,10 @@ class KVOffloadManager:
             self._retire_pending(p)
 
     # -- beam search, batch selection, crop ---------------------------------------------------------
-    # These rewrite the per-token slot table (``_LayerState.row0``), never the stored rows: a beam reorder is a
-    # gather of [T, B] slot ids on the device (no host sync, no decode, no re-encode); rows that no beam refers
-    # to any more stay where they are until a crop lets new tokens reuse their slots.
-    def _fill_row0(self, st: _LayerState, t0: int, n: int, slot0: int) -> None:
-        """Give tokens ``t0 .. t0 + n - 1``, written from ``slot0`` on, identity entries in the slot table."""
-        cap = st.row0.shape[0]
-        if t0 + n > cap:
-            grown = torch.empty((max(t0 + n, 2 * cap), self.batch_size), dtype=torch.int64, device=self.device)
-            grown[:t0].copy_(st.row0[:t0])
-            st.row0 = grown
-        t = torch.arange(n, device=self.device).view(-1, 1) * self.rows_per_token
-        b = torch.arange(self.batch_size, device=self.device).view(1, -1) * self.num_kv_heads
-        st.row0[t0 : t0 + n] = t + b + slot0
-
+    # These rewrite the layers' slot layouts (``kv_slots.SlotLayout``), never the stored rows.
     def _table(self, st: _LayerState) -> torch.Tensor:
-        """The layer's slot table (built from its segments at the first reorder or selection)."""
-        if st.row0 is None:
-            t = st.n_tokens
-            st.row0 = torch.empty((max(2 * t, 16), self.batch_size), dtype=torch.int64, device=self.device)
-            ends = [seg[0] for seg in st.segments[1:]] + [t]
-            for (t0, s0, width), t1 in zip(st.segments, ends):
-                n = max(0, min(t1, t) - t0)
-                if n and width != self.rows_per_token:
-                    raise RuntimeError(f"tokens stored with {width} rows per token but no slot table")
-                if n:
-                    self._fill_row0(st, t0, n, s0)
-        return st.row0
+        """The layer's slot table (see :meth:`SlotLayout.table`)."""
+        return st.slots.table(st.n_tokens, self.batch_size, self.num_kv_heads, self.device)
 
     def _layers_for(self, layer: "int | None") -> "list[_LayerState]":
         self._flush_pending()
@@ -846,7 +808,7 @@ class KVOffloadManager:
             raise ValueError(f"beam_idx: expected {self.batch_size} entries (the batch size), got {beam_idx.numel()}")
         for st in self._layers_for(layer):
             if st.n_tokens:
-                st.row0 = self._table(st).index_select(1, beam_idx)  # a new tensor: pending readers keep the old
+                st.slots.row0 = self._table(st).index_select(1, beam_idx)  # a new tensor: pending readers keep the old
 
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep batch rows ``indices`` (in that order; repeats allowed) of every layer: a new batch size."""
@@ -865,7 +827,7 @@ class KVOffloadManager:
         if batch_size < 1:
             raise ValueError("a batch selection must keep at least one row")
         for st, table in zip(self._layers, tables):
-            st.row0 = table
+            st.slots.row0 = table
         self.batch_size = batch_size
         self.rows_per_token = batch_size * self.num_kv_heads
         self._bh_cache.clear()
@@ -913,7 +875,7 @@ class KVOffloadManager:
             written += int(self._dev_written)
         stored = raw = host = gpu = 0
         for st in self._layers:
-            n_slots = self._slot_of_token(st, st.n_tokens)  # physical slots in use (rows beams dropped included)
+            n_slots = st.slots.slot_of_token(st.n_tokens)  # physical slots in use (rows beams dropped included)
             raw += 2 * st.n_tokens * self.rows_per_token * self.row_bytes
             store = st.kv if st.kv is not None else st.gather
             if st.kv is not None:
@@ -991,7 +953,8 @@ class KVStepGraph:
         mgr._retire(st)
         if mgr.transfer != "zero_copy" or st.kv is None or not st.kv.cuda:
             raise ValueError("capture_decode_step: needs transfer='zero_copy' on CUDA and a layer that holds its prompt")
-        if st.row0 is not None or not st.segments or st.segments[-1][2] != mgr.rows_per_token:
+        segments = st.slots.segments
+        if st.slots.row0 is not None or not segments or segments[-1][2] != mgr.rows_per_token:
             raise ValueError("capture_decode_step: the layer's slots were reordered or selected (beam search); only the "
                              "identity layout can be captured")
         t0 = st.n_tokens
@@ -1005,7 +968,7 @@ class KVStepGraph:
         self.keys_out = torch.zeros((*shape[:2], max_tokens, shape[3]), dtype=mgr.dtype, device=dev)
         self.values_out = torch.zeros_like(self.keys_out)
         store = st.kv
-        slot0 = mgr._slot_of_token(st, t0)
+        slot0 = st.slots.slot_of_token(t0)
         store.prepare_capture(slot0, mgr.rows_per_token)
         for symbol in ("ibp_kvp_size", "ibp_kvp_encode", "ibp_kvp_fetch"):  # no module loads while capturing
             get_function("kv_packed.cu", symbol, dev.index)
@@ -1022,7 +985,7 @@ class KVStepGraph:
         """Run the captured step; returns (keys, values) [B, H, T + 1, D] views of the output buffers."""
         mgr = self.mgr
         st = mgr._state(self.layer)
-        if st.kv is not self._store or st.n_tokens != self._tokens or st.row0 is not None:
+        if st.kv is not self._store or st.n_tokens != self._tokens or st.slots.row0 is not None:
             raise RuntimeError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
                                "or reset): capture again")
         n = st.n_tokens
