@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .codec import Codec
 from .compressed import CompressedRows
-from .errors import CapacityError, FormatError, IbpcacheError, InvalidIdsError, KernelBuildError
+from .errors import (CapacityError, FormatError, IbpcacheError, InvalidIdsError, KernelBuildError,
+                     UnsupportedModelError)
 from .format import FORMAT_VERSION, Layout
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "CapacityError",
     "KernelBuildError",
     "InvalidIdsError",
+    "UnsupportedModelError",
 ]
 
 __version__ = "0.1.0"

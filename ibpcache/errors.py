@@ -8,6 +8,7 @@ __all__ = [
     "CapacityError",
     "KernelBuildError",
     "InvalidIdsError",
+    "UnsupportedModelError",
 ]
 
 
@@ -29,3 +30,7 @@ class KernelBuildError(IbpcacheError, RuntimeError):
 
 class InvalidIdsError(IbpcacheError, IndexError):
     """Row ids that are negative, out of range, or of the wrong dtype."""
+
+
+class UnsupportedModelError(IbpcacheError, ValueError):
+    """A model or model config that an adapter cannot serve (e.g. an encoder-decoder given to the KV cache)."""

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from ..cache.kv_graph import QueryProjection, SpeculationGraphs
 from ..cache.kv_manager import KVOffloadManager
 from ..cache.kv_select import PartialKeySelector, SelectionConfig
-from ._kv_model import decoder_layers, gather_mask, project_query, valid_from_mask
+from ._kv_model import decoder_geometry, decoder_layers, gather_mask, project_query, valid_from_mask
 
 __all__ = ["IBPOffloadedCache", "IBPOffloadedLayer"]
 
@@ -133,8 +133,24 @@ class IBPOffloadedLayer(CacheLayerMixin):
 class IBPOffloadedCache(Cache):
     """A transformers ``Cache`` whose K/V live in host memory as losslessly compressed rows (packed per append).
 
+    Supported models (checked at construction; anything else raises :class:`~ibpcache.errors.UnsupportedModelError`
+    naming the problem instead of failing later with a shape error):
+
+    * decoder-only models whose every layer is full attention, with the KV geometry in the config
+      (``num_hidden_layers``, ``num_attention_heads``, optional ``num_key_value_heads``, ``head_dim`` or
+      ``hidden_size``) and calling ``Cache.update`` with [B, KV heads, T, head_dim] states. Dense mode: the Llama
+      family (Llama / SmolLM2 and Qwen2-shaped models are what the tests and benchmarks run) and GPT-2.
+    * sparse mode additionally needs rotary position embeddings and Llama-like decoder layers
+      (``model.model.layers[i].self_attn.q_proj``, ``input_layernorm``): the Llama family, not GPT-2.
+    * refused: encoder-decoder configs (T5), encoders (BERT, ``is_decoder=False``), sliding-window or other
+      non-full attention layers (Mistral's ``sliding_window``, Gemma's ``layer_types``), sparse mode without RoPE.
+
+    transformers: 5.x; tested with 5.17 (the GPU image) and 5.24 (CPU CI). ``crop`` follows the installed version's
+    convention (:func:`crop_target`), and the sparse-mode hooks find the cache under either keyword those versions
+    pass to decoder layers.
+
     Args:
-        config: the model config (full-attention Llama-family decoders).
+        config: the model config (see above; a composite config's text decoder is used).
         mode: "dense" (lossless, all tokens) or "sparse" (InfiniGen-style selection; needs ``model``).
         model: the causal LM, for sparse mode's query speculation (hooks are removed by :meth:`close` or
             when the cache is garbage-collected).
@@ -158,12 +174,7 @@ class IBPOffloadedCache(Cache):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
             raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        self._check_config(cfg)
-        self.num_layers = int(cfg.num_hidden_layers)
-        self.num_heads = int(cfg.num_attention_heads)
-        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = decoder_geometry(config, mode)
         super().__init__(layers=[IBPOffloadedLayer(self, i) for i in range(self.num_layers)])
         self.mode = mode
         self.use_prefetch = bool(prefetch)
@@ -188,15 +199,6 @@ class IBPOffloadedCache(Cache):
             if len(self._decoder) != self.num_layers:
                 raise ValueError(f"model has {len(self._decoder)} decoder layers, config says {self.num_layers}")
             self._install_hooks()
-
-    @staticmethod
-    def _check_config(cfg: Any) -> None:
-        types = getattr(cfg, "layer_types", None)
-        if types is not None and any(t != "full_attention" for t in types):
-            raise ValueError(f"IBPOffloadedCache supports full-attention decoders only, got layer types {set(types)}")
-        if types is None and getattr(cfg, "sliding_window", None) is not None \
-                and getattr(cfg, "use_sliding_window", True):
-            raise ValueError("IBPOffloadedCache supports full-attention decoders only (config has a sliding_window)")
 
     # -- hooks (sparse mode) ----------------------------------------------------------------------
     def _install_hooks(self) -> None:

@@ -1,4 +1,8 @@
-"""What the transformers adapter knows of a Llama-family decoder's insides (no transformers import at module level).
+"""What the transformers adapter knows of a decoder's config and, for sparse mode, its insides (no transformers
+import at module level).
+
+:func:`decoder_geometry` reads the KV geometry from a config and refuses, at construction, any config the cache
+cannot serve (:class:`~ibpcache.errors.UnsupportedModelError`), rather than failing later with a shape error.
 
 Sparse mode speculates layer j's query from layer j-1's input, so it must reproduce the query the layer computes:
 the layer's input norm, query projection, optional per-head ``q_norm`` and the model module's RoPE
@@ -9,11 +13,74 @@ The engine (``ibpcache.cache.kv_select``, ``kv_graph``) only ever sees query sta
 
 from __future__ import annotations
 
+import operator
 import sys
+from typing import Any
 
 import torch
 
-__all__ = ["project_query", "decoder_layers", "valid_from_mask", "gather_mask"]
+from ..errors import UnsupportedModelError
+
+__all__ = ["decoder_geometry", "project_query", "decoder_layers", "valid_from_mask", "gather_mask"]
+
+_ROPE_FIELDS = ("rope_parameters", "rope_theta", "rope_scaling")
+"""Config fields of rotary position embeddings (transformers 5.x: ``rope_parameters``; the others: older configs)."""
+
+
+def _positive_int(cfg: Any, field: str, value: Any) -> int:
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise UnsupportedModelError(f"{type(cfg).__name__}.{field}: expected a positive int, got {value!r} "
+                                    "(IBPOffloadedCache reads the decoder's KV geometry from its config)")
+    return n
+
+
+def decoder_geometry(config: Any, mode: str) -> tuple[int, int, int, int]:
+    """(layers, query heads, KV heads, head dim) of the decoder ``config`` describes, for ``IBPOffloadedCache`` in
+    ``mode``; raises :class:`~ibpcache.errors.UnsupportedModelError` naming the problem for a config it cannot serve.
+
+    What the cache relies on: a decoder-only model (it holds self-attention K/V, no cross-attention or encoder
+    states), every layer full attention (no sliding window: the cache keeps and fetches every token), a geometry in
+    the config (``num_hidden_layers``, ``num_attention_heads``, optional ``num_key_value_heads`` dividing it,
+    ``head_dim`` or ``hidden_size`` divisible by the heads), and for sparse mode rotary position embeddings (the
+    speculated query is rotated with the model's RoPE tables).
+    """
+    name = type(config).__name__
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(config, "is_encoder_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model: IBPOffloadedCache holds the self-attention "
+                                    "K/V of a decoder-only model (no cross-attention cache)")
+    if getattr(cfg, "is_decoder", None) is False:  # transformers 5 configs have the field only where it can be set
+        raise UnsupportedModelError(f"{name} describes an encoder (is_decoder=False): IBPOffloadedCache serves "
+                                    "decoder-only generation")
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        raise UnsupportedModelError(f"IBPOffloadedCache supports full-attention decoders only, got layer types "
+                                    f"{set(types)}")
+    if types is None and getattr(cfg, "sliding_window", None) is not None \
+            and getattr(cfg, "use_sliding_window", True):
+        raise UnsupportedModelError("IBPOffloadedCache supports full-attention decoders only (config has a "
+                                    "sliding_window)")
+    layers = _positive_int(cfg, "num_hidden_layers", getattr(cfg, "num_hidden_layers", None))
+    heads = _positive_int(cfg, "num_attention_heads", getattr(cfg, "num_attention_heads", None))
+    kv_heads = _positive_int(cfg, "num_key_value_heads", getattr(cfg, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"{name}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim is None:
+        hidden = _positive_int(cfg, "hidden_size", getattr(cfg, "hidden_size", None))
+        if hidden % heads:
+            raise UnsupportedModelError(f"{name}: hidden_size {hidden} is not a multiple of {heads} heads and the "
+                                        "config gives no head_dim")
+        head_dim = hidden // heads
+    head_dim = _positive_int(cfg, "head_dim", head_dim)
+    if mode == "sparse" and all(getattr(cfg, f, None) is None for f in _ROPE_FIELDS):
+        raise UnsupportedModelError(f"{name} has no rotary position embeddings ({', '.join(_ROPE_FIELDS)}): sparse "
+                                    "mode speculates each layer's query with the model's RoPE (use mode='dense')")
+    return layers, heads, kv_heads, head_dim
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -107,10 +174,11 @@ def decoder_layers(model: torch.nn.Module) -> "torch.nn.ModuleList":
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     layers = getattr(decoder, "layers", None)
     if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
+        raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__} (expected "
+                                    ".model.layers): sparse mode hooks them")
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
         if attn is None or not hasattr(attn, "q_proj") or not hasattr(layer, "input_layernorm"):
-            raise ValueError(f"decoder layer {i} of {type(model).__name__} is not Llama-like "
+            raise UnsupportedModelError(f"decoder layer {i} of {type(model).__name__} is not Llama-like "
                              "(needs self_attn.q_proj and input_layernorm) : sparse mode cannot speculate its query")
     return layers

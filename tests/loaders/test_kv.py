@@ -396,6 +396,66 @@ def test_dense_layer_returns_what_dynamic_layer_returns(compress: bool) -> None:
     _layer_equivalence("cpu", compress)
 
 
+def test_unsupported_configs_are_refused_at_construction() -> None:
+    """Configs the cache cannot serve raise UnsupportedModelError (a ValueError) naming the problem when the cache is
+    built, not a shape error during generation. Configs are built offline from transformers' classes."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers import BertConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, T5Config
+
+    from ibpcache.errors import UnsupportedModelError
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    assert issubclass(UnsupportedModelError, ValueError)
+    with pytest.raises(UnsupportedModelError, match="T5Config is an encoder-decoder"):
+        IBPOffloadedCache(T5Config())
+    with pytest.raises(UnsupportedModelError, match="BertConfig describes an encoder"):
+        IBPOffloadedCache(BertConfig())
+    with pytest.raises(UnsupportedModelError, match="GPT2Config has no rotary position embeddings"):
+        IBPOffloadedCache(GPT2Config(), mode="sparse", model=torch.nn.Module())
+    with pytest.raises(UnsupportedModelError, match="sliding_window"):
+        IBPOffloadedCache(MistralConfig(sliding_window=4096))
+    # geometries transformers' own validation may not catch (a hand-made config object)
+    geometry = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, hidden_size=512)
+    with pytest.raises(UnsupportedModelError, match="not a multiple of 3 KV heads"):
+        IBPOffloadedCache(SimpleNamespace(**{**geometry, "num_key_value_heads": 3}))
+    with pytest.raises(UnsupportedModelError, match="hidden_size 100 is not a multiple of 8 heads"):
+        IBPOffloadedCache(SimpleNamespace(**{**geometry, "hidden_size": 100}))
+    with pytest.raises(UnsupportedModelError, match="num_hidden_layers: expected a positive int"):
+        IBPOffloadedCache(SimpleNamespace(**{**geometry, "num_hidden_layers": 0}))
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads: expected a positive int, got None"):
+        IBPOffloadedCache(SimpleNamespace(num_hidden_layers=2))
+    # what it serves: the geometry the manager will be built with
+    for cfg, geometry in ((LlamaConfig(num_hidden_layers=3, num_attention_heads=9, num_key_value_heads=3,
+                                       hidden_size=576), (3, 9, 3, 64)),
+                          (Qwen2Config(num_hidden_layers=2, num_attention_heads=28, num_key_value_heads=4,
+                                       hidden_size=3584), (2, 28, 4, 128)),
+                          (GPT2Config(n_layer=2, n_head=4, n_embd=64), (2, 4, 4, 16))):
+        cache = IBPOffloadedCache(cfg)
+        assert (cache.num_layers, cache.num_heads, cache.num_kv_heads, cache.head_dim) == geometry
+
+
+def test_gpt2_dense_generation_equals_dynamic_cache() -> None:
+    """GPT-2 is a full-attention decoder without RoPE: dense mode serves it (greedy tokens equal DynamicCache's), only
+    sparse mode is refused (above). A small random GPT-2 built offline."""
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    ref = _generate(model, inputs, DynamicCache(config=cfg), n=6)
+    cache = IBPOffloadedCache(cfg, mode="dense")
+    out = _generate(model, inputs, cache, n=6)
+    assert torch.equal(out, ref)
+    assert cache.stats()["tokens"] == out.shape[1] - 1
+
+
 def test_find_smollm2_errors(tmp_path: Any) -> None:
     from scripts.lib.models import ModelNotFoundError, find_smollm2
 
