@@ -9,7 +9,7 @@ from .codec import Codec
 from .compressed import CompressedRows
 from .errors import (CapacityError, ConfigError, DeviceError, FormatError, IbpcacheError, InternalError,
                      InvalidArgumentError, InvalidIdsError, InvalidTypeError, KernelBuildError, StateError,
-                     UnsupportedError)
+                     UnsupportedError, UnsupportedModelError)
 from .format import FORMAT_VERSION, Layout
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "UnsupportedError",
     "DeviceError",
     "InternalError",
+    "UnsupportedModelError",
 ]
 
 __version__ = "0.1.0"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,12 +17,21 @@ from .kernels.backends import backend_for
 from .kernels import bitpack_cpu as cpu
 from .kernels.tables import KernelTables
 
-if TYPE_CHECKING:
-    from .compressed import CompressedRows
-
 __all__ = ["Codec"]
 
 _FIT_BATCH_BYTES = 1 << 28  # fit/compress stream CPU rows to the GPU in pieces of this size
+
+_rows_container: "Callable[..., Any] | None" = None
+"""What :meth:`Codec.compress` wraps its bytes in: :class:`~ibpcache.compressed.CompressedRows`. That module needs
+``Codec`` (its files store one), so it registers itself here when imported, which ``import ibpcache`` always does
+before anything can call ``compress``; this module never imports it, so the two modules import one way only."""
+
+
+def _register_rows_container(make: "Callable[..., Any]") -> None:
+    """Set what :meth:`Codec.compress` returns: ``make(codec, data, lengths, layout=..., origin=...)``
+    (:mod:`ibpcache.compressed` registers ``CompressedRows`` at import)."""
+    global _rows_container
+    _rows_container = make
 
 
 class Codec:
@@ -301,16 +311,17 @@ class Codec:
         layout: "str | Layout" = "inplace",
         pin: bool = True,
         device: "str | torch.device | None" = None,
-    ) -> "CompressedRows":
-        """Compress every row of ``x``; the result lives in host memory (pinned when CUDA exists and ``pin``).
+    ) -> Any:
+        """Compress every row of ``x`` into a :class:`~ibpcache.compressed.CompressedRows` that lives in host memory
+        (pinned when CUDA exists and ``pin``).
 
         Runs on the GPU when ``x`` is a CUDA tensor or ``device='cuda'`` (CPU rows then stream to the GPU
         in pieces, so datasets larger than GPU memory work), otherwise with the Numba CPU encoder. Both
         produce identical bytes. A non-contiguous ``x`` (a slice, a transpose) is copied once with
         ``.contiguous()`` before encoding; the copy is transient, the result is a new buffer either way.
         """
-        from .compressed import CompressedRows
-
+        if _rows_container is None:  # only if ibpcache/__init__ stopped importing ibpcache.compressed
+            raise RuntimeError("Codec.compress: ibpcache.compressed has not registered CompressedRows")
         layout = Layout.from_str(layout)
         rows = self._check_compatible(x)
         run_dev = rows.device if rows.is_cuda else resolve_device(device)
@@ -324,7 +335,7 @@ class Codec:
                                               _FIT_BATCH_BYTES)
         else:
             data, lengths = _compress_rows_cpu(rows, self, layout, pin)
-        return CompressedRows(self, data, lengths, layout=layout, origin=str(x.device.type))
+        return _rows_container(self, data, lengths, layout=layout, origin=str(x.device.type))
 
     # -- persistence ------------------------------------------------------------------------------
     def header(self) -> dict:

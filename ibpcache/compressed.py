@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ._validation import OUT_CONTIGUOUS_WHY, check_ids, resolve_device
-from .codec import Codec
+from .codec import Codec, _register_rows_container
 from .errors import FormatError
 from . import _shm
 from .format import FileKind, Layout, read_container, write_container
@@ -318,3 +318,6 @@ class CompressedRows:
         buf = torch.zeros(data.size + 16, dtype=torch.uint8, pin_memory=pin)[: data.size]  # 16 spare: aligned reads
         buf.copy_(torch.from_numpy(data))
         return cls(codec, buf, torch.from_numpy(lengths.copy()), layout=hdr.get("layout", ""))
+
+
+_register_rows_container(CompressedRows)

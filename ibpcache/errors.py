@@ -32,6 +32,7 @@ __all__ = [
     "UnsupportedError",
     "DeviceError",
     "InternalError",
+    "UnsupportedModelError",
 ]
 
 
@@ -94,3 +95,8 @@ class DeviceError(IbpcacheError, RuntimeError):
 class InternalError(IbpcacheError, RuntimeError):
     """An invariant of ibpcache itself broke (a kernel status or a length that cannot happen for valid input):
     a bug to report, never a user mistake."""
+
+
+class UnsupportedModelError(IbpcacheError, ValueError):
+    """A model or model config that an adapter cannot serve (e.g. an encoder-decoder given to the KV cache); the
+    message names what is missing and which models are supported."""

@@ -17,7 +17,7 @@ from ibpcache.kernels.bitpack import decode_descriptors, encode_into, gather_raw
 def kv_kernels_ok() -> bool:
     """The KV manager's fused kernels: append (K+V encode, attention-buffer copy), fetch (sparse, dense), select."""
     from ibpcache.kernels.kv_select import partial_scores, select_top
-    from ibpcache.loaders._kv_select import top_k_ascending
+    from ibpcache.cache.kv_select import top_k_ascending
     from ibpcache.loaders.kv import KVOffloadManager
 
     try:

@@ -105,6 +105,28 @@ def minilm(shared_data_dir: Path) -> Any:
     return load_minilm(shared_data_dir)
 
 
+@pytest.fixture(scope="module")
+def code_kv(shared_data_dir: Path) -> Callable[..., Any]:
+    """``code_kv(dtype, layer)`` -> real (K, V) [2, 3, 400, 64]: two 400-token windows of the code prompt as a batch."""
+    import torch
+
+    from ibpcache.datasets import load_kv
+
+    loaded: dict = {}
+
+    def get(dtype: str, layer: int = 3) -> tuple[Any, Any]:
+        key = (dtype, layer)
+        if key not in loaded:
+            out = []
+            for which in ("k", "v"):
+                x = load_kv("code", which, dtype, shared_data_dir, flat=False)[layer]  # [3, 832, 64]
+                out.append(torch.stack((x[:, :400], x[:, 400:800])).contiguous())
+            loaded[key] = tuple(out)
+        return loaded[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def real_rows() -> Callable[[str], Any]:
     """``real_rows(name)`` -> rows of ``ibpcache.datasets.DATASETS[name]``, loaded once per session.

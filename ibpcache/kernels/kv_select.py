@@ -1,6 +1,6 @@
 """Launchers for ``kv_select.cu``: approximate attention logits from a partial key cache, then per row the count of
 critical tokens and the top-k tokens in ascending order (InfiniGen-style KV selection, see
-``ibpcache/loaders/_kv_select.py``). Two launches per layer, no host sync, CUDA-graph safe with ``n_dev``."""
+``ibpcache/cache/kv_select.py``). Two launches per layer, no host sync, CUDA-graph safe with ``n_dev``."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def select_top(scores: torch.Tensor, k: int, alpha: float, *, n_dev: "torch.Tens
     """(idx int64 [B, H, k] ascending, counts int32 [B, H]) from fp32 ``scores`` [B, H, T] (contiguous rows).
 
     ``idx``: the ``k`` highest-scoring tokens of each row, ties at the k-th value to the lowest indices (NaN ranks
-    highest, -0.0 equals 0.0): exactly :func:`ibpcache.loaders._kv_select.top_k_ascending`. ``counts``: how many
+    highest, -0.0 equals 0.0): exactly :func:`ibpcache.cache.kv_select.top_k_ascending`. ``counts``: how many
     tokens score >= row max - ``alpha``. With ``n_dev`` the row length is read on the device (at most T; the caller
     keeps it >= k); ``idx``/``counts`` are filled in place when given.
     """

@@ -1,10 +1,11 @@
-"""transformers 5.x ``Cache`` on top of :class:`~ibpcache.loaders.kv.KVOffloadManager` (imports transformers).
+"""transformers 5.x ``Cache`` on top of the engine's :class:`~ibpcache.cache.kv_manager.KVOffloadManager` (imports
+transformers; reached through :mod:`ibpcache.loaders.kv`, which stays importable without it).
 
 ``model.generate(ids, past_key_values=IBPOffloadedCache(model.config, mode=...))``:
 
 * ``mode="dense"``: every layer attends to all its tokens, fetched from host memory; lossless, so greedy
   tokens equal those with ``DynamicCache``. Layer i+1's fetch runs on a side stream while layer i computes.
-* ``mode="sparse"`` (needs ``model=``): InfiniGen-style speculation (``_kv_select``). Forward pre-hooks on
+* ``mode="sparse"`` (needs ``model=``): InfiniGen-style speculation (``cache/kv_select.py``). Forward pre-hooks on
   the decoder layers project layer i's input with layer i+1's query weights, pick the critical tokens from
   the partial key cache and start their fetch while layer i runs; the attention mask of each layer is cut
   down to the selected tokens so padded batches stay correct.
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from ._kv_graph import SpeculationGraphs
-from ._kv_select import PartialKeySelector, SelectionConfig, gather_mask, project_query, valid_from_mask
-from .kv import KVOffloadManager
+from ..cache.kv_graph import QueryProjection, SpeculationGraphs
+from ..cache.kv_manager import KVOffloadManager
+from ..cache.kv_select import PartialKeySelector, SelectionConfig
+from ._kv_model import decoder_geometry, decoder_layers, gather_mask, project_query, valid_from_mask
 
 __all__ = ["IBPOffloadedCache", "IBPOffloadedLayer"]
 
@@ -128,25 +130,27 @@ class IBPOffloadedLayer(CacheLayerMixin):
         self._whole_cache("batch_select_indices")
 
 
-def _decoder_layers(model: torch.nn.Module) -> "torch.nn.ModuleList":
-    """The decoder layer list of a Llama-family causal LM (``model.model.layers``)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected .model.layers)")
-    for i, layer in enumerate(layers):
-        attn = getattr(layer, "self_attn", None)
-        if attn is None or not hasattr(attn, "q_proj") or not hasattr(layer, "input_layernorm"):
-            raise ValueError(f"decoder layer {i} of {type(model).__name__} is not Llama-like "
-                             "(needs self_attn.q_proj and input_layernorm) : sparse mode cannot speculate its query")
-    return layers
-
-
 class IBPOffloadedCache(Cache):
     """A transformers ``Cache`` whose K/V live in host memory as losslessly compressed rows (packed per append).
 
+    Supported models (checked at construction; anything else raises :class:`~ibpcache.errors.UnsupportedModelError`
+    naming the problem instead of failing later with a shape error):
+
+    * decoder-only models whose every layer is full attention, with the KV geometry in the config
+      (``num_hidden_layers``, ``num_attention_heads``, optional ``num_key_value_heads``, ``head_dim`` or
+      ``hidden_size``) and calling ``Cache.update`` with [B, KV heads, T, head_dim] states. Dense mode: the Llama
+      family (Llama / SmolLM2 and Qwen2-shaped models are what the tests and benchmarks run) and GPT-2.
+    * sparse mode additionally needs rotary position embeddings and Llama-like decoder layers
+      (``model.model.layers[i].self_attn.q_proj``, ``input_layernorm``): the Llama family, not GPT-2.
+    * refused: encoder-decoder configs (T5), encoders (BERT, ``is_decoder=False``), sliding-window or other
+      non-full attention layers (Mistral's ``sliding_window``, Gemma's ``layer_types``), sparse mode without RoPE.
+
+    transformers: 5.x; tested with 5.17 (the GPU image) and 5.24 (CPU CI). ``crop`` follows the installed version's
+    convention (:func:`crop_target`), and the sparse-mode hooks find the cache under either keyword those versions
+    pass to decoder layers.
+
     Args:
-        config: the model config (full-attention Llama-family decoders).
+        config: the model config (see above; a composite config's text decoder is used).
         mode: "dense" (lossless, all tokens) or "sparse" (InfiniGen-style selection; needs ``model``).
         model: the causal LM, for sparse mode's query speculation (hooks are removed by :meth:`close` or
             when the cache is garbage-collected).
@@ -155,7 +159,7 @@ class IBPOffloadedCache(Cache):
         alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
         graphs: sparse mode on CUDA: replay each layer's speculation (and a zero-copy store's fetch) from a CUDA
-            graph captured per (layer, k) instead of launching it from Python (``_kv_graph``), and the layer's
+            graph captured per (layer, k) instead of launching it from Python (``cache/kv_graph.py``), and the layer's
             append after attention (store and partial keys) likewise; the same kernels, so the same tokens and the
             same stored bytes, padded batches included (the padding is copied into a fixed buffer).
     """
@@ -170,12 +174,7 @@ class IBPOffloadedCache(Cache):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
             raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        self._check_config(cfg)
-        self.num_layers = int(cfg.num_hidden_layers)
-        self.num_heads = int(cfg.num_attention_heads)
-        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = decoder_geometry(config, mode)
         super().__init__(layers=[IBPOffloadedLayer(self, i) for i in range(self.num_layers)])
         self.mode = mode
         self.use_prefetch = bool(prefetch)
@@ -196,19 +195,10 @@ class IBPOffloadedCache(Cache):
                 raise ValueError("mode='sparse' needs model=<the causal LM> to speculate the next layer's query")
             self.selector = PartialKeySelector(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
                                                SelectionConfig(alpha, partial_ratio, max_num_kv))
-            self._decoder = _decoder_layers(model)
+            self._decoder = decoder_layers(model)
             if len(self._decoder) != self.num_layers:
                 raise ValueError(f"model has {len(self._decoder)} decoder layers, config says {self.num_layers}")
             self._install_hooks()
-
-    @staticmethod
-    def _check_config(cfg: Any) -> None:
-        types = getattr(cfg, "layer_types", None)
-        if types is not None and any(t != "full_attention" for t in types):
-            raise ValueError(f"IBPOffloadedCache supports full-attention decoders only, got layer types {set(types)}")
-        if types is None and getattr(cfg, "sliding_window", None) is not None \
-                and getattr(cfg, "use_sliding_window", True):
-            raise ValueError("IBPOffloadedCache supports full-attention decoders only (config has a sliding_window)")
 
     # -- hooks (sparse mode) ----------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -268,7 +258,8 @@ class IBPOffloadedCache(Cache):
     def _speculate(self, j: int, hidden: torch.Tensor, pos: tuple, valid: "torch.Tensor | None") -> None:
         if self.use_graphs and self.use_prefetch and hidden.is_cuda:
             if self._spec_graphs is None:
-                self._spec_graphs = SpeculationGraphs(self._decoder, self.selector, hidden.device)
+                self._spec_graphs = SpeculationGraphs(_query_projection(self._decoder), self.selector,
+                                                      hidden.device)
             replayed = self._spec_graphs.speculate(j, hidden, pos, valid, self.manager)
             if replayed is not None:
                 self._selection[j], self._selection_ready[j] = replayed
@@ -419,6 +410,15 @@ def _like_dynamic_layer(x: torch.Tensor) -> torch.Tensor:
     """What ``DynamicLayer.update`` returns for the first states of a layer: ``torch.cat([empty, x], dim=-2)``
     (same values, dtype, shape and strides, a fresh contiguous tensor)."""
     return torch.cat([torch.tensor([], dtype=x.dtype, device=x.device), x], dim=-2)
+
+
+def _query_projection(decoder: "torch.nn.ModuleList") -> QueryProjection:
+    """The speculation graphs' one view of the model: layer j's query from a residual input and its RoPE tables."""
+
+    def project(j: int, hidden: torch.Tensor, pos: "tuple[torch.Tensor, ...]") -> torch.Tensor:
+        return project_query(decoder[j], hidden, pos)
+
+    return project
 
 
 def _remove_hooks(handles: list) -> None:

@@ -53,13 +53,14 @@ def _union_ms(intervals: list) -> float:
 TIMED = {
     "ibpcache.loaders._kv_hf": ["IBPOffloadedCache._on_layer_start", "IBPOffloadedCache._update",
                                 "IBPOffloadedCache._speculate"],
-    "ibpcache.loaders._kv_select": ["PartialKeySelector.select", "PartialKeySelector.append_keys", "project_query",
-                                    "PartialKeySelector._planned_k"],
-    "ibpcache.loaders.kv": ["KVOffloadManager.prefetch", "KVOffloadManager.take", "KVOffloadManager.append",
-                            "KVOffloadManager._read"],
+    "ibpcache.loaders._kv_model": ["project_query"],
+    "ibpcache.cache.kv_select": ["PartialKeySelector.select", "PartialKeySelector.append_keys",
+                                 "PartialKeySelector._planned_k"],
+    "ibpcache.cache.kv_manager": ["KVOffloadManager.prefetch", "KVOffloadManager.take", "KVOffloadManager.append",
+                                  "KVOffloadManager._read"],
     "ibpcache.cache.append_store": ["AppendStore.append", "AppendStore.fetch", "AppendStore.note_append",
                                     "AppendStore.prepare_dynamic"],
-    "ibpcache.loaders._kv_graph": ["SpeculationGraphs.speculate", "SpeculationGraphs.append"],
+    "ibpcache.cache.kv_graph": ["SpeculationGraphs.speculate", "SpeculationGraphs.append"],
 }
 HOST_S: dict = {}
 HOST_STEPS = 2

@@ -352,7 +352,7 @@ def _set_prefill_query(cache: Any, layer: int, q: torch.Tensor) -> None:
 def probe_queries(model: Any, batch: int, filled: int, n: int, device: str, seed: int) -> list:
     """Per layer, the query states [B, Hq, n, D] the model projects for the last ``n`` prompt positions from the
     embeddings of random tokens (sparse mode uses them to choose its partial key dimensions)."""
-    from ibpcache.loaders._kv_select import project_query
+    from ibpcache.loaders._kv_model import project_query
 
     g = torch.Generator().manual_seed(seed + 7)
     ids = torch.randint(model.config.vocab_size, (batch, n), generator=g).to(device)

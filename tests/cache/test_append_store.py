@@ -299,7 +299,7 @@ def test_planner_chooses_per_tensor_on_real_kv(chat_kv: Any) -> None:
 
 def test_manager_all_layers_bf16_ratio_and_host_bytes(chat_kv: Any) -> None:
     """Issue 13's targets on the real SmolLM2 KV: bf16 ratio >= 1.4 and host memory <= raw / ratio + small slack."""
-    from ibpcache.loaders.kv import KVOffloadManager
+    from ibpcache.cache.kv_manager import KVOffloadManager
 
     k, v = chat_kv("bf16", tuple(range(30)))
     mgr = KVOffloadManager(30, 3, 64, torch.bfloat16, batch_size=1, device="cpu", reserve_tokens=314)
@@ -324,7 +324,7 @@ def test_manager_all_layers_bf16_ratio_and_host_bytes(chat_kv: Any) -> None:
 
 def test_manager_codec_argument(chat_kv: Any) -> None:
     from ibpcache.exponent import ExponentCodec
-    from ibpcache.loaders.kv import KVOffloadManager
+    from ibpcache.cache.kv_manager import KVOffloadManager
 
     k, v = chat_kv("fp16")
     with pytest.raises(ValueError, match="codec"):
@@ -512,7 +512,7 @@ def _decode_reference(mgr: Any, k: torch.Tensor, v: torch.Tensor, t0: int, steps
 def test_gpu_graph_captured_step_bit_exact(chat_kv: Any, codec: str) -> None:
     """A captured decode step replayed 60 times returns what the eager steps return, stores the same bytes (CPU
     store golden), and keeps working while the store adds chunks and slot capacity (small chunks, no reserve)."""
-    from ibpcache.loaders.kv import KVOffloadManager
+    from ibpcache.cache.kv_manager import KVOffloadManager
 
     k, v = chat_kv("bf16")
     kd, vd = k.cuda(), v.cuda()
@@ -551,7 +551,7 @@ def test_gpu_graph_captured_step_bit_exact(chat_kv: Any, codec: str) -> None:
 def test_gpu_decode_steps_never_sync(chat_kv: Any) -> None:
     """Under torch's sync debug mode 'error': eager decode steps (append with the attention copy, dense fetch,
     prefetch/take, a sparse take) and graph replays run without a single host sync, chunks being added included."""
-    from ibpcache.loaders.kv import KVOffloadManager
+    from ibpcache.cache.kv_manager import KVOffloadManager
 
     k, v = chat_kv("bf16")
     kd, vd = k.cuda(), v.cuda()

@@ -24,18 +24,19 @@ On CUDA two kernels (``kernels/kv_select.cu``) do it: the scores (fp32 accumulat
 critical count and the top-k tokens in ascending order; on the CPU the equivalent torch expressions. Ties at the k-th
 score go to the lowest token indices on both (:func:`top_k_ascending`), so every transfer path of a cache, eager or
 replayed from a CUDA graph (:meth:`PartialKeySelector.select_static`), picks the same tokens.
+
+This module knows nothing of the model: it takes query states after RoPE. Projecting them from a decoder layer is
+the transformers adapter's job (``ibpcache.loaders._kv_model.project_query``).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SelectionConfig", "PartialKeySelector", "project_query", "valid_from_mask", "gather_mask",
-           "top_k_ascending", "critical_counts"]
+__all__ = ["SelectionConfig", "PartialKeySelector", "top_k_ascending", "critical_counts"]
 
 
 @dataclass(frozen=True)
@@ -53,92 +54,6 @@ class SelectionConfig:
             raise ValueError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
         if self.max_num_kv < 1:
             raise ValueError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _same_code(a: object, b: object) -> bool:
-    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return ca is not None and cb is not None and ca.co_code == cb.co_code and ca.co_names == cb.co_names
-
-
-def _rope_is_llamas(module: object) -> bool:
-    """True when a model module's ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's (same bytecode): its
-    query rotation is then exactly ``q * cos + rotate_half(q) * sin`` and the key half can be skipped."""
-    try:
-        from transformers.models.llama import modeling_llama as llama
-    except ImportError:
-        return False
-    rope = getattr(module, "apply_rotary_pos_emb", None)
-    rope = getattr(rope, "__wrapped__", rope)
-    ref = getattr(llama.apply_rotary_pos_emb, "__wrapped__", llama.apply_rotary_pos_emb)
-    return _same_code(rope, ref) and _same_code(getattr(module, "rotate_half", None), llama.rotate_half)
-
-
-_LLAMA_ROPE: dict = {}  # module name -> _rope_is_llamas (checked once per model module)
-
-
-def project_query(decoder_layer: torch.nn.Module, hidden: torch.Tensor,
-                  position_embeddings: "tuple[torch.Tensor, torch.Tensor]") -> torch.Tensor:
-    """Query states [B, Hq, T, D] that ``decoder_layer`` would compute from residual input ``hidden``.
-
-    Uses the layer's own norm, projection, optional per-head ``q_norm`` (Qwen3) and the model module's
-    ``apply_rotary_pos_emb`` when it has one, so RoPE variants of Llama-family models match. When that function
-    is Llama's, only the query half of it is computed (the same operations, so the same bits, half the kernels).
-    """
-    attn = decoder_layer.self_attn
-    head_dim = attn.head_dim
-    x = decoder_layer.input_layernorm(hidden)
-    q = attn.q_proj(x).view(*hidden.shape[:-1], -1, head_dim)
-    if getattr(attn, "q_norm", None) is not None:
-        q = attn.q_norm(q)
-    q = q.transpose(1, 2)
-    cos, sin = position_embeddings
-    name = type(attn).__module__
-    module = sys.modules.get(name)
-    if name not in _LLAMA_ROPE:
-        _LLAMA_ROPE[name] = _rope_is_llamas(module)
-    rope = getattr(module, "apply_rotary_pos_emb", None)
-    if rope is not None and not _LLAMA_ROPE[name]:
-        q, _ = rope(q, q, cos, sin)
-        return q
-    return (q * cos.unsqueeze(1)) + (_rotate_half(q) * sin.unsqueeze(1))
-
-
-def valid_from_mask(mask: "torch.Tensor | None", n_past: int) -> "torch.Tensor | None":
-    """bool [B, n_past]: which cached tokens the single decode query may attend (None: all of them).
-
-    Accepts transformers' 4-D masks for one query row: boolean (True = attend) or additive float (0 = attend).
-    """
-    if mask is None:
-        return None
-    if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] < n_past + 1:
-        raise ValueError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one decode "
-                         f"query, got shape {tuple(mask.shape)}")
-    row = mask[:, 0, 0, :n_past]
-    return row if row.dtype == torch.bool else row == 0
-
-
-def gather_mask(mask: "torch.Tensor | None", idx: torch.Tensor, n_past: int, num_heads: int) -> "torch.Tensor | None":
-    """The attention mask restricted to the selected tokens plus the current one: [B, Hq, 1, k + 1].
-
-    ``idx`` is [B, Hkv, k]. The current token sits at column ``n_past`` of the full mask and last in the
-    returned K/V. Masks stay in their dtype (bool or additive float) so every attention backend reads them.
-    """
-    if mask is None:
-        return None
-    if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] < n_past + 1:
-        raise ValueError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one decode "
-                         f"query, got shape {tuple(mask.shape)}")
-    b, hkv, k = idx.shape
-    groups = num_heads // hkv
-    cur = torch.full((b, hkv, 1), n_past, dtype=idx.dtype, device=idx.device)
-    cols = torch.cat((idx, cur), dim=-1).repeat_interleave(groups, dim=1)  # [B, Hq, k + 1]
-    rows = mask[:, :, 0, :].expand(b, num_heads, mask.shape[-1]) if mask.shape[1] == 1 else mask[:, :, 0, :]
-    return rows.gather(-1, cols.to(mask.device)).unsqueeze(2)
 
 
 def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:

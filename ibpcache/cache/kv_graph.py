@@ -23,16 +23,21 @@ stays eager (a host copy to a slot that moves every step); its partial-key appen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ._kv_select import PartialKeySelector, project_query
+from .kv_select import PartialKeySelector
 
 if TYPE_CHECKING:
-    from .kv import KVOffloadManager
+    from .kv_manager import KVOffloadManager
 
-__all__ = ["SpeculationGraphs"]
+__all__ = ["SpeculationGraphs", "QueryProjection"]
+
+QueryProjection = Callable[[int, torch.Tensor, "tuple[torch.Tensor, ...]"], torch.Tensor]
+"""``project(j, hidden, pos)``: layer ``j``'s query states [B, Hq, T, D] after RoPE from the residual input ``hidden``
+and the position tables ``pos`` (the model's business: the transformers adapter passes it in). Captured into the
+graphs, so it must only launch device work (no host sync, no allocation that outlives the capture)."""
 
 _PER_LAYER = 2  # graphs kept per layer (k values): a third k evicts the oldest
 
@@ -67,12 +72,12 @@ class _AppendGraph:
 class SpeculationGraphs:
     """Captured speculation of each layer, replayed in place of the eager hooks' work (see the module docstring)."""
 
-    def __init__(self, decoder: "torch.nn.ModuleList", selector: PartialKeySelector, device: torch.device) -> None:
-        self.decoder, self.selector, self.device = decoder, selector, device
+    def __init__(self, project: QueryProjection, selector: PartialKeySelector, device: torch.device) -> None:
+        self.project, self.selector, self.device = project, selector, device
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
-        self._graphs: list[dict[int, _Graph]] = [{} for _ in range(len(decoder))]
-        self._last_k: list[int] = [-1] * len(decoder)  # each layer's k at its previous speculation
+        self._graphs: list[dict[int, _Graph]] = [{} for _ in range(selector.num_layers)]
+        self._last_k: list[int] = [-1] * selector.num_layers  # each layer's k at its previous speculation
         self._inputs: "tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None" = None  # hidden, cos, sin
         self._pos_src: "tuple[torch.Tensor, torch.Tensor] | None" = None
         self._scores: "torch.Tensor | None" = None
@@ -125,11 +130,11 @@ class SpeculationGraphs:
             get_function(src, symbol, device_index(dev))
         self.stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self.stream):  # warm the projection's libraries up on this stream
-            project_query(self.decoder[j], hidden, (cos, sin))
+            self.project(j, hidden, (cos, sin))
         graph = torch.cuda.CUDAGraph()
         # thread_local: the CPU-gather path's worker thread may call the CUDA runtime while this thread captures
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            q = project_query(self.decoder[j], hidden, (cos, sin))
+            q = self.project(j, hidden, (cos, sin))
             sel.select_static(j, q, k, scores, idx, counts, valid)
             if fetch:
                 mgr.graph_fetch(j, idx, out)

@@ -1,0 +1,998 @@
+"""KV-cache offload for LLM decoding: K/V rows kept (losslessly compressed) in host memory, fetched by the GPU.
+
+Long-context decoding that keeps the KV cache in CPU memory is bound by PCIe (paper section 6.4). The
+manager stores every layer's K and V as rows of ``head_dim`` values, one per (token, batch, head) — the
+unit InfiniGen fetches — numbered by *slot* (token-major), in the engine's append-only packed store,
+:class:`~ibpcache.cache.append_store.AppendStore`: per request it chooses one codec per layer and tensor on a
+sample of the prompt (IBP, exponent coding or raw, whichever stores the sample smallest, see
+:func:`~ibpcache.cache.planner.choose_row_codecs`), and each append's rows are encoded on the GPU and packed back
+to back in pinned host memory, so host memory and PCIe bytes shrink with the ratio. A fetch turns token indices
+into (position, length) pairs on the GPU and decodes K and V in one launch; an append is two launches. Neither
+waits for the device (a prompt-sized append waits once). A layer's decode step can be captured in a CUDA graph
+(:meth:`KVOffloadManager.capture_decode_step`).
+
+The manager knows the decoder's KV geometry only (layers, KV heads, head dim, dtype), never a model:
+:class:`ibpcache.loaders.kv.IBPOffloadedCache` (a transformers ``Cache``) puts it under ``model.generate``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..codec import Codec
+from ..errors import CapacityError, InvalidIdsError
+from .append_store import AppendStore, RowCodec, StagedChunks
+from .cpu_gather_store import CpuGatherStore
+from .kv_slots import SlotLayout
+from .planner import ROW_METHODS, RowCodecChoice, choose_row_codecs
+
+__all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES"]
+
+TRANSFERS = ("zero_copy", "cpu_gather", "host")
+"""``zero_copy``: GPU reads packed pinned host rows through UVA and decodes them (ours). ``cpu_gather``: InfiniGen's
+path, the CPU gathers the rows into a staging buffer and copies it in bulk (baseline, raw rows only).
+``host``: no CUDA; the same packed store in plain memory with the Numba twins (CI): identical stored bytes."""
+
+DENSE_FETCHES = ("bulk", "zero_copy")
+"""How a fetch of every token reads a GPU store (see ``KVOffloadManager(dense_fetch=...)``)."""
+
+_KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ...]) -> Codec:
+    """The raw codec (:meth:`Codec.raw`) for these rows: gives the uncompressed variant the same kernels."""
+    codec = Codec.raw(dtype, row_shape)
+    assert codec.row_bytes == row_bytes, (codec.row_bytes, row_bytes)
+    return codec
+
+
+@dataclass
+class _Pending:
+    """A fetch started on the side stream (or the gather thread) and not consumed yet."""
+
+    idx: "torch.Tensor | None"
+    n_tokens: int
+    extra: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    event: "torch.cuda.Event | None" = None
+    future: "Future | None" = None
+    refs: tuple = ()  # tensors the side stream still reads: must outlive it
+
+    def matches(self, idx: "torch.Tensor | None", n_tokens: int, extra: int) -> bool:
+        return self.idx is idx and self.n_tokens == n_tokens and self.extra == extra
+
+    def done_event(self) -> "torch.cuda.Event | None":
+        if self.future is not None:
+            self.event = self.future.result()
+            self.future = None
+        return self.event
+
+
+@dataclass
+class _LayerState:
+    """One layer: ``kv`` (the packed append store: zero-copy and host paths) or ``gather`` (CPU-gather baseline)."""
+
+    kv: "AppendStore | None" = None
+    gather: "CpuGatherStore | None" = None
+    prompt: "tuple[torch.Tensor, torch.Tensor] | None" = None  # kept back until flush() (see defer_prompt_bytes)
+    n_tokens: int = 0
+    fit_s: float = 0.0
+    choices: tuple = ()  # (K, V) RowCodecChoice of the planner
+    pending: "_Pending | None" = None
+    written: list = field(default_factory=list)
+    slots: SlotLayout = field(default_factory=SlotLayout)  # which slot holds each (token, batch row, head)
+    # CUDA: recorded after the layer's latest append. A bulk prefetch's copies wait for it, not for everything the
+    # current stream has queued: waiting there would also wait for the previous layer's decode, serialising copy
+    # and decode (measured on the H100: 1.40 s/token at 32k instead of the ~1 s the copies take).
+    appended: "torch.cuda.Event | None" = None
+
+
+class KVOffloadManager:
+    """Per-layer K/V of a decoder, offloaded to host memory as losslessly compressed rows, packed per append.
+
+    Args:
+        num_layers, num_kv_heads, head_dim, dtype: the decoder's KV geometry (fp16, bf16 or fp32).
+        batch_size: sequences decoded together; rows are kept per (token, batch, head).
+        device: where attention runs ("cuda" for the GPU paths, "cpu" for the Numba path); default cuda if present.
+        compress: compress the rows (codecs chosen per layer and K/V at the first append). False stores raw rows.
+        codec: with ``compress``, the codec of every layer and tensor: ``"auto"`` (default: per layer and K/V,
+            whichever of IBP, exponent coding and raw stores the prompt's sample in the fewest bytes), ``"ibp"``,
+            ``"exponent"`` (bf16/fp16 only) or ``"raw"``.
+        transfer: one of :data:`TRANSFERS`, or "auto" (``zero_copy`` on CUDA, ``host`` on CPU).
+        sample_rows: rows of the prompt the per-layer fit looks at (the paper samples; 10% loses ~nothing).
+        threshold, chunk_bytes: passed to :meth:`Codec.fit` ("auto" searches both). ``chunk_bytes="auto_once"``
+            searches the chunk size on the first layer fitted (K and V separately) and reuses it for the others:
+            one fit-size pass per codec instead of four (prefill fit time), same stored format.
+        reserve_tokens: per-slot metadata to allocate up front per layer (prompt + new tokens avoids growth).
+        host_chunk_bytes: the largest host chunk of the packed store (chunks grow from a small size to this).
+        timing: record CUDA events around every transfer, summarised by :meth:`stats` (benchmarks).
+        count_bytes: keep exact PCIe byte counters (an atomic add per row in the transfer kernels; turn off
+            when timing end-to-end latency).
+        dense_fetch: how a fetch of every stored token reads a GPU store: ``"bulk"`` (default) copies the layer's
+            packed chunks to the device with one DMA copy each, then decodes from device memory (a dense fetch
+            reads every stored byte anyway, and the copy engine reaches PCIe's bulk rate, which scattered zero-copy
+            reads of small rows do not); ``"zero_copy"`` decodes straight from pinned host memory (no device
+            buffer for the chunks). Selected tokens (sparse) are always read zero-copy; a captured decode step
+            (:meth:`capture_decode_step`) too.
+        defer_prompt_bytes: keep copies of the prompts (compressed managers only), up to this many bytes, and fit
+            all their codecs together at :meth:`flush` (called by any read and by the next append): a GPU
+            prefill then waits for the GPU twice instead of twice per layer. 0 fits each layer at its first
+            append; None (default) means 1 GiB on CUDA and 0 on the CPU.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        batch_size: int = 1,
+        device: "str | torch.device | None" = None,
+        compress: bool = True,
+        transfer: str = "auto",
+        sample_rows: int = 4096,
+        threshold: "float | str" = "auto",
+        chunk_bytes: "int | str" = "auto",
+        reserve_tokens: int = 0,
+        host_chunk_bytes: int = 4 << 20,
+        codec: str = "auto",
+        timing: bool = False,
+        count_bytes: bool = True,
+        defer_prompt_bytes: "int | None" = None,
+        dense_fetch: str = "bulk",
+    ) -> None:
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                          ("batch_size", batch_size), ("sample_rows", sample_rows)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: expected a positive int, got {val!r}")
+        if dtype not in _KV_DTYPES:
+            raise TypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device='cuda' was requested but no CUDA GPU is available (use device='cpu')")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if transfer == "auto":
+            transfer = "zero_copy" if dev.type == "cuda" else "host"
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS} or 'auto', got {transfer!r}")
+        if (transfer == "host") != (dev.type == "cpu"):
+            raise ValueError(f"transfer={transfer!r} does not run on device {dev} ('host' is the CPU path; "
+                             f"'zero_copy' and 'cpu_gather' need CUDA)")
+        if transfer == "cpu_gather" and compress:
+            raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
+        if dense_fetch not in DENSE_FETCHES:
+            raise ValueError(f"dense_fetch must be one of {DENSE_FETCHES}, got {dense_fetch!r}")
+        if codec not in ROW_METHODS:
+            raise ValueError(f"codec must be one of {ROW_METHODS}, got {codec!r}")
+        if compress and codec == "exponent" and dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"codec='exponent' codes bfloat16/float16 rows, not {dtype} (use 'auto', 'ibp' or 'raw')")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.batch_size, self.dtype, self.device = batch_size, dtype, dev
+        self.compress, self.transfer = bool(compress), transfer
+        self.codec_method = codec if compress else "raw"
+        self.sample_rows, self.threshold, self.chunk_bytes = sample_rows, threshold, chunk_bytes
+        self.reserve_tokens, self.host_chunk_bytes = int(reserve_tokens), int(host_chunk_bytes)
+        self.dense_fetch = dense_fetch
+        self.timing = bool(timing)
+        self.count_bytes = bool(count_bytes)
+        if defer_prompt_bytes is None:
+            defer_prompt_bytes = 1 << 30 if dev.type == "cuda" else 0
+        self.defer_prompt_bytes = int(defer_prompt_bytes) if compress else 0
+        self._pending: list[int] = []  # layers whose prompt waits for flush(), in append order
+        self._pending_bytes = 0
+        self.row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+        self.rows_per_token = batch_size * num_kv_heads
+        self._layers = [_LayerState() for _ in range(num_layers)]
+        self._bh_cache: dict[torch.device, torch.Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._chunk_once: dict[str, int] = {}  # chunk_bytes="auto_once": the size found for "k" / "v"
+        self._side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        # bulk dense prefetches copy on their own stream, so that layer i+1's copy overlaps layer i's decode
+        self._copy = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cpu-gather") if transfer == "cpu_gather" else None
+        self._reset_counters()
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        self.decode_steps = 0
+        self._read_host = 0  # bytes moved by paths that know them on the host
+        self._read_worker = 0  # same, counted by the gather thread
+        self._written_host = 0
+        # zero-copy kernels add the bytes they move here (atomically: any stream may read or write)
+        zc = self.transfer == "zero_copy" and self.count_bytes
+        self._dev_read = torch.zeros(1, dtype=torch.int64, device=self.device) if zc else None
+        self._dev_written = torch.zeros(1, dtype=torch.int64, device=self.device) if zc else None
+        self._timings: list[tuple[Any, Any]] = []  # (start, end) CUDA events of every timed transfer
+
+    def _count(self, moved: int, counter: str) -> None:
+        """Add bytes moved by the CPU-gather and host paths (known on the host)."""
+        if counter == "read_worker":
+            self._read_worker += moved
+        elif counter == "read":
+            self._read_host += moved
+        else:
+            self._written_host += moved
+
+    def _timed_start(self) -> "torch.cuda.Event | None":
+        if not (self.timing and self.device.type == "cuda"):
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _timed_end(self, start: "torch.cuda.Event | None") -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timings.append((start, end))
+
+    def _state(self, layer: int) -> _LayerState:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+        return self._layers[layer]
+
+    def seq_length(self, layer: int) -> int:
+        """Tokens stored for ``layer``."""
+        return self._state(layer).n_tokens
+
+    def codecs(self, layer: int) -> "tuple[RowCodec, RowCodec] | None":
+        """The (K, V) codecs chosen for ``layer`` (None before its first append)."""
+        st = self._state(layer)
+        self._flush_pending()
+        if st.kv is not None:
+            return st.kv.codecs
+        return None if st.gather is None else st.gather.codecs
+
+    # -- writing ----------------------------------------------------------------------------------
+    def _check_kv(self, x: object, name: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"{name}: expected dtype {self.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"{name}: expected a tensor on {self.device}, got {x.device}")
+        want = (self.batch_size, self.num_kv_heads)
+        if x.dim() != 4 or tuple(x.shape[:2]) != want or x.shape[3] != self.head_dim:
+            raise ValueError(f"{name}: expected shape [{want[0]}, {want[1]}, n_tokens, {self.head_dim}], "
+                             f"got {tuple(x.shape)}")
+        return x
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, n, D] -> token-major typed rows [n * B * H, D] (slot order)."""
+        return x.permute(2, 0, 1, 3).reshape(-1, self.head_dim).contiguous()
+
+    def _fit_sample(self, rows: torch.Tensor) -> torch.Tensor:
+        """``sample_rows`` rows drawn (with replacement) where the rows live: no host round trip, no sync."""
+        n = rows.shape[0]
+        if n <= self.sample_rows:
+            return rows
+        gen = self._generators.get(rows.device)
+        if gen is None:
+            gen = self._generators[rows.device] = torch.Generator(device=rows.device).manual_seed(0)
+        return rows[torch.randint(0, n, (self.sample_rows,), device=rows.device, generator=gen)]
+
+    def _make_codecs(self, prompts: "list[tuple[torch.Tensor, torch.Tensor]]") -> "list[tuple[RowCodecChoice, RowCodecChoice]]":
+        """(K, V) codec choices per layer, made together on samples of the layers' prompts (the engine's planner)."""
+        if not self.compress:
+            ident = RowCodecChoice(_identity_codec(self.row_bytes, self.dtype, (self.head_dim,)), "raw", {})
+            return [(ident, ident)] * len(prompts)
+        samples = [self._fit_sample(self._rows(x)) for kv in prompts for x in kv]  # k0, v0, k1, v1, ...
+        method = self.codec_method
+        choices: list[RowCodecChoice] = []
+        if self.chunk_bytes == "auto_once" and "k" not in self._chunk_once and method in ("auto", "ibp"):
+            choices += choose_row_codecs(samples[:2], method, self.threshold, "auto")  # sizes searched on layer one
+            self._chunk_once.update(k=choices[0].ibp_chunk_bytes, v=choices[1].ibp_chunk_bytes)
+        if self.chunk_bytes == "auto_once":
+            once = [self._chunk_once.get("k", "auto"), self._chunk_once.get("v", "auto")]
+            chunks: "list[int | str]" = once * ((len(samples) - len(choices)) // 2)
+        else:
+            chunks = [self.chunk_bytes] * (len(samples) - len(choices))
+        choices += choose_row_codecs(samples[len(choices):], method, self.threshold, chunks)
+        return [(choices[2 * i], choices[2 * i + 1]) for i in range(len(prompts))]
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+               into: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> None:
+        """Store new tokens' K/V ([B, H, n, D] each) after the layer's existing tokens.
+
+        The first append of a layer (the prompt) also fits that layer's K and V codecs on a sample of
+        its rows — right away, or with every other kept-back prompt at :meth:`flush` (``defer_prompt_bytes``);
+        the time this takes is kept per layer (``stats()['fit_s']``). Later appends (decode steps) are
+        compressed on the GPU and written to pinned memory without a host sync.
+        ``into``: the [B, H, W, D] buffers :meth:`take` returned; their last n token positions get the new
+        tokens too (on the zero-copy path in the same launch as the append).
+        """
+        st = self._state(layer)
+        keys, values = self._check_kv(keys, "keys"), self._check_kv(values, "values")
+        if keys.shape != values.shape:
+            raise ValueError(f"keys and values differ in shape: {tuple(keys.shape)} vs {tuple(values.shape)}")
+        n = keys.shape[2]
+        if n == 0:
+            return
+        # A prefetch not taken is stale after this append (take matches on the token count); retiring it orders
+        # the current stream after its reads, so a chunk this append replaces is never freed under a copy.
+        self._retire(st)
+        first = st.kv is None and st.gather is None and st.prompt is None
+        if first and self.defer_prompt_bytes > 0:  # keep it on the GPU; flush() fits and stores it
+            st.prompt = (keys.clone(), values.clone())  # the caller may reuse its buffers
+            st.n_tokens += n
+            self._pending.append(layer)
+            self._pending_bytes += 2 * keys.numel() * keys.element_size()
+            if into is not None:
+                into[0][:, :, -n:].copy_(keys)
+                into[1][:, :, -n:].copy_(values)
+            if self._pending_bytes >= self.defer_prompt_bytes:
+                self.flush()
+            return
+        self._flush_pending()
+        if first:
+            self._fit_layers([(st, keys, values)])
+        elif layer == 0:
+            self.decode_steps += 1
+        self._write(st, keys, values, st.n_tokens, into)
+        st.n_tokens += n
+
+    def _write(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, t0: int,
+               into: "tuple[torch.Tensor, torch.Tensor] | None") -> None:
+        """Store [B, H, n, D] keys/values as tokens ``t0 .. t0 + n - 1``, after the slots of tokens ``< t0``.
+
+        Slots of tokens cropped away are reused; a batch size other than the previous tokens' starts a segment."""
+        n = keys.shape[2]
+        slot0 = st.slots.place(t0, n, self.batch_size, self.num_kv_heads, self.device)
+        need = slot0 + n * self.rows_per_token
+        reserve = max(need, self.reserve_tokens * self.rows_per_token)
+        if st.kv is not None:
+            if need > st.kv.slot_cap:
+                st.kv.reserve(reserve)
+            att_pos0 = 0 if into is None else into[0].shape[2] - n
+            moved = st.kv.append(keys, values, slot0, t0, into=into, att_pos0=att_pos0, written=self._dev_written)
+            self._count(moved, "write")
+            self._mark_appended(st)
+        else:
+            if need > st.gather.slot_cap:
+                st.gather.reserve(reserve)
+            self._count(st.gather.append(keys, values, slot0), "write")
+            if into is not None:
+                into[0][:, :, -n:].copy_(keys)
+                into[1][:, :, -n:].copy_(values)
+
+    @staticmethod
+    def _mark_appended(st: _LayerState) -> None:
+        """Record (on the current stream) that every append of this layer so far has been enqueued."""
+        if st.kv is not None and st.kv.cuda:
+            if st.appended is None:
+                st.appended = torch.cuda.Event()
+            st.appended.record()
+
+    def flush(self) -> None:
+        """Fit and store every prompt kept back (``defer_prompt_bytes``): all their codecs in one batched fit.
+
+        Called by every read and by the first decode-step append; the transformers adapter
+        (:class:`~ibpcache.loaders.kv.IBPOffloadedCache`) calls it at the end of the prefill so that the prefill's
+        time includes the fit.
+        """
+        if not self._pending:
+            return
+        layers, self._pending, self._pending_bytes = self._pending, [], 0
+        items = [(self._layers[i], *self._layers[i].prompt) for i in layers]
+        self._fit_layers(items)
+        for st, keys, values in items:
+            st.prompt = None
+            self._write(st, keys, values, 0, None)
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            self.flush()
+
+    def _fit_layers(self, items: "list[tuple[_LayerState, torch.Tensor, torch.Tensor]]") -> None:
+        """Fit the layers' K and V codecs on their prompts and create their stores.
+
+        Timed alone (queued GPU work is drained first); each layer is charged an equal share of the time."""
+        cuda = self.device.type == "cuda"
+        if cuda and self.compress:
+            torch.cuda.current_stream(self.device).synchronize()
+        t0 = time.perf_counter()
+        codecs = self._make_codecs([(k, v) for _, k, v in items])
+        for (st, _, _), (k_choice, v_choice) in zip(items, codecs):
+            st.choices = (k_choice, v_choice)
+            if self.transfer == "cpu_gather":
+                st.gather = CpuGatherStore(k_choice.codec, v_choice.codec, self.device)
+            else:
+                st.kv = AppendStore(k_choice.codec, v_choice.codec, self.device, rows_per_token=self.rows_per_token,
+                                    max_chunk_bytes=self.host_chunk_bytes,
+                                    slots=self.reserve_tokens * self.rows_per_token)
+        if cuda and self.compress:
+            torch.cuda.current_stream(self.device).synchronize()
+        share = (time.perf_counter() - t0) / len(items) if self.compress else 0.0
+        for st, _, _ in items:
+            st.fit_s = share
+
+    # -- reading ----------------------------------------------------------------------------------
+    def _check_idx(self, token_idx: object, n_tokens: int) -> torch.Tensor:
+        """Token indices [B, H, k] (int64/int32) in [0, n_tokens): one reduction, one sync."""
+        if not isinstance(token_idx, torch.Tensor):
+            raise TypeError(f"token_idx: expected an int64 torch.Tensor, got {type(token_idx).__name__}")
+        if token_idx.dtype not in (torch.int64, torch.int32):
+            raise InvalidIdsError(f"token_idx: expected dtype int64 (or int32), got {token_idx.dtype}")
+        want = (self.batch_size, self.num_kv_heads)
+        if token_idx.dim() != 3 or tuple(token_idx.shape[:2]) != want:
+            raise InvalidIdsError(f"token_idx: expected shape [{want[0]}, {want[1]}, k], got {tuple(token_idx.shape)}")
+        idx = token_idx.to(device=self.device, dtype=torch.int64)
+        if idx.numel():
+            lo, hi = (int(v) for v in torch.aminmax(idx))
+            if lo < 0:
+                raise InvalidIdsError(f"token_idx: negative token index {lo} (indices must be in [0, {n_tokens}))")
+            if hi >= n_tokens:
+                raise InvalidIdsError(f"token_idx: token index {hi} is out of range for {n_tokens} stored tokens")
+        return idx
+
+    def _bh(self, device: torch.device) -> torch.Tensor:
+        """[B, H, 1] int64: b * H + h, the slot of (b, h) within one token (cached per device)."""
+        bh = self._bh_cache.get(device)
+        if bh is None:
+            bh = torch.arange(self.rows_per_token, device=device).view(self.batch_size, self.num_kv_heads, 1)
+            self._bh_cache[device] = bh
+        return bh
+
+    def _slots(self, st: _LayerState, idx: torch.Tensor) -> torch.Tensor:
+        """[B, H, k] token indices -> flat slot ids in [B, H, k] order: ``(t * B + b) * H + h`` (one kernel), or
+        ``row0[t, b] + h`` after a beam reorder / batch selection."""
+        if st.slots.row0 is None:
+            return torch.add(self._bh(idx.device), idx, alpha=self.rows_per_token).reshape(-1)
+        row0 = st.slots.row0.to(idx.device)
+        b = torch.arange(self.batch_size, device=idx.device).view(-1, 1, 1)
+        h = torch.arange(self.num_kv_heads, device=idx.device).view(1, -1, 1)
+        return (row0.view(-1)[idx * self.batch_size + b] + h).reshape(-1)
+
+    def _alloc(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.batch_size, self.num_kv_heads, n, self.head_dim)
+        return (torch.empty(shape, dtype=self.dtype, device=self.device),
+                torch.empty(shape, dtype=self.dtype, device=self.device))
+
+    def _out_rows(self, k: int, width: int) -> "torch.Tensor | None":
+        """Destination rows of a [B, H, k] read inside [B, H, width] buffers (None when width == k)."""
+        if width == k:
+            return None
+        bh = torch.arange(self.rows_per_token, device=self.device).view(-1, 1) * width
+        return (bh + torch.arange(k, device=self.device).view(1, -1)).reshape(-1)
+
+    def _bulk(self, st: _LayerState, idx: "torch.Tensor | None") -> bool:
+        """Whether this read copies the layer's chunks in bulk first (a dense read of a GPU store)."""
+        return idx is None and self.dense_fetch == "bulk" and st.kv is not None and st.kv.cuda
+
+    def _read(self, st: _LayerState, idx: "torch.Tensor | None", out: tuple[torch.Tensor, torch.Tensor],
+              counter: str = "read", staged: "StagedChunks | None" = None) -> None:
+        """Fill ``out`` ([B, H, k + extra, D]) with the rows of ``idx`` (None: every stored token).
+
+        Runs on the current stream (the side stream when prefetching). ``staged``: the layer's chunks already
+        being copied to the device (bulk prefetch); a bulk read without it copies them on the current stream."""
+        if self._bulk(st, idx):
+            if staged is None:
+                staged = st.kv.stage_chunks()
+            st.kv.fetch(None, st.n_tokens, out[0], out[1], row0=st.slots.row0, staged=staged)
+            self._count(staged.nbytes, counter)  # the DMA copies' bytes: what crossed PCIe
+            return
+        if st.kv is not None and st.kv.cuda:  # one launch for K and V; slots and positions looked up in the kernel
+            if idx is not None and idx.dtype != torch.int64:
+                idx = idx.to(torch.int64)
+            st.kv.fetch(idx if idx is None or idx.is_contiguous() else idx.contiguous(),
+                        st.n_tokens if idx is None else idx.shape[-1], out[0], out[1], read=self._dev_read,
+                        row0=st.slots.row0)
+            return
+        width = out[0].shape[2]
+        t = st.n_tokens
+        if idx is None and st.slots.row0 is not None:  # every token, through the slot table
+            idx = torch.arange(t, device=self.device).view(1, 1, t).expand(self.batch_size, self.num_kv_heads, t)
+        if idx is None:
+            if st.gather is not None:
+                for side, dst in enumerate(out):
+                    tmp = torch.empty((t * self.rows_per_token, self.row_bytes), dtype=torch.uint8, device=self.device)
+                    self._count(st.gather.read_range(side, t * self.rows_per_token, tmp), counter)
+                    dst[:, :, :t].copy_(tmp.view(self.dtype).view(t, self.batch_size, self.num_kv_heads,
+                                                                  self.head_dim).permute(1, 2, 0, 3))
+                return
+            slots = torch.arange(t * self.rows_per_token, device=self.device)
+            # slot s = token * BH + bh goes to row bh * width + token of the [B, H, width] output
+            out_rows = (self._bh(self.device).view(1, -1) * width
+                        + torch.arange(t, device=self.device).view(-1, 1)).reshape(-1)
+        else:
+            slots = self._slots(st, idx)
+            out_rows = self._out_rows(idx.shape[-1], width)
+        if st.kv is not None:  # the CPU twin of the packed store
+            for side, dst in enumerate(out):
+                out_u8 = dst.view(-1, self.head_dim).view(torch.uint8).numpy()
+                self._count(st.kv.read_rows(side, slots.numpy(), out_u8, None if out_rows is None else out_rows.numpy()),
+                            counter)
+            return
+        for side, dst in enumerate(out):
+            out_u8 = dst.view(-1, self.head_dim).view(torch.uint8)
+            self._count(st.gather.read(side, slots, out_u8, out_rows), counter)
+
+    def fetch(self, layer: int, token_idx: torch.Tensor,
+              out: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V [B, H, k, D] of the tokens ``token_idx`` [B, H, k] selects per (batch, head).
+
+        Duplicates and k == 0 are allowed; indices outside ``[0, seq_length(layer))`` raise
+        :class:`InvalidIdsError` (checking them costs one host sync). One launch for K and V (zero-copy) on the
+        current stream.
+        """
+        st = self._state(layer)
+        self._flush_pending()
+        idx = self._check_idx(token_idx, st.n_tokens)
+        k = idx.shape[-1]
+        if out is None:
+            out = self._alloc(k)
+        else:
+            self._check_out(out, k)
+        if k and st.n_tokens:
+            start = self._timed_start()
+            self._read(st, idx, out)
+            self._timed_end(start)
+        return out
+
+    def _check_out(self, out: object, k: int) -> None:
+        want = (self.batch_size, self.num_kv_heads, k, self.head_dim)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("out: expected a (keys, values) pair of tensors")
+        for name, t in zip(("out[0]", "out[1]"), out):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != self.dtype \
+                    or t.device != self.device or not t.is_contiguous():
+                got = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}: expected a contiguous {self.dtype} tensor of shape {want} on "
+                                 f"{self.device}, got {got}")
+
+    def fetch_all(self, layer: int, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token's K and V, as [B, H, T + extra_tokens, D] (the last ``extra_tokens`` left unset).
+
+        ``extra_tokens`` leaves room for the current step's tokens so attention gets one buffer, no concat.
+        """
+        st = self._state(layer)
+        self._flush_pending()
+        if extra_tokens < 0:
+            raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
+        out = self._alloc(st.n_tokens + extra_tokens)
+        if st.n_tokens:
+            start = self._timed_start()
+            self._read(st, None, out)
+            self._timed_end(start)
+        return out
+
+    # -- overlap ----------------------------------------------------------------------------------
+    def prefetch(self, layer: int, token_idx: "torch.Tensor | None" = None, extra_tokens: int = 0) -> None:
+        """Start fetching ``layer`` (the tokens ``token_idx`` selects, or all) off the critical path.
+
+        GPU paths run on a side stream that first waits for the current stream (so it sees every append),
+        and record an event; :meth:`take` makes the current stream wait for that event. No device-wide
+        sync. Indices are trusted here (they come from the selector); validate with :meth:`fetch`.
+        On the CPU path nothing runs ahead: :meth:`take` reads synchronously.
+        """
+        st = self._state(layer)
+        self._flush_pending()
+        self._retire(st)
+        if self.device.type != "cuda" or st.n_tokens == 0:
+            return
+        n = st.n_tokens if token_idx is None else token_idx.shape[-1]
+        out = self._alloc(n + extra_tokens)  # allocated on the current stream, which waits before using it
+        main = torch.cuda.current_stream(self.device)
+        if self.transfer == "cpu_gather":
+            st.pending = self._prefetch_cpu_gather(st, token_idx, extra_tokens, out, main)
+            return
+        staged = None
+        if self._bulk(st, token_idx):  # copies wait for this layer's appends only (see _LayerState.appended)
+            if st.appended is not None:
+                self._copy.wait_event(st.appended)
+            else:
+                self._copy.wait_stream(main)
+            with torch.cuda.stream(self._copy):
+                start = self._timed_start()
+                staged = st.kv.stage_chunks(self._copy)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            if staged is None:
+                start = self._timed_start()
+            self._read(st, token_idx, out, staged=staged)
+            self._timed_end(start)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        self._set_pending(st, token_idx, out, extra_tokens, ev, (st.slots.row0,))
+
+    @staticmethod
+    def _set_pending(st: _LayerState, token_idx: "torch.Tensor | None", out: tuple[torch.Tensor, torch.Tensor],
+                     extra_tokens: int, done: "torch.cuda.Event", refs: tuple) -> None:
+        """A device fetch into ``out`` that ends at ``done`` becomes the layer's prefetch. It reads tensors that a
+        later append on the current stream may replace (growth): keep them alive until take() has made the current
+        stream wait for ``done``."""
+        live = st.kv.live_tensors() if st.kv is not None else ()
+        st.pending = _Pending(token_idx, st.n_tokens, extra_tokens, out[0], out[1], event=done,
+                              refs=(token_idx, *refs, *live))
+
+    def graph_fetch(self, layer: int, token_idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Enqueue the zero-copy read of ``token_idx`` [B, H, k] into ``out`` ([B, H, >= k, D]) on the current stream,
+        with no bookkeeping: the fetch part of a captured speculation graph (see :meth:`can_graph_fetch`). Hand each
+        run's result to :meth:`adopt_prefetch`."""
+        self._read(self._state(layer), token_idx, out)
+
+    def graph_append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> "tuple[int, int]":
+        """Capturable: enqueue the append of one decode step's [B, H, 1, D] K/V (fixed buffers) to the layer's
+        zero-copy store at the token count the device keeps, so a replay appends after whatever is stored then.
+        Returns ``(slot0, t0)``, where the capture was made. Call :meth:`prepare_graph_append` before the capture,
+        :meth:`before_graph_append` before and :meth:`after_graph_append` after every replay (no bookkeeping here)."""
+        st = self._state(layer)
+        if not self.can_graph_append(layer) or keys.shape[2] != 1:
+            raise ValueError(f"graph_append: layer {layer} needs a zero-copy CUDA store in the identity slot layout "
+                             "whose next slot is its next free one (no crop since), and one token")
+        t0 = st.n_tokens
+        slot0 = st.slots.slot_of_token(t0)
+        st.kv.launch_dynamic(keys, values, slot0, t0, written=self._dev_written)
+        return slot0, t0
+
+    def prepare_graph_append(self, layer: int) -> None:
+        """Outside the capture of :meth:`graph_append`: grow the store's slot tables and scratch for it now."""
+        st = self._state(layer)
+        st.kv.prepare_capture(st.slots.slot_of_token(st.n_tokens), self.rows_per_token)
+
+    def can_graph_append(self, layer: int) -> bool:
+        """Whether :meth:`graph_append` may be captured for ``layer`` now (see :meth:`graph_append_ok`)."""
+        st = self._state(layer)
+        return self.can_graph_fetch(layer) and self.graph_append_ok(layer, st.kv,
+                                                                    st.slots.slot_of_token(st.n_tokens), st.n_tokens)
+
+    def graph_append_ok(self, layer: int, store: "AppendStore", slot0: int, t0: int) -> bool:
+        """Whether a decode-step append captured at ``(slot0, t0)`` of ``store`` may be replayed now: same store,
+        identity slot layout, as many slots per token, and its next slot is the store's next free one (an eager
+        append, crop, reorder or batch change in between makes this False: capture again or append eagerly)."""
+        st = self._state(layer)
+        if st.kv is not store or st.slots.row0 is not None or st.prompt is not None:
+            return False
+        segments = st.slots.segments
+        if not segments or segments[-1][2] != self.rows_per_token or segments[-1][0] > t0:
+            return False
+        slot = slot0 + (st.n_tokens - t0) * self.rows_per_token
+        return slot == st.slots.slot_of_token(st.n_tokens) == store.high_water
+
+    def before_graph_append(self, layer: int) -> None:
+        """Host bookkeeping before a replay of :meth:`graph_append` (room for its slots and chunks; never waits)."""
+        st = self._state(layer)
+        self._flush_pending()
+        self._retire(st)
+        st.kv.prepare_dynamic(self.rows_per_token)
+
+    def after_graph_append(self, layer: int) -> None:
+        """Host bookkeeping after a replay of :meth:`graph_append` was enqueued: one more token."""
+        st = self._state(layer)
+        self._mark_appended(st)
+        st.n_tokens += 1
+        if layer == 0:
+            self.decode_steps += 1
+
+    def layer_store(self, layer: int) -> "AppendStore | None":
+        """The layer's packed store (None before its prompt or on the CPU-gather path): a captured fetch reads its
+        descriptor, so a graph is only valid while this is the same object."""
+        return self._state(layer).kv
+
+    def can_graph_fetch(self, layer: int) -> bool:
+        """Whether :meth:`graph_fetch` may be captured for ``layer`` now: a zero-copy CUDA store in the identity slot
+        layout (a beam reorder or batch selection makes reads go through a slot table that may be replaced)."""
+        st = self._state(layer)
+        return (self.transfer == "zero_copy" and st.kv is not None and st.kv.cuda and st.slots.row0 is None
+                and st.n_tokens > 0)
+
+    def adopt_prefetch(self, layer: int, token_idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor],
+                       extra_tokens: int, done: "torch.cuda.Event", refs: tuple = ()) -> None:
+        """A fetch enqueued elsewhere (a replayed graph, ending at ``done``) becomes ``layer``'s prefetch: :meth:`take`
+        with the same ``token_idx`` object returns ``out`` after the current stream waited for ``done``."""
+        st = self._state(layer)
+        self._flush_pending()
+        self._retire(st)
+        self._set_pending(st, token_idx, out, extra_tokens, done, refs)
+
+    def _prefetch_cpu_gather(self, st: _LayerState, idx: "torch.Tensor | None", extra: int,
+                             out: tuple[torch.Tensor, torch.Tensor], main: torch.cuda.Stream) -> _Pending:
+        """InfiniGen's path: the CPU waits for the indices, gathers, and issues one bulk copy per tensor."""
+        slots_host = None
+        refs: tuple = (idx,)
+        if idx is not None:
+            slots = self._slots(st, idx)
+            slots_host = torch.empty(slots.shape, dtype=torch.int64, pin_memory=True)
+            slots_host.copy_(slots, non_blocking=True)
+            refs = (idx, slots, slots_host)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        n_tokens = st.n_tokens
+        future = self._pool.submit(self._cpu_gather_job, st, ready, slots_host, out, n_tokens, extra)
+        return _Pending(idx, n_tokens, extra, out[0], out[1], future=future, refs=refs)
+
+    def _cpu_gather_job(self, st: _LayerState, ready: torch.cuda.Event, slots_host: "torch.Tensor | None",
+                        out: tuple[torch.Tensor, torch.Tensor], n_tokens: int, extra: int) -> torch.cuda.Event:
+        ready.synchronize()  # indices computed and every append of this layer landed in host memory
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):
+            start = self._timed_start()
+            if slots_host is None:
+                self._read(st, None, out, counter="read_worker")
+            else:
+                k = out[0].shape[2] - extra
+                for side, dst in enumerate(out):
+                    if extra == 0:
+                        moved = st.gather.read_cpu(side, slots_host, dst.view(-1, self.head_dim).view(torch.uint8))
+                    else:
+                        tmp = torch.empty((slots_host.numel(), self.row_bytes), dtype=torch.uint8, device=self.device)
+                        moved = st.gather.read_cpu(side, slots_host, tmp)
+                        dst[:, :, :k].copy_(tmp.view(self.dtype).view(self.batch_size, self.num_kv_heads, k,
+                                                                      self.head_dim))
+                    self._count(moved, "read_worker")  # K and V have their own staging buffers
+            self._timed_end(start)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        return ev
+
+    def take(self, layer: int, token_idx: "torch.Tensor | None" = None,
+             extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of :meth:`prefetch` (same ``token_idx`` object, same length), or a synchronous fetch.
+
+        Returns [B, H, k + extra_tokens, D] buffers whose last ``extra_tokens`` positions are left unset.
+        """
+        st = self._state(layer)
+        self._flush_pending()
+        p, st.pending = st.pending, None
+        if p is not None and p.matches(token_idx, st.n_tokens, extra_tokens):
+            ev = p.done_event()
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            return p.keys, p.values
+        if p is not None:
+            self._retire_pending(p)
+        if token_idx is None:
+            return self.fetch_all(layer, extra_tokens)
+        out = self._alloc(token_idx.shape[-1] + extra_tokens)
+        if token_idx.shape[-1] and st.n_tokens:
+            start = self._timed_start()
+            self._read(st, token_idx, out)
+            self._timed_end(start)
+        return out
+
+    def _retire_pending(self, p: _Pending) -> None:
+        """Drop a prefetch nobody will use, after the current stream has waited for it (its buffers get reused)."""
+        ev = p.done_event()
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _retire(self, st: _LayerState) -> None:
+        if st.pending is not None:
+            p, st.pending = st.pending, None
+            self._retire_pending(p)
+
+    # -- beam search, batch selection, crop ---------------------------------------------------------
+    # These rewrite the layers' slot layouts (``kv_slots.SlotLayout``), never the stored rows.
+    def _table(self, st: _LayerState) -> torch.Tensor:
+        """The layer's slot table (see :meth:`SlotLayout.table`)."""
+        return st.slots.table(st.n_tokens, self.batch_size, self.num_kv_heads, self.device)
+
+    def _layers_for(self, layer: "int | None") -> "list[_LayerState]":
+        self._flush_pending()
+        states = self._layers if layer is None else [self._state(layer)]
+        for st in states:
+            self._retire(st)  # a prefetch started before the change read the old order
+        return states
+
+    def _check_batch_index(self, index: object, name: str) -> torch.Tensor:
+        if not isinstance(index, torch.Tensor) or index.dim() != 1:
+            raise TypeError(f"{name}: expected a 1-D integer torch.Tensor, got {index!r:.80}")
+        if index.dtype == torch.bool:
+            if index.numel() != self.batch_size:
+                raise ValueError(f"{name}: a boolean mask needs {self.batch_size} entries, got {index.numel()}")
+            index = index.nonzero().view(-1)  # a mask's size is data-dependent: this one syncs
+        elif index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"{name}: expected an integer tensor, got {index.dtype}")
+        return index.to(device=self.device, dtype=torch.int64, non_blocking=True)
+
+    def reorder(self, beam_idx: torch.Tensor, layer: "int | None" = None) -> None:
+        """Beam search: batch row ``b`` continues old row ``beam_idx[b]`` (``beam_idx`` [B], values trusted).
+
+        Rewrites the slot table of ``layer`` (None: every layer) with one gather on the device; the stored
+        rows are not touched and nothing waits for the device."""
+        beam_idx = self._check_batch_index(beam_idx, "beam_idx")
+        if beam_idx.numel() != self.batch_size:
+            raise ValueError(f"beam_idx: expected {self.batch_size} entries (the batch size), got {beam_idx.numel()}")
+        for st in self._layers_for(layer):
+            if st.n_tokens:
+                st.slots.row0 = self._table(st).index_select(1, beam_idx)  # a new tensor: pending readers keep the old
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Keep batch rows ``indices`` (in that order; repeats allowed) of every layer: a new batch size."""
+        indices = self._check_batch_index(indices, "indices")
+        self._set_batch([self._table(st).index_select(1, indices) if st.n_tokens else None
+                         for st in self._layers_for(None)], indices.numel())
+
+    def repeat_batch(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``repeat_interleave`` on the batch dimension)."""
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise ValueError(f"repeats: expected a positive int, got {repeats!r}")
+        self._set_batch([self._table(st).repeat_interleave(repeats, dim=1) if st.n_tokens else None
+                         for st in self._layers_for(None)], self.batch_size * repeats)
+
+    def _set_batch(self, tables: "list[torch.Tensor | None]", batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError("a batch selection must keep at least one row")
+        for st, table in zip(self._layers, tables):
+            st.slots.row0 = table
+        self.batch_size = batch_size
+        self.rows_per_token = batch_size * self.num_kv_heads
+        self._bh_cache.clear()
+
+    def crop(self, n_tokens: int, layer: "int | None" = None) -> None:
+        """Keep the first ``n_tokens`` tokens of ``layer`` (None: every layer); their slots are reused."""
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 0:
+            raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
+        for st in self._layers_for(layer):
+            st.n_tokens = min(st.n_tokens, n_tokens)
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def capture_decode_step(self, layer: int, max_tokens: int) -> "KVStepGraph":
+        """Capture ``layer``'s decode-step KV work in a CUDA graph: fetch every stored token, append one new token.
+
+        Replays (:meth:`KVStepGraph.replay`) need no host work beyond a little bookkeeping, which is what bounds
+        decoding of small models. The layer must hold its prompt already (the codecs are chosen there), use the
+        identity slot layout (no beam reorder / batch selection since the prompt) and ``transfer='zero_copy'``.
+        ``max_tokens``: the most tokens a replay may return (prompt + steps); the output buffers have that width.
+        """
+        return KVStepGraph(self, layer, max_tokens)
+
+    # -- reporting --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Memory and traffic so far. Synchronises the device (reads GPU counters and timing events).
+
+        ``host_bytes``: host memory held (packed store: its chunks, within a small slack of ``stored_bytes``);
+        ``stored_bytes``/``raw_bytes``: KV bytes as stored / uncompressed; ``codecs``: per layer the (K, V) method
+        the planner chose and the sample sizes it compared;
+        ``gpu_bytes``: per-row metadata and tables on the GPU; ``pcie_read_bytes(_per_step)``: bytes the
+        fetches moved host->GPU (zero-copy reads: the rows' stored bytes; bulk dense reads: the chunk bytes copied,
+        i.e. the stored bytes plus chunk tails and padding); ``fit_s``: total prefill fit time;
+        ``transfer_s_per_step``: GPU time of all timed transfers divided by the decode steps (``timing=True``;
+        a transfer overlapped with compute still counts in full).
+        """
+        self._flush_pending()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for st in self._layers:
+            self._retire(st)
+        read = self._read_host + self._read_worker
+        written = self._written_host
+        if self._dev_read is not None:
+            read += int(self._dev_read)
+            written += int(self._dev_written)
+        stored = raw = host = gpu = 0
+        for st in self._layers:
+            n_slots = st.slots.slot_of_token(st.n_tokens)  # physical slots in use (rows beams dropped included)
+            raw += 2 * st.n_tokens * self.rows_per_token * self.row_bytes
+            store = st.kv if st.kv is not None else st.gather
+            if st.kv is not None:
+                st.kv.check()  # a kernel's status word (never expected to be set) becomes an exception here
+            if store is not None:
+                stored += store.stored_bytes(n_slots)
+                host += store.host_nbytes
+                gpu += store.device_nbytes
+        transfer_s = sum(start.elapsed_time(end) for start, end in self._timings) / 1e3
+        steps = max(self.decode_steps, 1)
+        return {
+            "transfer": self.transfer,
+            "dense_fetch": self.dense_fetch,
+            "compress": self.compress,
+            "tokens": self._layers[0].n_tokens,
+            "decode_steps": self.decode_steps,
+            "host_bytes": host,
+            "gpu_bytes": gpu,
+            "raw_bytes": raw,
+            "stored_bytes": stored,
+            "ratio": raw / stored if stored else 1.0,
+            "pcie_read_bytes": read,
+            "pcie_write_bytes": written,
+            "pcie_read_bytes_per_step": read / steps,
+            "fit_s": sum(st.fit_s for st in self._layers),
+            "fit_s_per_layer": [st.fit_s for st in self._layers],
+            "codecs": [tuple(c.as_dict() for c in st.choices) for st in self._layers],
+            "transfer_s_total": transfer_s if self._timings else None,
+            "transfer_s_per_step": transfer_s / steps if self._timings else None,
+        }
+
+    def reset(self) -> None:
+        """Forget every stored token (codecs are refitted at the next prompt)."""
+        for st in self._layers:
+            if st.pending is not None and st.pending.future is not None:
+                st.pending.future.result()
+        self._release_stores()  # waits for the device: side-stream prefetches may still read the chunks
+        self._layers = [_LayerState() for _ in range(self.num_layers)]
+        self._pending, self._pending_bytes = [], 0
+        self._chunk_once.clear()
+        self._reset_counters()
+
+    def _release_stores(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for st in self._layers:
+            for store in (st.kv, st.gather):
+                if store is not None:
+                    store.release()
+
+    def close(self) -> None:
+        """Stop the gather thread (cpu_gather only) and free the host chunks. The manager is unusable afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._release_stores()
+
+
+class KVStepGraph:
+    """One layer's decode-step KV work (fetch of every stored token + append of the new one) as a CUDA graph.
+
+    Write the new token's K/V into :attr:`keys_in` / :attr:`values_in` ([B, H, 1, D]) and call :meth:`replay`: it
+    returns the attention input [B, H, T + 1, D] (views of :attr:`keys_out` / :attr:`values_out`), every earlier token
+    decoded from host memory and the new one at position T, and the new token is stored. The graph reads the token
+    count and the store's pointers from device memory, so it stays valid while the store grows; the host only moves
+    its cursor bound and adds chunks before each replay (no sync). Any other change to the layer (an eager append,
+    crop, reorder, reset) makes the next replay raise: capture again.
+    """
+
+    def __init__(self, mgr: KVOffloadManager, layer: int, max_tokens: int) -> None:
+        from ..kernels._build import get_function
+
+        st = mgr._state(layer)
+        mgr._flush_pending()
+        mgr._retire(st)
+        if mgr.transfer != "zero_copy" or st.kv is None or not st.kv.cuda:
+            raise ValueError("capture_decode_step: needs transfer='zero_copy' on CUDA and a layer that holds its prompt")
+        segments = st.slots.segments
+        if st.slots.row0 is not None or not segments or segments[-1][2] != mgr.rows_per_token:
+            raise ValueError("capture_decode_step: the layer's slots were reordered or selected (beam search); only the "
+                             "identity layout can be captured")
+        t0 = st.n_tokens
+        if not isinstance(max_tokens, int) or max_tokens < t0 + 1:
+            raise ValueError(f"max_tokens: expected an int >= {t0 + 1} (stored tokens + 1), got {max_tokens!r}")
+        self.mgr, self.layer, self.max_tokens = mgr, layer, max_tokens
+        shape = (mgr.batch_size, mgr.num_kv_heads, 1, mgr.head_dim)
+        dev = mgr.device
+        self.keys_in = torch.zeros(shape, dtype=mgr.dtype, device=dev)
+        self.values_in = torch.zeros(shape, dtype=mgr.dtype, device=dev)
+        self.keys_out = torch.zeros((*shape[:2], max_tokens, shape[3]), dtype=mgr.dtype, device=dev)
+        self.values_out = torch.zeros_like(self.keys_out)
+        store = st.kv
+        slot0 = st.slots.slot_of_token(t0)
+        store.prepare_capture(slot0, mgr.rows_per_token)
+        for symbol in ("ibp_kvp_size", "ibp_kvp_encode", "ibp_kvp_fetch"):  # no module loads while capturing
+            get_function("kv_packed.cu", symbol, dev.index)
+        torch.cuda.synchronize(dev)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            store.fetch(None, max_tokens, self.keys_out, self.values_out, read=mgr._dev_read, k_dyn=True)
+            store.launch_dynamic(self.keys_in, self.values_in, slot0, t0, into=(self.keys_out, self.values_out),
+                                 att_pos0=t0, written=mgr._dev_written)
+        self._store = store
+        self._tokens = t0  # what the layer must hold before the next replay
+
+    def replay(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the captured step; returns (keys, values) [B, H, T + 1, D] views of the output buffers."""
+        mgr = self.mgr
+        st = mgr._state(self.layer)
+        if st.kv is not self._store or st.n_tokens != self._tokens or st.slots.row0 is not None:
+            raise RuntimeError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
+                               "or reset): capture again")
+        n = st.n_tokens
+        if n + 1 > self.max_tokens:
+            raise CapacityError(f"the captured step of layer {self.layer} holds at most {self.max_tokens} tokens")
+        mgr.before_graph_append(self.layer)
+        self.graph.replay()
+        mgr.after_graph_append(self.layer)
+        self._tokens = n + 1
+        return self.keys_out[:, :, : n + 1], self.values_out[:, :, : n + 1]

@@ -1,0 +1,328 @@
+"""The KV offload manager, the engine's KV cache (ibpcache/cache/kv_manager.py), without transformers.
+
+Data is real: KV rows of SmolLM2-135M from the shared folder (``code_kv`` in tests/conftest.py). Lossless means
+bit-exact: tensors are compared as raw bytes. The transformers adapter on top is tested in tests/loaders/test_kv.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(_bytes(a.cpu()), _bytes(b.cpu()))
+
+
+def _manager(dtype: torch.dtype, device: str = "cpu", **kw: Any) -> Any:
+    from ibpcache.cache.kv_manager import KVOffloadManager
+
+    return KVOffloadManager(2, 3, 64, dtype, batch_size=2, device=device, **kw)
+
+
+def _fill(mgr: Any, k: torch.Tensor, v: torch.Tensor, prompt: int, layer: int = 0) -> None:
+    """Prompt, then single-token decode appends, then one 3-token append, up to all of k's tokens."""
+    mgr.append(layer, k[:, :, :prompt], v[:, :, :prompt])
+    t = prompt
+    while t < k.shape[2] - 3:
+        mgr.append(layer, k[:, :, t : t + 1], v[:, :, t : t + 1])
+        t += 1
+    mgr.append(layer, k[:, :, t:], v[:, :, t:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU path (Numba)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("compress", [True, False])
+def test_roundtrip_after_many_appends(code_kv: Any, dtype: str, compress: bool) -> None:
+    k, v = code_kv(dtype)
+    k, v = k[:, :, :160], v[:, :, :160]
+    mgr = _manager(DTYPES[dtype], compress=compress)
+    _fill(mgr, k, v, prompt=64, layer=1)
+    assert mgr.seq_length(1) == 160 and mgr.seq_length(0) == 0
+    got_k, got_v = mgr.fetch_all(1)
+    assert_same_bits(got_k, k)
+    assert_same_bits(got_v, v)
+    st = mgr.stats()
+    assert st["raw_bytes"] == 2 * k.numel() * k.element_size()
+    if compress:
+        assert st["ratio"] > 1.0, "real KV rows must compress (codec fitted on the prompt)"
+        assert st["stored_bytes"] < st["raw_bytes"]
+    else:
+        assert st["stored_bytes"] == st["raw_bytes"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_fetch_random_indices_with_duplicates(code_kv: Any, dtype: str) -> None:
+    k, v = code_kv(dtype)
+    mgr = _manager(DTYPES[dtype])
+    _fill(mgr, k[:, :, :200], v[:, :, :200], prompt=150)
+    gen = torch.Generator().manual_seed(0)
+    for n_sel in (1, 7, 64, 300):  # 300 > 200 stored tokens: duplicates guaranteed
+        idx = torch.randint(0, 200, (2, 3, n_sel), generator=gen)
+        got_k, got_v = mgr.fetch(0, idx)
+        ref_k = k.gather(2, idx[..., None].expand(-1, -1, -1, 64))
+        ref_v = v.gather(2, idx[..., None].expand(-1, -1, -1, 64))
+        assert_same_bits(got_k, ref_k)
+        assert_same_bits(got_v, ref_v)
+    out = (torch.empty(2, 3, 5, 64, dtype=DTYPES[dtype]), torch.empty(2, 3, 5, 64, dtype=DTYPES[dtype]))
+    idx = torch.tensor([199, 0, 199, 3, 3]).expand(2, 3, 5)
+    ret = mgr.fetch(0, idx, out=out)
+    assert ret[0] is out[0] and ret[1] is out[1]
+    assert_same_bits(out[0], k.gather(2, idx[..., None].expand(-1, -1, -1, 64)))
+
+
+def test_empty_selection_and_empty_layer(code_kv: Any) -> None:
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16)
+    empty = torch.empty(2, 3, 0, dtype=torch.int64)
+    got_k, got_v = mgr.fetch(0, empty)  # nothing stored yet, nothing asked
+    assert got_k.shape == (2, 3, 0, 64) and got_v.shape == (2, 3, 0, 64)
+    mgr.append(0, k[:, :, :10], v[:, :, :10])
+    assert mgr.fetch(0, empty)[0].shape == (2, 3, 0, 64)
+    assert mgr.fetch_all(1)[0].shape == (2, 3, 0, 64)
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 1])
+def test_deferred_prompts_store_what_immediate_fits_store(code_kv: Any, budget: int) -> None:
+    """Prompts kept back and fitted together (flush) give the same codecs, bytes and reads as per-layer fits."""
+    k, v = code_kv("bf16")
+    now = _manager(torch.bfloat16, defer_prompt_bytes=0, chunk_bytes="auto_once")
+    later = _manager(torch.bfloat16, defer_prompt_bytes=budget, chunk_bytes="auto_once")
+    for mgr in (now, later):
+        kk, vv = k[:, :, :300].clone(), v[:, :, :300].clone()
+        mgr.append(0, kk, vv)
+        kk.zero_()  # the manager must not depend on the caller's buffers
+        mgr.append(1, k[:, :, 100:300], v[:, :, 100:300])
+    assert later.seq_length(0) == 300 and later.seq_length(1) == 200
+    assert (later._pending == [0, 1]) == (budget > 1)
+    later.append(0, k[:, :, 300:301], v[:, :, 300:301])  # a decode step flushes every prompt first
+    now.append(0, k[:, :, 300:301], v[:, :, 300:301])
+    assert later._pending == []
+    for layer in (0, 1):
+        for a, b in zip(now.codecs(layer), later.codecs(layer)):
+            assert type(a) is type(b) and a.same_tables(b)
+            assert getattr(a, "chunk_bytes", None) == getattr(b, "chunk_bytes", None)
+    got = later.fetch_all(0)
+    assert_same_bits(got[0], k[:, :, :301])
+    assert_same_bits(got[1], v[:, :, :301])
+    assert_same_bits(later.fetch_all(1)[0], k[:, :, 100:300])
+    assert now.stats()["stored_bytes"] == later.stats()["stored_bytes"]
+    assert later.stats()["decode_steps"] == 1
+
+
+def test_kv_kernel_launchers_reject_bad_input() -> None:
+    """The packed KV launchers check what they are handed before any launch: a clear ValueError, never a bad pointer."""
+    from ibpcache.kernels.kv_packed import kvp_append, kvp_fetch
+    from ibpcache.kernels.kv_select import partial_scores, select_top
+
+    desc = torch.zeros(48, dtype=torch.int64)
+    k = torch.zeros(2, 3, 4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="differ"):
+        kvp_append(desc, k, k[:, :, :3], 0, 0)
+    with pytest.raises(ValueError, match="CUDA"):
+        kvp_append(desc, k, k, 0, 0)  # host tensors: the kernel would read host pointers as device ones
+    out = torch.empty(2, 3, 5, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA"):
+        kvp_fetch(desc, None, 4, out, out)
+    with pytest.raises(ValueError, match="out_k/out_v"):
+        kvp_fetch(desc, None, 6, out, out)  # 6 tokens do not fit 5 positions
+    q = torch.zeros(2, 9, 1, 64, dtype=torch.float16)
+    dims = torch.zeros(9, 13, dtype=torch.int64)
+    with pytest.raises(ValueError, match="dtype"):
+        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.bfloat16), 16, 0.125, None)
+    with pytest.raises(ValueError, match="CUDA"):
+        partial_scores(q, dims, torch.zeros(2, 3, 16, 13, dtype=torch.float16), 16, 0.125, None)
+    with pytest.raises(ValueError, match="CUDA fp32"):
+        select_top(torch.zeros(2, 3, 16), 4, 4.0)  # host scores
+
+
+def test_take_leaves_room_for_current_tokens(code_kv: Any) -> None:
+    k, v = code_kv("bf16")
+    mgr = _manager(torch.bfloat16)
+    _fill(mgr, k[:, :, :40], v[:, :, :40], prompt=30)
+    mgr.prefetch(0, None, extra_tokens=1)  # a no-op on the CPU path; take must still be right
+    keys, values = mgr.take(0, None, extra_tokens=1)
+    assert keys.shape == (2, 3, 41, 64)
+    assert_same_bits(keys[:, :, :40], k[:, :, :40])
+    assert_same_bits(values[:, :, :40], v[:, :, :40])
+    idx = torch.tensor([[[5, 1, 39]] * 3] * 2)
+    keys, _ = mgr.take(0, idx, extra_tokens=2)
+    assert keys.shape == (2, 3, 5, 64)
+    assert_same_bits(keys[:, :, :3], k.gather(2, idx[..., None].expand(-1, -1, -1, 64)))
+
+
+def test_bad_indices_raise(code_kv: Any) -> None:
+    from ibpcache.errors import InvalidIdsError
+
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16)
+    mgr.append(0, k[:, :, :20], v[:, :, :20])
+    with pytest.raises(InvalidIdsError, match="negative"):
+        mgr.fetch(0, torch.full((2, 3, 4), -1))
+    with pytest.raises(InvalidIdsError, match="out of range"):
+        mgr.fetch(0, torch.full((2, 3, 4), 20))
+    with pytest.raises(InvalidIdsError, match="out of range"):
+        mgr.fetch(1, torch.zeros(2, 3, 1, dtype=torch.int64))  # layer 1 holds no tokens
+    with pytest.raises(InvalidIdsError, match="dtype"):
+        mgr.fetch(0, torch.zeros(2, 3, 4))
+    with pytest.raises(InvalidIdsError, match="shape"):
+        mgr.fetch(0, torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="token_idx"):
+        mgr.fetch(0, [[0]])
+    with pytest.raises(IndexError, match="layer"):
+        mgr.fetch(2, torch.zeros(2, 3, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="out\\[0\\]"):
+        mgr.fetch(0, torch.zeros(2, 3, 4, dtype=torch.int64), out=(torch.empty(2, 3, 3, 64), torch.empty(2, 3, 3, 64)))
+
+
+def test_bad_appends_and_arguments_raise(code_kv: Any) -> None:
+    from ibpcache.cache.kv_manager import KVOffloadManager
+
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16)
+    with pytest.raises(TypeError, match="dtype"):
+        mgr.append(0, k.float(), v.float())
+    with pytest.raises(ValueError, match="shape"):
+        mgr.append(0, k[:1], v[:1])
+    with pytest.raises(ValueError, match="differ"):
+        mgr.append(0, k[:, :, :3], v[:, :, :4])
+    with pytest.raises(ValueError, match="transfer"):
+        KVOffloadManager(2, 3, 64, torch.float16, device="cpu", transfer="zero_copy")
+    with pytest.raises(ValueError, match="transfer"):
+        KVOffloadManager(2, 3, 64, torch.float16, device="cpu", transfer="nvlink")
+    with pytest.raises(TypeError, match="dtype"):
+        KVOffloadManager(2, 3, 64, torch.int8, device="cpu")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        KVOffloadManager(2, 0, 64, torch.float16, device="cpu")
+
+
+def test_host_and_stored_bytes_accounting(code_kv: Any) -> None:
+    k, v = code_kv("bf16")
+    mgr = _manager(torch.bfloat16, reserve_tokens=128)
+    _fill(mgr, k[:, :, :100], v[:, :, :100], prompt=90)
+    mgr.fetch_all(0)
+    st = mgr.stats()
+    assert st["tokens"] == 100 and st["decode_steps"] == 8  # 90 + 7 single appends + one 3-token append
+    # packed layout: host memory follows the stored bytes (prompt chunk at its exact size + one partly filled
+    # decode chunk of the smallest size), not the raw size
+    kv = mgr._layers[0].kv
+    slack = kv.min_chunk + len(kv._chunks.caps) * (16 + 2 * 3 * kv.row_bytes * 6)  # free part + per-chunk tails
+    assert st["stored_bytes"] < st["host_bytes"] <= st["stored_bytes"] + slack
+    assert st["host_bytes"] < st["raw_bytes"]
+    assert st["pcie_read_bytes"] == st["stored_bytes"]  # one dense fetch moves exactly the stored bytes
+    assert st["fit_s"] > 0 and len(st["fit_s_per_layer"]) == 2
+    mgr.reset()
+    assert mgr.seq_length(0) == 0 and mgr.stats()["stored_bytes"] == 0
+
+
+def test_manager_rejects_unknown_dense_fetch() -> None:
+    with pytest.raises(ValueError, match="dense_fetch"):
+        _manager(torch.float16, "cpu", dense_fetch="dma")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: zero-copy (ours) and CPU-gather (InfiniGen's) transfer paths. The packed store's kernels
+# (kernels/kv_packed.cu) through the manager. Golden reference: the CPU manager, whose store places and encodes the
+# same rows with the codecs' CPU encoders; the GPU must store byte-identical rows.
+# (Store-level GPU tests: tests/cache/test_append_store.py.)
+
+
+GPU_PATHS = [("zero_copy", True), ("zero_copy", False), ("cpu_gather", False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transfer,compress", GPU_PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gpu_fetch_prefetch_roundtrip(code_kv: Any, transfer: str, compress: bool, dtype: str) -> None:
+    k, v = code_kv(dtype)
+    kc, vc = k.cuda(), v.cuda()
+    mgr = _manager(DTYPES[dtype], "cuda", transfer=transfer, compress=compress, host_chunk_bytes=1 << 16)
+    _fill(mgr, kc, vc, prompt=300)  # 64 KiB chunks: appends cross chunk boundaries
+    got_k, got_v = mgr.fetch_all(0)
+    assert_same_bits(got_k, k)
+    assert_same_bits(got_v, v)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 400, (2, 3, 500), generator=gen).cuda()
+    ref_k = k.gather(2, idx.cpu()[..., None].expand(-1, -1, -1, 64))
+    assert_same_bits(mgr.fetch(0, idx)[0], ref_k)
+    mgr.prefetch(0, idx, extra_tokens=1)
+    keys, _ = mgr.take(0, idx, extra_tokens=1)
+    assert_same_bits(keys[:, :, :500], ref_k)
+    mgr.prefetch(0, None, extra_tokens=1)
+    keys, values = mgr.take(0, None, extra_tokens=1)
+    assert_same_bits(keys[:, :, :400], k)
+    assert_same_bits(values[:, :, :400], v)
+    with pytest.raises(Exception, match="out of range"):
+        mgr.fetch(0, torch.full((2, 3, 1), 400, device="cuda"))
+    st = mgr.stats()
+    if compress:
+        assert st["ratio"] > 1.0 and st["gpu_bytes"] > 0
+    mgr.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("codec", ["auto", "ibp"])
+def test_gpu_store_bytes_equal_cpu_store(code_kv: Any, dtype: str, codec: str) -> None:
+    """Appends from transposed views (what attention projections hand over) store the CPU encoder's exact bytes."""
+    k, v = code_kv(dtype)
+    # [B, H, T, D] views of [B, T, H, D] memory, like q/k/v projections after .transpose(1, 2)
+    kt, vt = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    host = _manager(DTYPES[dtype], "cpu", codec=codec, host_chunk_bytes=1 << 15)
+    gpu = _manager(DTYPES[dtype], "cuda", codec=codec, host_chunk_bytes=1 << 15)  # small chunks: many of them
+    _fill(host, k, v, prompt=300)
+    _fill(gpu, kt.cuda(), vt.cuda(), prompt=300)
+    torch.cuda.synchronize()
+    n_slots = 400 * 6
+    a, b = host._layers[0].kv, gpu._layers[0].kv
+    for x, y in zip(a.codecs, b.codecs):
+        assert type(x) is type(y) and x.same_tables(y)
+    sa, sb = a.snapshot(n_slots), b.snapshot(n_slots)
+    assert np.array_equal(sa["len"], sb["len"]) and np.array_equal(sa["pos"], sb["pos"])
+    assert np.array_equal(sa["data"], sb["data"])
+    st = gpu.stats()
+    assert st["pcie_write_bytes"] == st["stored_bytes"] and st["ratio"] > 1.0
+    assert st["host_bytes"] < st["raw_bytes"]
+    host.close()
+    gpu.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compress", [True, False])
+@pytest.mark.parametrize("dense_fetch", ["bulk", "zero_copy"])
+def test_gpu_manager_counts_bytes_it_moves(code_kv: Any, compress: bool, dense_fetch: str) -> None:
+    """Zero-copy reads move exactly the stored bytes of the rows; a bulk dense read moves the chunks' live part
+    (stored bytes plus chunk tails and padding, never more than the host holds); both read the same rows."""
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16, "cuda", compress=compress, dense_fetch=dense_fetch, host_chunk_bytes=1 << 16)
+    _fill(mgr, k.cuda(), v.cuda(), prompt=300)
+    before = mgr.stats()
+    keys, values = mgr.fetch_all(0)
+    assert_same_bits(keys, k)
+    assert_same_bits(values, v)
+    mgr.prefetch(0, None, extra_tokens=1)
+    keys, _ = mgr.take(0, None, extra_tokens=1)
+    assert_same_bits(keys[:, :, :400], k)
+    after = mgr.stats()
+    moved = after["pcie_read_bytes"] - before["pcie_read_bytes"]
+    stored = mgr._layers[0].kv.stored_bytes(400 * 6)
+    if dense_fetch == "zero_copy":
+        assert moved == 2 * stored
+    else:
+        assert 2 * stored <= moved <= 2 * mgr._layers[0].kv.host_nbytes
+    assert after["pcie_write_bytes"] == after["stored_bytes"]
+    assert after["dense_fetch"] == dense_fetch
+    mgr.close()
