@@ -8,6 +8,9 @@ __all__ = [
     "CapacityError",
     "KernelBuildError",
     "InvalidIdsError",
+    "RowDtypeError",
+    "RowShapeError",
+    "CodecKindError",
 ]
 
 
@@ -29,3 +32,15 @@ class KernelBuildError(IbpcacheError, RuntimeError):
 
 class InvalidIdsError(IbpcacheError, IndexError):
     """Row ids that are negative, out of range, or of the wrong dtype."""
+
+
+class RowDtypeError(IbpcacheError, TypeError):
+    """Rows of a dtype the codec cannot store: not the dtype it was fitted on, or one its method cannot code."""
+
+
+class RowShapeError(IbpcacheError, ValueError):
+    """Rows whose shape (or byte width) does not fit the codec's tables."""
+
+
+class CodecKindError(IbpcacheError, TypeError):
+    """A codec of a kind this path cannot serve (e.g. the IBP kernels given an exponent codec's tables)."""
