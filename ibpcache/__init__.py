@@ -5,13 +5,18 @@ Importing the package touches no CUDA and compiles nothing; kernels build on fir
 
 from __future__ import annotations
 
-from .codec import Codec
-from .compressed import CompressedRows
-from .errors import CapacityError, FormatError, IbpcacheError, InvalidIdsError, KernelBuildError
+from .codec import Codec, IBPCodec, RawCodec
+from .compressed import CompressedRows  # installs Codec.compress
+from .errors import (CapacityError, CodecKindError, FormatError, IbpcacheError, InvalidIdsError, KernelBuildError,
+                     RowDtypeError, RowShapeError)
+from .exponent import ExponentCodec  # registers the "exponent" method with Codec.fit / Codec.load
 from .format import FORMAT_VERSION, Layout
 
 __all__ = [
     "Codec",
+    "IBPCodec",
+    "ExponentCodec",
+    "RawCodec",
     "CompressedRows",
     "FeatureCache",
     "Layout",
@@ -21,6 +26,9 @@ __all__ = [
     "CapacityError",
     "KernelBuildError",
     "InvalidIdsError",
+    "RowDtypeError",
+    "RowShapeError",
+    "CodecKindError",
 ]
 
 __version__ = "0.1.0"
