@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -29,15 +29,12 @@ from .kernels.backends import backend_for
 from .kernels import bitpack_cpu as cpu
 from .kernels.tables import KernelTables
 
-if TYPE_CHECKING:
-    from .compressed import CompressedRows
-
 __all__ = ["Codec", "IBPCodec", "RawCodec", "METHODS", "set_compressor", "check_codec"]
 
 METHODS = ("ibp", "exponent", "raw", "auto")
 """What ``Codec.fit(method=...)`` accepts."""
 
-_Compressor = Callable[..., "CompressedRows"]
+_Compressor = Callable[..., Any]  # returns a compressed.CompressedRows (not imported here, not even for typing)
 _compressor: Optional[_Compressor] = None
 
 
@@ -202,7 +199,7 @@ class Codec(abc.ABC):
         return torch.from_numpy(self.row_lengths(rows.numpy()))
 
     def compress(self, x: torch.Tensor, layout: str = "inplace", pin: bool = True,
-                 device: "str | torch.device | None" = None) -> "CompressedRows":
+                 device: "str | torch.device | None" = None) -> Any:
         """Compress every row of ``x`` into host memory (pinned when CUDA exists and ``pin``): a CompressedRows.
 
         Runs on the GPU when ``x`` is a CUDA tensor or ``device='cuda'`` (CPU rows then stream to the GPU in

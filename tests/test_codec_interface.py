@@ -173,3 +173,13 @@ def test_contract_on_the_gpu(real_rows: Any, table: str, method: str) -> None:
         assert torch.equal(gpu.lengths, cpu.lengths) and torch.equal(gpu.data, cpu.data)
         assert _same(gpu.gather(ids, device="cuda").cpu(), x[ids])
         assert _same(gpu.decompress(device="cuda").cpu(), x)
+
+
+def test_codec_module_imports_nothing_of_compressed_rows() -> None:
+    """codec.py <- compressed.py, one way (Codec.compress runs what compressed.py installs): no import of it in
+    codec.py or exponent.py, lazy or under TYPE_CHECKING."""
+    from test_import_arrows import PKG, _imports
+
+    for name in ("codec.py", "exponent.py"):
+        mods = [m for _, m in _imports(PKG / name)]
+        assert not [m for m in mods if m.startswith("ibpcache.compressed")], f"{name} imports {mods}"
