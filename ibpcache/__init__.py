@@ -5,15 +5,19 @@ Importing the package touches no CUDA and compiles nothing; kernels build on fir
 
 from __future__ import annotations
 
-from .codec import Codec
-from .compressed import CompressedRows
-from .errors import (CapacityError, ConfigError, DeviceError, FormatError, IbpcacheError, InternalError,
-                     InvalidArgumentError, InvalidIdsError, InvalidTypeError, KernelBuildError, StateError,
-                     UnsupportedError, UnsupportedModelError)
+from .codec import Codec, IBPCodec, RawCodec
+from .compressed import CompressedRows  # installs Codec.compress
+from .errors import (CapacityError, CodecKindError, ConfigError, DeviceError, FormatError, IbpcacheError,
+                     InternalError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, KernelBuildError,
+                     RowDtypeError, RowShapeError, StateError, UnsupportedError, UnsupportedModelError)
+from .exponent import ExponentCodec  # registers the "exponent" method with Codec.fit / Codec.load
 from .format import FORMAT_VERSION, Layout
 
 __all__ = [
     "Codec",
+    "IBPCodec",
+    "ExponentCodec",
+    "RawCodec",
     "CompressedRows",
     "FeatureCache",
     "Layout",
@@ -31,6 +35,9 @@ __all__ = [
     "DeviceError",
     "InternalError",
     "UnsupportedModelError",
+    "RowDtypeError",
+    "RowShapeError",
+    "CodecKindError",
 ]
 
 __version__ = "0.1.0"

@@ -1,19 +1,114 @@
-"""``CompressedRows``: a dataset's rows after IBP, in host memory, with gather/decompress and save/load."""
+"""``CompressedRows``: a dataset's rows stored by one codec (IBP, exponent or raw) in host memory, with
+gather/decompress, save/load and shared-memory publishing; and :func:`compress_rows`, what ``Codec.compress`` runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from ._validation import OUT_CONTIGUOUS_WHY, check_ids, resolve_device
-from .codec import Codec, _register_rows_container
+from .codec import Codec, check_codec, set_compressor
 from .errors import FormatError
 from . import _shm
 from .format import FileKind, Layout, read_container, write_container
 
-__all__ = ["CompressedRows"]
+__all__ = ["CompressedRows", "compress_rows"]
+
+_BATCH_BYTES = 1 << 28  # a GPU compress streams CPU rows to the GPU in pieces of this size
+
+
+def _alloc_host(nbytes: int, pin: bool) -> torch.Tensor:
+    """Zeroed host buffer (pinned for zero-copy GPU reads when asked).
+
+    16 spare bytes past the end: decoders read whole aligned 16-byte blocks, so the last row's final block may
+    reach past ``nbytes`` (never past the allocation).
+    """
+    buf = torch.zeros(nbytes + 16, dtype=torch.uint8, pin_memory=pin)
+    return buf[:nbytes]
+
+
+def _compress_cpu(codec: Codec, rows: torch.Tensor, layout: Layout, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    src = rows.numpy()
+    lengths = codec.row_lengths(src)
+    n, row_bytes = src.shape
+    if layout is Layout.INPLACE:
+        offsets = np.arange(n, dtype=np.int64) * row_bytes
+        total = n * row_bytes
+    else:
+        offsets = np.zeros(n, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        total = int(lengths.sum(dtype=np.int64))
+    data = _alloc_host(total, pin)
+    codec.encode_rows_at(src, data.numpy(), offsets, lengths)
+    return data, torch.from_numpy(lengths)
+
+
+def _compress_gpu(codec: Codec, rows: torch.Tensor, packed: bool, pin: bool,
+                  batch_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress on the GPU into host memory; CPU rows stream through the GPU in ``batch_bytes`` pieces.
+
+    With ``pin`` the encoder writes straight into pinned host memory (zero-copy); otherwise it encodes into a
+    device buffer that is copied out per batch. The packed layout sizes every row first (one pass), then places
+    the rows back to back. Returns ``(data, lengths)`` on the host (one sync at the end).
+    """
+    n, rb = rows.shape
+    dev = rows.device if rows.is_cuda else torch.device("cuda", torch.cuda.current_device())
+    step = max(1, batch_bytes // max(rb, 1))
+
+    def batches():
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            chunk = rows[a:b]
+            yield a, b, (chunk if chunk.is_cuda else chunk.to(dev, non_blocking=chunk.is_pinned()))
+
+    lengths = torch.empty(n, dtype=torch.int32, device=dev)
+    if packed:
+        for a, b, chunk in batches():
+            lengths[a:b] = codec.size_rows_gpu(chunk)
+        offsets = torch.cumsum(lengths.to(torch.int64), 0) - lengths.to(torch.int64)
+        total = int(lengths.sum(dtype=torch.int64)) if n else 0
+    else:
+        offsets = torch.arange(n, dtype=torch.int64, device=dev) * rb
+        total = n * rb
+    data = _alloc_host(total, pin)
+    if pin:
+        for a, b, chunk in batches():
+            codec.encode_rows_gpu(chunk, offsets[a:b] + data.data_ptr(), lengths[a:b])
+    else:
+        for a, b, chunk in batches():
+            lo = int(offsets[a]) if packed else a * rb
+            hi = (int(offsets[b - 1]) + int(lengths[b - 1])) if packed else b * rb
+            stage = torch.zeros(hi - lo + 16, dtype=torch.uint8, device=dev)
+            codec.encode_rows_gpu(chunk, offsets[a:b] - lo + stage.data_ptr(), lengths[a:b])
+            data[lo:hi].copy_(stage[: hi - lo])
+    torch.cuda.current_stream(dev).synchronize()
+    return data, lengths.cpu()
+
+
+def compress_rows(codec: Codec, x: torch.Tensor, layout: "str | Layout" = "inplace", pin: bool = True,
+                  device: "str | torch.device | None" = None) -> "CompressedRows":
+    """Every row of ``x`` stored by ``codec`` (any method) in host memory: :meth:`Codec.compress`.
+
+    Runs on the GPU when ``x`` is a CUDA tensor or ``device='cuda'`` (CPU rows then stream to the GPU in pieces,
+    so datasets larger than GPU memory work), otherwise on the CPU (Numba); both write identical bytes. A strided
+    ``x`` is copied once with ``.contiguous()`` (transient). ``pin``: pinned host memory when CUDA exists.
+    """
+    check_codec(codec)
+    layout = Layout.from_str(layout)
+    rows = codec.check_compatible(x)
+    run_dev = rows.device if rows.is_cuda else resolve_device(device)
+    pin = bool(pin) and torch.cuda.is_available()
+    if run_dev.type == "cuda":
+        data, lengths = _compress_gpu(codec, rows, layout is Layout.PACKED, pin, _BATCH_BYTES)
+    else:
+        data, lengths = _compress_cpu(codec, rows, layout, pin)
+    return CompressedRows(codec, data, lengths, layout=layout, origin=str(x.device.type))
+
+
+set_compressor(compress_rows)
 
 
 def _contiguous_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -54,7 +149,7 @@ _TORCH_DTYPES = {"u1": torch.uint8, "i4": torch.int32, "i8": torch.int64}
 
 
 class CompressedRows:
-    """Every row of a dataset compressed with one ``Codec``.
+    """Every row of a dataset stored by one :class:`~ibpcache.codec.Codec` (IBP, exponent or raw).
 
     ``data`` (uint8, host; pinned when CUDA exists; a strided tensor is copied once into a fresh buffer at
     construction) holds the stored rows: in the ``inplace`` layout
@@ -65,10 +160,7 @@ class CompressedRows:
 
     def __init__(self, codec: Codec, data: torch.Tensor, lengths: torch.Tensor, *, layout: "str | Layout",
                  origin: str = "cpu") -> None:
-        if not isinstance(codec, Codec):
-            raise TypeError(f"CompressedRows holds IBP-coded rows (a Codec); got {type(codec).__name__} (the exponent "
-                            "codec has no stores or GPU kernels yet: ExponentCodec.encode/decode work on the CPU)")
-        self.codec = codec
+        self.codec = check_codec(codec)
         self.layout = Layout.from_str(layout)
         if isinstance(data, torch.Tensor) and not data.is_contiguous():
             data = _contiguous_bytes(data)
@@ -123,7 +215,7 @@ class CompressedRows:
 
     @property
     def metadata_nbytes(self) -> int:
-        """mask + bitval + 1-bit flags + per-row lengths (+ offsets in the packed layout)."""
+        """The codec's tables + 1-bit flags + per-row lengths (+ offsets in the packed layout)."""
         extra = self.offsets.numel() * 8 if self.layout is Layout.PACKED else 0
         return self.codec.metadata_nbytes + self.flags.numel() + self.lengths.numel() * 4 + extra
 
@@ -136,6 +228,11 @@ class CompressedRows:
     def ratio(self) -> float:
         """Raw bytes / compressed row bytes (paper definition; metadata excluded)."""
         return self.raw_nbytes / max(self.nbytes, 1)
+
+    @property
+    def stored_ratio(self) -> float:
+        """Raw bytes / (compressed row bytes + :attr:`metadata_nbytes`): what holding the rows really costs."""
+        return self.raw_nbytes / max(self.nbytes + self.metadata_nbytes, 1)
 
     @property
     def compressed_fraction(self) -> float:
@@ -189,8 +286,9 @@ class CompressedRows:
         """
         manifest = {"kind": "ibpcache.CompressedRows", "codec": self.codec.header(), "layout": self.layout.value,
                     "n_rows": self.n_rows}
-        sections = {"mask": self.codec.mask, "bitval": self.codec.bitval, "lengths": self.lengths.numpy(),
-                    "flags": self.flags.numpy(), "offsets": self.offsets.numpy(), "data": self.data.numpy()}
+        sections = dict(zip(self.codec.section_names, self.codec.sections()))
+        sections.update({"lengths": self.lengths.numpy(), "flags": self.flags.numpy(), "offsets": self.offsets.numpy(),
+                         "data": self.data.numpy()})
         return _shm.publish(name, manifest, sections, replace=replace)
 
     @classmethod
@@ -215,7 +313,7 @@ class CompressedRows:
             if verify:
                 seg.verify_payload()
             v = seg.sections
-            codec = Codec.from_header(man["codec"], v["mask"].copy(), v["bitval"].copy())
+            codec = _codec_from(man["codec"], lambda names: [v[k].copy() for k in names])
             self = cls.__new__(cls)
             self.codec = codec
             self.layout = Layout.from_str(man["layout"])
@@ -286,11 +384,9 @@ class CompressedRows:
             return out
         out_u8 = out.view(torch.uint8).reshape(m, self.row_bytes) if out.dim() > 1 else out.view(torch.uint8).reshape(m, -1)
         if dev.type == "cuda":
-            from .kernels.bitpack import gather_rows
-
             meta = self.device_meta(out_u8.device)
-            gather_rows(self.host_data_for_gpu(), meta.get("offsets"), meta["lengths"], meta["flags"], self.n_rows,
-                        ids, out_u8, self.codec.kernel_tables(out_u8.device))
+            self.codec.gather_rows_gpu(self.host_data_for_gpu(), meta.get("offsets"), meta["lengths"], meta["flags"],
+                                       self.n_rows, ids, out_u8)
         else:
             idx = ids.numpy()
             self.codec.decode_rows_at(self.data.numpy(), self.offsets.numpy()[idx], self.lengths.numpy()[idx],
@@ -299,19 +395,21 @@ class CompressedRows:
 
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: "str | Path") -> None:
-        """Write codec, layout, per-row lengths and stored bytes to one checksummed file."""
+        """Write codec (its method and tables), layout, per-row lengths and stored bytes to one checksummed file."""
         hdr = {"codec": self.codec.header(), "layout": self.layout.value, "n_rows": self.n_rows}
-        write_container(path, FileKind.ROWS, hdr, [self.codec.mask, self.codec.bitval, self.lengths.numpy(),
-                                                    self.data.numpy()])
+        write_container(path, FileKind.ROWS, hdr, [*self.codec.sections(), self.lengths.numpy(), self.data.numpy()])
 
     @classmethod
     def load(cls, path: "str | Path", pin: bool = True) -> "CompressedRows":
         """Read a file written by :meth:`save`; verifies the checksum and every size before use."""
         hdr, sections = read_container(path, FileKind.ROWS)
-        if len(sections) != 4:
-            raise FormatError(f"{path}: expected 4 sections, found {len(sections)}")
-        mask, bitval, lengths, data = sections
-        codec = Codec.from_header(hdr.get("codec", {}), mask.astype(np.uint64), bitval.astype(np.uint64))
+        try:
+            codec = _codec_from(hdr.get("codec"), lambda names: sections[: len(names)])
+        except FormatError as exc:
+            raise FormatError(f"{path}: {exc}") from None
+        if len(sections) != len(codec.section_names) + 2:
+            raise FormatError(f"{path}: expected {len(codec.section_names) + 2} sections, found {len(sections)}")
+        lengths, data = sections[len(codec.section_names):]
         if lengths.dtype != np.int32 or int(hdr.get("n_rows", -1)) != lengths.size:
             raise FormatError(f"{path}: row count does not match the header")
         pin = pin and torch.cuda.is_available()
@@ -320,4 +418,10 @@ class CompressedRows:
         return cls(codec, buf, torch.from_numpy(lengths.copy()), layout=hdr.get("layout", ""))
 
 
-_register_rows_container(CompressedRows)
+def _codec_from(hdr: object, sections_named: "Callable[[tuple[str, ...]], list[np.ndarray]]") -> Codec:
+    """The codec a stored header describes (its method picks the class: files without one hold IBP codecs);
+    ``sections_named(names)`` returns that class's arrays."""
+    if not isinstance(hdr, dict):
+        raise FormatError("bad codec header: missing or not a JSON object")
+    kind = Codec.kind(str(hdr.get("method", "ibp")))
+    return Codec.from_header(hdr, *sections_named(kind.section_names))

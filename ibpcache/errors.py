@@ -33,6 +33,9 @@ __all__ = [
     "DeviceError",
     "InternalError",
     "UnsupportedModelError",
+    "RowDtypeError",
+    "RowShapeError",
+    "CodecKindError",
 ]
 
 
@@ -100,3 +103,15 @@ class InternalError(IbpcacheError, RuntimeError):
 class UnsupportedModelError(IbpcacheError, ValueError):
     """A model or model config that an adapter cannot serve (e.g. an encoder-decoder given to the KV cache); the
     message names what is missing and which models are supported."""
+
+
+class RowDtypeError(InvalidTypeError):
+    """Rows of a dtype the codec cannot store: not the dtype it was fitted on, or one its method cannot code."""
+
+
+class RowShapeError(InvalidArgumentError):
+    """Rows whose shape (or byte width) does not fit the codec's tables."""
+
+
+class CodecKindError(InvalidTypeError):
+    """A codec of a kind this path cannot serve (e.g. the IBP kernels given an exponent codec's tables)."""

@@ -60,22 +60,36 @@ def kv_kernels_ok() -> bool:
 
 
 def exponent_kernels_ok() -> bool:
-    """The exponent codec's sizes/encode/decode kernels (device data, then pinned host data read zero-copy)."""
+    """The exponent codec's sizes/encode/decode kernels (device data, then pinned host data read zero-copy): one-segment
+    16-bit KV rows (lane-per-row decode), segmented fp32/bf16 rows (warp-per-row decode) and rows over 2 KB (the
+    unstaged warp decode), each with raw rows mixed in."""
     from ibpcache.exponent import ExponentCodec
 
     ok = True
-    for dtype in ("bf16", "fp16"):
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for dtype in ("bf16", "fp16", "fp32"):
         try:
-            x = datasets.load_kv("chat", "k", dtype)[:300]
+            cases.append((datasets.load_kv("chat", "k", dtype)[:300], None))
         except FileNotFoundError:
-            x = (torch.randn(300, 64, generator=torch.Generator().manual_seed(1)) * 3).to(
-                torch.bfloat16 if dtype == "bf16" else torch.float16)
-        codec = ExponentCodec.fit(x)
+            dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+            cases.append(((torch.randn(300, 64, generator=g) * 3).to(dt), None))
+    cases += [((torch.randn(300, 384, generator=g) * 0.05).to(torch.float32), "auto"),
+              ((torch.randn(300, 385, generator=g) * 0.05).to(torch.bfloat16), "auto"),
+              ((torch.randn(40, 600, generator=g) * 0.05).to(torch.float32), "auto")]
+    for x, seg in cases:
+        codec = ExponentCodec.fit(x, seg=seg)
+        x = x.clone()
+        x[::9] = float("inf")  # rare exponents: stored raw
         data, lengths, offsets = codec.encode_gpu(x.cuda())
         ok &= torch.equal(data.cpu(), codec.encode(x)[0])
-        ok &= torch.equal(codec.decode_gpu(data, lengths, offsets).cpu().view(torch.int16), x.view(torch.int16))
+        bits = torch.int32 if x.element_size() == 4 else torch.int16
+        ok &= torch.equal(codec.decode_gpu(data, lengths, offsets).cpu().view(bits), x.view(bits))
         host = codec.decode_gpu(data.cpu().pin_memory(), lengths, offsets)
-        ok &= torch.equal(host.cpu().view(torch.int16), x.view(torch.int16))
+        ok &= torch.equal(host.cpu().view(bits), x.view(bits))
+        p = codec.compress(x, layout="packed")
+        ids = torch.randint(0, x.shape[0], (257,), generator=g)
+        ok &= torch.equal(p.gather(ids, device="cuda").cpu().view(bits), x[ids].view(bits))
     torch.cuda.synchronize()
     print(f"exponent kernels: ok={ok}")
     return ok

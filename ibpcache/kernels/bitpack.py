@@ -1,7 +1,7 @@
 """Thin launchers for ``bitpack.cu``: grid math, dtype-to-symbol mapping, torch-stream ordering.
 
 Every launch goes on torch's current stream; nothing here synchronizes the device except the fit
-(which must read its counts back) and ``compress_rows_gpu`` (which must size host buffers).
+(which must read its counts back).
 Workspaces (the error word) are cached per device, so the fetch path does no cudaMalloc.
 """
 
@@ -11,6 +11,7 @@ import functools
 import numpy as np
 import torch
 
+from ..errors import CodecKindError
 from ._build import device_index, launch
 from .tables import KernelTables
 
@@ -21,7 +22,7 @@ __all__ = [
     "decode_descriptors",
     "gather_rows",
     "gather_raw",
-    "compress_rows_gpu",
+    "check_ibp_tables",
 ]
 
 _SRC = "bitpack.cu"
@@ -125,8 +126,18 @@ class GpuBackend:
         return out
 
 
+def check_ibp_tables(tables: object) -> KernelTables:
+    """``tables`` if they are IBP kernel tables; else CodecKindError naming what was given. Why: these kernels read
+    IBP's format only, and another codec's rows (exponent-coded ones) would decode to wrong values."""
+    if not isinstance(tables, KernelTables):
+        raise CodecKindError(f"the IBP kernels decode IBP (and raw) rows; got tables of type {type(tables).__name__} "
+                             "(rows of another codec method go through that codec's own kernels)")
+    return tables
+
+
 def _check_tables(tables: KernelTables, device: torch.device, row_bytes: int, name: str) -> None:
-    """The tables must sit on the launch device and describe rows of the width being launched on."""
+    """IBP tables that sit on the launch device and describe rows of the width being launched on."""
+    check_ibp_tables(tables)
     if tables.mask.device != device:
         raise ValueError(f"tables: mask/bitval are on {tables.mask.device}, the launch is on {device} "
                          f"(use codec.kernel_tables({str(device)!r}))")
@@ -226,47 +237,3 @@ def gather_raw(base: torch.Tensor, ids: torch.Tensor, out_u8: torch.Tensor, n_ro
     _launch("ibp_gather_raw", dev, warp_grid(n, dev), _THREADS,
             (_ptr(ids), np.int64(n), _ptr(base), np.int64(n_rows), _ptr(out_u8), np.int32(out_u8.shape[1]),
              _ptr(_err_word(dev))))
-
-
-def compress_rows_gpu(rows: torch.Tensor, tables: KernelTables, packed: bool, pin: bool,
-                      batch_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress on the GPU into host memory; CPU rows stream through the GPU in ``batch_bytes`` pieces.
-
-    ``packed`` picks the host layout: rows back to back (True) or row i at ``i * row_bytes`` (False, in place).
-    ``tables`` must be on the GPU the rows stream through (the rows' device, or the current one for CPU rows).
-
-    Returns ``(data, lengths)`` on the host. With ``pin`` the encoder writes straight into pinned host
-    memory (zero-copy); otherwise it encodes into a device buffer that is copied out per batch.
-    """
-    n, rb = rows.shape
-    dev = torch.device("cuda", rows.device.index) if rows.is_cuda else torch.device("cuda", torch.cuda.current_device())
-    step = max(1, batch_bytes // max(rb, 1))
-
-    def batches():
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            chunk = rows[a:b]
-            yield a, b, (chunk if chunk.is_cuda else chunk.to(dev, non_blocking=chunk.is_pinned()))
-
-    lengths = torch.empty(n, dtype=torch.int32, device=dev)
-    if packed:
-        for a, b, chunk in batches():
-            lengths[a:b] = size_rows(chunk, tables)
-        offsets = torch.cumsum(lengths.to(torch.int64), 0) - lengths.to(torch.int64)
-        total = int(lengths.sum(dtype=torch.int64)) if n else 0
-    else:
-        offsets = torch.arange(n, dtype=torch.int64, device=dev) * rb
-        total = n * rb
-    data = torch.zeros(total + 16, dtype=torch.uint8, pin_memory=pin)[:total]  # 16 spare: aligned reads
-    if pin:
-        for a, b, chunk in batches():
-            encode_into(chunk, offsets[a:b] + data.data_ptr(), lengths[a:b], tables)
-    else:
-        for a, b, chunk in batches():
-            lo = int(offsets[a]) if packed else a * rb
-            hi = (int(offsets[b - 1]) + int(lengths[b - 1])) if packed else b * rb
-            stage = torch.zeros(hi - lo, dtype=torch.uint8, device=dev)
-            encode_into(chunk, offsets[a:b] - lo + stage.data_ptr(), lengths[a:b], tables)
-            data[lo:hi].copy_(stage)
-    torch.cuda.current_stream(dev).synchronize()
-    return data, lengths.cpu()

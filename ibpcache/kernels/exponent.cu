@@ -1,15 +1,64 @@
-// Exponent coding of bf16/fp16 rows (ibpcache/exponent.py holds the format and the CPU reference; the bytes
-// these kernels write and read are the same). One thread per row: a row is one stream of raw (sign + mantissa)
-// fields followed by canonical Huffman codewords of the exponents, LSB-first within bytes, codeword bits most
-// significant first. A row that would not shrink is stored raw (length == row_bytes).
+// Exponent coding of float rows (float32, bfloat16, float16). Format: docs/FORMAT.md ("Exponent-coded rows");
+// codec: ibpcache/exponent.py; CPU twins: exponent_cpu.py (identical bytes). Self-contained: no other .cu needed.
 //
-// Decode peeks `max_bits` stream bits through a 64-bit window and looks the symbol and its length up in a
-// table of 2^max_bits entries ((symbol << 8) | length), built on the host from the code lengths.
+// A row of d elements (T = unsigned short for 16-bit floats, unsigned int for float32) is one bit stream, least
+// significant bit of each byte first:
+//   [n_seg - 1 header fields of hdr_field bits: where segment s >= 1's first codeword starts, in bits from the start
+//    of the code stream] [d raw fields of raw_bits: (sign << eshift) | mantissa] [d exponent codewords, canonical
+//    Huffman, bits most significant first; segment s = elements [s*seg, min(d, (s+1)*seg))], zero-padded to bytes.
+// A row that would not shrink is stored raw (length == row_bytes: little-endian elements). With n_seg == 1 there is
+// no header: the format the KV append store's kernels (kv_packed.cu) read.
+//
+// Decoders peek max_bits stream bits and look the codeword up in a table of 2^max_bits ints ((symbol << 8) |
+// length), built on the host from the code lengths. The code is complete (the codec checks it), so every peek
+// finds a codeword; a row is malformed when a codeword ends past its stored length, and decoders report that
+// instead of reading further.
+//
+// Kernels (E = element bytes, 2 or 4):
+//   ibp_exp_sizes_e{E}          stored length of every row (thread per row)
+//   ibp_exp_encode_e{E}         encode every row to its own address, device or pinned host (thread per row)
+//   ibp_exp_decode_staged_e{E}  gather + decode, a row per lane (rows <= IBP_EXP_MAX_ROW bytes, one segment)
+//   ibp_exp_gather_e{E}         gather + decode, a row per warp (any row; rows <= IBP_EXP_WARP_MAX_ROW staged)
+// Device functions other sources use: ibp_exp_row_bytes, ibp_exp_encode_row, ibp_exp_decode_row,
+// ibp_exp_decode_row_words, ibp_stage_rows (kv_packed.cu: 16-bit one-segment rows) and ibp_exp_decode_row_warp
+// (a warp decodes one row of any segment count, staged in shared memory: for the engine's lookup kernels).
 
 typedef long long i64;
 typedef unsigned long long u64;
 
-// The 64 stream bits from bit `pos` of the row at `row` (bytes past `nbytes` read as zero).
+#define IBP_EXP_FULL 0xffffffffu
+
+// The geometry of one exponent code, as the device functions take it (uniform across a warp).
+struct IbpExpGeom {
+  int d;          // elements per row
+  int eshift;     // mantissa bits: where the exponent field starts
+  int emask;      // (1 << exponent bits) - 1
+  int raw_bits;   // bits of a raw field: sign + mantissa
+  int row_bytes;  // d * sizeof(T); a stored row of exactly this length is raw
+  int seg;        // elements per segment
+  int n_seg;      // ceil(d / seg)
+  int hdr_field;  // bits per header field: 16 or 32
+};
+
+__device__ __forceinline__ IbpExpGeom ibp_exp_geom(int d, int eshift, int emask, int raw_bits, int row_bytes, int seg,
+                                                   int n_seg, int hdr_field) {
+  IbpExpGeom g;
+  g.d = d;
+  g.eshift = eshift;
+  g.emask = emask;
+  g.raw_bits = raw_bits;
+  g.row_bytes = row_bytes;
+  g.seg = seg;
+  g.n_seg = n_seg;
+  g.hdr_field = hdr_field;
+  return g;
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Bit windows
+// ------------------------------------------------------------------------------------------------------------------
+
+// The 64 stream bits from bit `pos` of the row at `row` (bytes past `nbytes` read as zero; none is loaded).
 __device__ __forceinline__ u64 ibp_exp_window(const unsigned char* __restrict__ row, i64 nbytes, i64 pos) {
   const i64 first = pos >> 3;
   u64 w = 0;
@@ -18,34 +67,7 @@ __device__ __forceinline__ u64 ibp_exp_window(const unsigned char* __restrict__ 
     const i64 b = first + k;
     if (b < nbytes) w |= (u64)row[b] << (8 * k);
   }
-  return w >> (pos & 7);  // >= 57 valid bits: enough for a raw field (<= 11) or a codeword (<= 15)
-}
-
-// Decode one row (d elements) into out (uint16 [d]); returns false if the stream runs past the row.
-__device__ __forceinline__ bool ibp_exp_decode_row(const unsigned char* __restrict__ row, int len, int d,
-                                                   int eshift, int raw_bits, int row_bytes,
-                                                   const int* __restrict__ lut, int max_bits,
-                                                   unsigned short* __restrict__ out) {
-  if (len == row_bytes) {
-    for (int j = 0; j < d; ++j) out[j] = (unsigned short)(row[2 * j] | (row[2 * j + 1] << 8));
-    return true;
-  }
-  const unsigned mant_mask = (1u << eshift) - 1u;
-  const u64 raw_mask = (1ull << raw_bits) - 1ull;
-  i64 pos = 0;
-  for (int j = 0; j < d; ++j, pos += raw_bits) {
-    const unsigned raw = (unsigned)(ibp_exp_window(row, len, pos) & raw_mask);
-    out[j] = (unsigned short)(((raw >> eshift) << 15) | (raw & mant_mask));
-  }
-  for (int j = 0; j < d; ++j) {
-    const u64 w = ibp_exp_window(row, len, pos);
-    const unsigned peek = (unsigned)(__brevll(w) >> (64 - max_bits));  // next max_bits bits, MSB first
-    const int e = lut[peek];
-    pos += e & 0xFF;
-    if (pos > (i64)len * 8) return false;
-    out[j] = (unsigned short)(out[j] | ((unsigned)(e >> 8) << eshift));
-  }
-  return true;
+  return w >> (pos & 7);  // >= 57 valid bits: enough for a raw field (<= 24), a codeword (<= 15) or a header field
 }
 
 // The 64 stream bits from bit `pos` of a 4-byte aligned row whose memory can be read (any content) up to word
@@ -56,63 +78,194 @@ __device__ __forceinline__ u64 ibp_exp_window_words(const unsigned int* __restri
   return sh ? (lo >> sh) | ((u64)w[i + 2] << (64 - sh)) : lo;
 }
 
-// Element j of a compressed row: its raw field at bit rpos, its exponent codeword at bit cpos (both advanced).
-// False when the codeword stream runs past `lim` bits (a corrupt row; the cursor then stops there).
+// The codeword at the head of a window: (symbol << 8) | length.
+__device__ __forceinline__ int ibp_exp_lookup(u64 window, const int* __restrict__ lut, int max_bits) {
+  return __ldg(lut + (unsigned)(__brevll(window) >> (64 - max_bits)));  // next max_bits bits, first bit on top
+}
+
+// Element bits from a raw field and an exponent: sign back on top, exponent between it and the mantissa.
+template <typename T>
+__device__ __forceinline__ unsigned ibp_exp_element(unsigned raw, unsigned sym, int eshift) {
+  return ((raw >> eshift) << (8 * sizeof(T) - 1)) | (raw & ((1u << eshift) - 1u)) | (sym << eshift);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Size and encode (thread per row)
+// ------------------------------------------------------------------------------------------------------------------
+
+// Stored bytes of one row (row_bytes when it would not shrink).
+template <typename T>
+__device__ __forceinline__ int ibp_exp_row_len(const T* __restrict__ src, const IbpExpGeom& g,
+                                               const unsigned char* __restrict__ code_len) {
+  i64 bits = (i64)(g.n_seg - 1) * g.hdr_field + (i64)g.d * g.raw_bits;
+  for (int j = 0; j < g.d; ++j) bits += code_len[((unsigned)src[j] >> g.eshift) & (unsigned)g.emask];
+  const i64 bytes = (bits + 7) >> 3;
+  return bytes >= g.row_bytes ? g.row_bytes : (int)bytes;
+}
+
+// Append `nbits` (<= 32) of `value`, least significant first, to the bit accumulator; flush whole bytes.
+__device__ __forceinline__ void ibp_exp_put(unsigned char* __restrict__ dst, i64& byte, u64& acc, int& fill,
+                                            u64 value, int nbits) {
+  acc |= value << fill;
+  fill += nbits;
+  while (fill >= 8) {
+    dst[byte++] = (unsigned char)(acc & 0xFF);
+    acc >>= 8;
+    fill -= 8;
+  }
+}
+
+// Encode one row into exactly `len` bytes at `row` (len from ibp_exp_row_len; len == row_bytes: stored raw).
+// Writes bytes in order, never reads `row`.
+template <typename T>
+__device__ __forceinline__ void ibp_exp_encode_row_t(const T* __restrict__ src, const IbpExpGeom& g, int len,
+                                                     const unsigned char* __restrict__ code_len,
+                                                     const unsigned int* __restrict__ code_rev,
+                                                     unsigned char* __restrict__ row) {
+  if (len == g.row_bytes) {
+    const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+    for (int b = 0; b < g.row_bytes; ++b) row[b] = s[b];
+    return;
+  }
+  const unsigned mant_mask = (1u << g.eshift) - 1u, emask = (unsigned)g.emask;
+  const int sign_shift = 8 * sizeof(T) - 1;
+  i64 byte = 0;
+  u64 acc = 0;
+  int fill = 0;
+  if (g.n_seg > 1) {  // header: where each later segment's first codeword starts in the code stream
+    unsigned off = 0;
+    for (int j = 0; j < g.d; ++j) {
+      if (j > 0 && j % g.seg == 0) ibp_exp_put(row, byte, acc, fill, off, g.hdr_field);
+      off += code_len[((unsigned)src[j] >> g.eshift) & emask];
+    }
+  }
+  for (int j = 0; j < g.d; ++j) {
+    const unsigned v = src[j];
+    ibp_exp_put(row, byte, acc, fill, ((v >> sign_shift) << g.eshift) | (v & mant_mask), g.raw_bits);
+  }
+  for (int j = 0; j < g.d; ++j) {
+    const unsigned e = ((unsigned)src[j] >> g.eshift) & emask;
+    ibp_exp_put(row, byte, acc, fill, code_rev[e], code_len[e]);  // codeword bit-reversed: its first bit goes first
+  }
+  if (fill > 0) row[byte++] = (unsigned char)(acc & 0xFF);
+}
+
+// 16-bit, one-segment forms (kv_packed.cu's append path).
+__device__ __forceinline__ int ibp_exp_row_bytes(const unsigned short* __restrict__ src, int d, int eshift, int emask,
+                                                 int raw_bits, int row_bytes,
+                                                 const unsigned char* __restrict__ code_len) {
+  return ibp_exp_row_len<unsigned short>(src, ibp_exp_geom(d, eshift, emask, raw_bits, row_bytes, d, 1, 16), code_len);
+}
+
+__device__ __forceinline__ void ibp_exp_encode_row(const unsigned short* __restrict__ src, int d, int eshift,
+                                                   int emask, int raw_bits, int row_bytes, int len,
+                                                   const unsigned char* __restrict__ code_len,
+                                                   const unsigned int* __restrict__ code_rev,
+                                                   unsigned char* __restrict__ row) {
+  ibp_exp_encode_row_t<unsigned short>(src, ibp_exp_geom(d, eshift, emask, raw_bits, row_bytes, d, 1, 16), len,
+                                       code_len, code_rev, row);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Lane-per-row decode of one-segment rows (the KV path, and narrow rows of any store)
+// ------------------------------------------------------------------------------------------------------------------
+
+// Decode one 16-bit one-segment row (d elements) read byte by byte from anywhere into out; false if the stream runs
+// past the row. kv_packed.cu's path for rows too wide to stage.
+__device__ __forceinline__ bool ibp_exp_decode_row(const unsigned char* __restrict__ row, int len, int d,
+                                                   int eshift, int raw_bits, int row_bytes,
+                                                   const int* __restrict__ lut, int max_bits,
+                                                   unsigned short* __restrict__ out) {
+  if (len == row_bytes) {
+    for (int j = 0; j < d; ++j) out[j] = (unsigned short)(row[2 * j] | (row[2 * j + 1] << 8));
+    return true;
+  }
+  const u64 raw_mask = (1ull << raw_bits) - 1ull;
+  i64 pos = 0;
+  for (int j = 0; j < d; ++j, pos += raw_bits) {
+    const unsigned raw = (unsigned)(ibp_exp_window(row, len, pos) & raw_mask);
+    out[j] = (unsigned short)ibp_exp_element<unsigned short>(raw, 0u, eshift);
+  }
+  for (int j = 0; j < d; ++j) {
+    const int e = ibp_exp_lookup(ibp_exp_window(row, len, pos), lut, max_bits);
+    pos += e & 0xFF;
+    if (pos > (i64)len * 8) return false;
+    out[j] = (unsigned short)(out[j] | ((unsigned)(e >> 8) << eshift));
+  }
+  return true;
+}
+
+// Element j of a one-segment row staged as words: its raw field at bit rpos, its codeword at bit cpos (both
+// advanced). False when the codeword ends past `lim` bits (a malformed row; the cursor then stops there).
+template <typename T>
 __device__ __forceinline__ bool ibp_exp_next(const unsigned int* __restrict__ w, i64& rpos, i64& cpos, i64 lim,
-                                             int eshift, unsigned mant_mask, unsigned raw_mask, int raw_bits,
+                                             int eshift, unsigned raw_mask, int raw_bits,
                                              const int* __restrict__ lut, int max_bits, unsigned& v) {
   const unsigned raw = (unsigned)ibp_exp_window_words(w, rpos) & raw_mask;
   rpos += raw_bits;
-  const unsigned peek = (unsigned)(__brevll(ibp_exp_window_words(w, cpos)) >> (64 - max_bits));
-  const int e = __ldg(lut + peek);
+  const int e = ibp_exp_lookup(ibp_exp_window_words(w, cpos), lut, max_bits);
   cpos += e & 0xFF;
-  v = ((raw >> eshift) << 15) | (raw & mant_mask) | ((unsigned)(e >> 8) << eshift);
+  v = ibp_exp_element<T>(raw, (unsigned)(e >> 8), eshift);
   return cpos <= lim;
 }
 
-// ibp_exp_decode_row for a row staged in shared memory (4-byte aligned, readable up to 12 bytes past its stored
-// length): one pass that takes element j's raw field and codeword together, and, when `out` is 16-byte aligned and
-// d a multiple of 8, stores 8 elements per 16-byte store. Why: the two-pass version ORs every exponent into `out`
-// with a 2-byte load and store per element; with a lane per row those are 32 scattered sectors per warp access,
-// and a fetch of every token was bound by them. Same bytes out for every row that decodes; false where
-// ibp_exp_decode_row returns false.
-__device__ __forceinline__ bool ibp_exp_decode_row_words(const unsigned char* __restrict__ row, int len, int d,
-                                                         int eshift, int raw_bits, int row_bytes,
-                                                         const int* __restrict__ lut, int max_bits,
-                                                         unsigned short* __restrict__ out) {
+// Decode a one-segment row staged in shared memory (4-byte aligned, readable up to 12 bytes past its stored length)
+// in one pass that takes element j's raw field and codeword together, and, when `out` is 16-byte aligned and d a
+// multiple of 16 / sizeof(T), stores 16 bytes at a time. Why: with a lane per row, 2-byte read-modify-writes of every
+// output element are 32 scattered sectors per warp access, and a fetch of every KV token was bound by them.
+template <typename T>
+__device__ __forceinline__ bool ibp_exp_decode_row_words_t(const unsigned char* __restrict__ row, int len, int d,
+                                                           int eshift, int raw_bits, int row_bytes,
+                                                           const int* __restrict__ lut, int max_bits,
+                                                           T* __restrict__ out) {
+  constexpr int PER_VEC = 16 / sizeof(T);
   const unsigned int* w = reinterpret_cast<const unsigned int*>(row);
-  const bool vec = ((reinterpret_cast<unsigned long long>(out) & 15) == 0) && (d & 7) == 0;
+  const bool vec = ((reinterpret_cast<unsigned long long>(out) & 15) == 0) && (d % PER_VEC) == 0;
   if (len == row_bytes) {  // stored raw: little-endian elements
     if (vec) {
-      for (int q = 0; q < d / 8; ++q)
+      for (int q = 0; q < d / PER_VEC; ++q)
         reinterpret_cast<uint4*>(out)[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+    } else if (sizeof(T) == 4) {
+      for (int j = 0; j < d; ++j) out[j] = (T)w[j];
     } else {
-      for (int j = 0; j < d; ++j) out[j] = (unsigned short)(row[2 * j] | (row[2 * j + 1] << 8));
+      for (int j = 0; j < d; ++j) out[j] = (T)(row[2 * j] | (row[2 * j + 1] << 8));
     }
     return true;
   }
-  const unsigned mant_mask = (1u << eshift) - 1u, raw_mask = (1u << raw_bits) - 1u;
+  const unsigned raw_mask = (1u << raw_bits) - 1u;
   const i64 lim = (i64)len * 8;
   i64 rpos = 0, cpos = (i64)d * raw_bits;
   if (cpos > lim) return false;
   if (vec) {
-    for (int g = 0; g < d; g += 8) {
-      unsigned v[8];
+    for (int g = 0; g < d; g += PER_VEC) {
+      unsigned v[PER_VEC];
 #pragma unroll
-      for (int t = 0; t < 8; ++t)
-        if (!ibp_exp_next(w, rpos, cpos, lim, eshift, mant_mask, raw_mask, raw_bits, lut, max_bits, v[t]))
-          return false;
-      reinterpret_cast<uint4*>(out)[g >> 3] =
-          make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
+      for (int t = 0; t < PER_VEC; ++t)
+        if (!ibp_exp_next<T>(w, rpos, cpos, lim, eshift, raw_mask, raw_bits, lut, max_bits, v[t])) return false;
+      uint4 q;
+      if constexpr (sizeof(T) == 2) {
+        q = make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
+      } else {
+        q = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+      reinterpret_cast<uint4*>(out)[g / PER_VEC] = q;
     }
   } else {
     for (int j = 0; j < d; ++j) {
       unsigned v;
-      if (!ibp_exp_next(w, rpos, cpos, lim, eshift, mant_mask, raw_mask, raw_bits, lut, max_bits, v)) return false;
-      out[j] = (unsigned short)v;
+      if (!ibp_exp_next<T>(w, rpos, cpos, lim, eshift, raw_mask, raw_bits, lut, max_bits, v)) return false;
+      out[j] = (T)v;
     }
   }
   return true;
+}
+
+// 16-bit form (kv_packed.cu's staged fetch).
+__device__ __forceinline__ bool ibp_exp_decode_row_words(const unsigned char* __restrict__ row, int len, int d,
+                                                         int eshift, int raw_bits, int row_bytes,
+                                                         const int* __restrict__ lut, int max_bits,
+                                                         unsigned short* __restrict__ out) {
+  return ibp_exp_decode_row_words_t<unsigned short>(row, len, d, eshift, raw_bits, row_bytes, lut, max_bits, out);
 }
 
 #define IBP_EXP_WARPS 4        // warps per block of the staged decode
@@ -141,9 +294,9 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
     int shift[IBP_STAGE_BATCH], out_words[IBP_STAGE_BATCH];
 #pragma unroll
     for (int u = 0; u < IBP_STAGE_BATCH; ++u) {
-      const int nr = __shfl_sync(0xffffffffu, n, r0 + u);
+      const int nr = __shfl_sync(IBP_EXP_FULL, n, r0 + u);
       const unsigned long long sp =
-          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(src), r0 + u);
+          __shfl_sync(IBP_EXP_FULL, reinterpret_cast<unsigned long long>(src), r0 + u);
       const int a = (int)(sp & 3);
       const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
       const int nw = nr > 0 ? (a + nr + 3) >> 2 : 0;
@@ -160,8 +313,8 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
       unsigned int* d = reinterpret_cast<unsigned int*>(dst + (r0 + u) * stride);
 #pragma unroll
       for (int k = 0; k < IBP_STAGE_WORDS; ++k) {
-        const unsigned int next_lane = __shfl_down_sync(0xffffffffu, v[u][k], 1);
-        const unsigned int wrap = __shfl_sync(0xffffffffu, k + 1 < IBP_STAGE_WORDS ? v[u][k + 1] : 0u, 0);
+        const unsigned int next_lane = __shfl_down_sync(IBP_EXP_FULL, v[u][k], 1);
+        const unsigned int wrap = __shfl_sync(IBP_EXP_FULL, k + 1 < IBP_STAGE_WORDS ? v[u][k + 1] : 0u, 0);
         const unsigned int hi = lane == 31 ? wrap : next_lane;
         const int j = lane + 32 * k;
         if (j < out_words[u]) d[j] = __funnelshift_r(v[u][k], hi, shift[u]);
@@ -170,118 +323,289 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
   }
 }
 
-// Staged decode (rows <= IBP_EXP_MAX_ROW bytes): a warp takes 32 rows, copies their stored bytes into shared
-// memory with coalesced, batched 4-byte loads (ibp_stage_rows: what a zero-copy read over PCIe needs), then every lane
-// decodes one row from there in one pass (ibp_exp_decode_row_words). Reading each row's bits straight from host
-// memory, thread by thread, would cost hundreds of tiny PCIe reads per row. The KV fetch (kv_packed.cu) decodes
-// the same way.
-extern "C" __global__ void __launch_bounds__(32 * IBP_EXP_WARPS)
-ibp_exp_decode_staged(const unsigned char* __restrict__ base, const i64* __restrict__ offsets,
-                      const int* __restrict__ lengths, i64 n, int d, int eshift, int raw_bits, int row_bytes,
-                      const int* __restrict__ lut, int max_bits, unsigned short* __restrict__ out,
-                      i64* __restrict__ err) {
+// ------------------------------------------------------------------------------------------------------------------
+// Warp-per-row decode (any segment count): the engine's device function for wide rows
+// ------------------------------------------------------------------------------------------------------------------
+
+#define IBP_EXP_WARP_MAX_ROW 2048  // widest row ibp_exp_decode_row_warp takes (lookup.cu's IBP_POOL_MAX_ROW)
+// Per-warp shared memory of ibp_exp_decode_row_warp: the staged row (+16 bytes: bit windows read up to 12 bytes
+// past it) and one exponent byte per element (a row has at most IBP_EXP_WARP_MAX_ROW / 2 elements).
+#define IBP_EXP_WARP_STAGE_BYTES (IBP_EXP_WARP_MAX_ROW + 16)
+#define IBP_EXP_WARP_SMEM_BYTES (IBP_EXP_WARP_STAGE_BYTES + IBP_EXP_WARP_MAX_ROW / 2)
+#define IBP_EXP_WARP_SMEM_VEC (IBP_EXP_WARP_SMEM_BYTES / 16)  // uint4 words per warp (3088 bytes)
+#define IBP_EXP_WARP_WORDS ((IBP_EXP_WARP_MAX_ROW + 6 + 127) / 128)  // 4-byte loads per lane (<= 3 + n + 3 bytes)
+
+// The warp copies one row (n <= IBP_EXP_WARP_MAX_ROW bytes at src: device or pinned host memory, any alignment)
+// into dst (4-byte aligned shared memory) as whole words (bytes past n up to the word end get any content). All of
+// a lane's loads are issued before any store (latency of zero-copy reads overlaps), each warp load covers 128
+// contiguous bytes, and only the aligned words that overlap the row are read (as ibp_stage_rows does for 32 rows).
+__device__ __forceinline__ void ibp_exp_stage_row(const unsigned char* src, int n, unsigned int* dst, int lane) {
+  const unsigned long long sp = reinterpret_cast<unsigned long long>(src);
+  const int a = (int)(sp & 3);
+  const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
+  const int nw = n > 0 ? (a + n + 3) >> 2 : 0;
+  const int out_words = n > 0 ? (n + 3) >> 2 : 0;
+  unsigned int v[IBP_EXP_WARP_WORDS];
+#pragma unroll
+  for (int k = 0; k < IBP_EXP_WARP_WORDS; ++k) {
+    const int w = lane + 32 * k;
+    v[k] = w < nw ? words[w] : 0u;
+  }
+#pragma unroll
+  for (int k = 0; k < IBP_EXP_WARP_WORDS; ++k) {
+    const unsigned int next_lane = __shfl_down_sync(IBP_EXP_FULL, v[k], 1);
+    const unsigned int wrap = __shfl_sync(IBP_EXP_FULL, k + 1 < IBP_EXP_WARP_WORDS ? v[k + 1] : 0u, 0);
+    const unsigned int hi = lane == 31 ? wrap : next_lane;
+    const int j = lane + 32 * k;
+    if (j < out_words) dst[j] = __funnelshift_r(v[k], hi, 8 * a);
+  }
+}
+
+// Decode one stored row with the whole warp (all 32 lanes call it with the same arguments).
+//   src, len     the stored row: len bytes at src (device memory, or pinned host memory read zero-copy; any
+//                alignment). Only the aligned 4-byte words overlapping [src, src + n) are read, n = len for a
+//                coded row, row_bytes for a raw one.
+//   compressed   false: the row is stored raw (row_bytes bytes); true: coded, so 1 <= len < row_bytes.
+//   dst          the output row, d elements of T (aligned to sizeof(T); 16-bit rows use 4-byte stores when dst is
+//                4-byte aligned).
+//   g, lut, max_bits   the code (IbpExpGeom; decode table of 2^max_bits entries); g.row_bytes <=
+//                IBP_EXP_WARP_MAX_ROW.
+//   smem         this warp's IBP_EXP_WARP_SMEM_VEC uint4 of shared memory (16-byte aligned), used only inside.
+// Steps: the warp stages the row into smem (coalesced 4-byte loads); lanes s < n_seg decode segment s's codewords
+// into one exponent byte per element in smem; then every lane assembles elements j = lane, lane + 32, ... from the
+// raw field at its fixed bit position and the exponent byte, and stores them (coalesced).
+// Returns true (every lane) when the row decoded; false (every lane) when it is malformed: len out of range, a
+// segment starting past the row, or a codeword ending past len bytes; no read goes past the staged row then, and dst
+// may hold partial output. Ends with __syncwarp(), so the caller may reuse smem for the next row at once.
+template <typename T>
+__device__ bool ibp_exp_decode_row_warp(const unsigned char* src, int len, bool compressed, T* __restrict__ dst,
+                                        const IbpExpGeom g, const int* __restrict__ lut, int max_bits, uint4* smem,
+                                        int lane) {
+  unsigned int* w = reinterpret_cast<unsigned int*>(smem);
+  unsigned char* ex = reinterpret_cast<unsigned char*>(smem) + IBP_EXP_WARP_STAGE_BYTES;
+  if (compressed && (len < 1 || len >= g.row_bytes)) return false;
+  ibp_exp_stage_row(src, compressed ? len : g.row_bytes, w, lane);
+  __syncwarp();
+  const bool pairs = sizeof(T) == 2 && (reinterpret_cast<unsigned long long>(dst) & 3) == 0;
+  if (!compressed) {  // stored raw: little-endian elements
+    if (sizeof(T) == 4) {
+      for (int j = lane; j < g.d; j += 32) dst[j] = (T)w[j];
+    } else if (pairs) {
+      for (int p = lane; p < g.d / 2; p += 32) reinterpret_cast<unsigned int*>(dst)[p] = w[p];
+      if ((g.d & 1) && lane == 0) dst[g.d - 1] = (T)(w[(g.d - 1) >> 1] & 0xFFFFu);
+    } else {
+      for (int j = lane; j < g.d; j += 32) dst[j] = (T)(w[j >> 1] >> (16 * (j & 1)));
+    }
+    __syncwarp();
+    return true;
+  }
+  const i64 lim = (i64)len * 8;
+  const int hdr_bits = (g.n_seg - 1) * g.hdr_field;
+  const i64 code0 = hdr_bits + (i64)g.d * g.raw_bits;
+  bool ok = code0 <= lim;
+  if (ok) {
+    const u64 field_mask = (1ull << g.hdr_field) - 1ull;
+    for (int s = lane; s < g.n_seg; s += 32) {
+      // pos <= lim before every window read: the read then stays within the staged words + 12 bytes
+      i64 pos = code0 + (s > 0 ? (i64)(ibp_exp_window_words(w, (i64)(s - 1) * g.hdr_field) & field_mask) : 0);
+      const int j1 = min(g.d, (s + 1) * g.seg);
+      for (int j = s * g.seg; j < j1 && pos <= lim; ++j) {
+        const int e = ibp_exp_lookup(ibp_exp_window_words(w, pos), lut, max_bits);
+        pos += e & 0xFF;
+        ex[j] = (unsigned char)(e >> 8);
+      }
+      if (pos > lim) ok = false;
+    }
+  }
+  ok = __all_sync(IBP_EXP_FULL, ok);
+  __syncwarp();  // the exponent bytes of every segment are visible to every lane
+  if (ok) {
+    const unsigned raw_mask = (1u << g.raw_bits) - 1u;
+    if (sizeof(T) == 4) {
+      for (int j = lane; j < g.d; j += 32) {
+        const unsigned raw = (unsigned)ibp_exp_window_words(w, hdr_bits + (i64)j * g.raw_bits) & raw_mask;
+        dst[j] = (T)ibp_exp_element<T>(raw, ex[j], g.eshift);
+      }
+    } else {
+      for (int p = lane; 2 * p < g.d; p += 32) {
+        const int j = 2 * p;
+        const unsigned raw0 = (unsigned)ibp_exp_window_words(w, hdr_bits + (i64)j * g.raw_bits) & raw_mask;
+        const unsigned v0 = ibp_exp_element<T>(raw0, ex[j], g.eshift);
+        if (j + 1 < g.d) {
+          const unsigned raw1 = (unsigned)ibp_exp_window_words(w, hdr_bits + (i64)(j + 1) * g.raw_bits) & raw_mask;
+          const unsigned v1 = ibp_exp_element<T>(raw1, ex[j + 1], g.eshift);
+          if (pairs) {
+            reinterpret_cast<unsigned int*>(dst)[p] = v0 | (v1 << 16);
+          } else {
+            dst[j] = (T)v0;
+            dst[j + 1] = (T)v1;
+          }
+        } else {
+          dst[j] = (T)v0;
+        }
+      }
+    }
+  }
+  __syncwarp();  // smem is free for the caller's next row
+  return ok;
+}
+
+// The same decode for rows wider than IBP_EXP_WARP_MAX_ROW, without shared memory: lane s decodes segment s and
+// writes its elements itself, reading the stored bytes with bounded byte loads. Correct for any width; slow over
+// PCIe (many small reads), which is why rows up to IBP_EXP_WARP_MAX_ROW go through ibp_exp_decode_row_warp.
+template <typename T>
+__device__ bool ibp_exp_decode_row_direct(const unsigned char* src, int len, bool compressed, T* __restrict__ dst,
+                                          const IbpExpGeom g, const int* __restrict__ lut, int max_bits, int lane) {
+  if (!compressed) {
+    unsigned char* out = reinterpret_cast<unsigned char*>(dst);
+    for (int b = lane; b < g.row_bytes; b += 32) out[b] = src[b];
+    return true;
+  }
+  if (len < 1 || len >= g.row_bytes) return false;
+  const i64 lim = (i64)len * 8;
+  const int hdr_bits = (g.n_seg - 1) * g.hdr_field;
+  const i64 code0 = hdr_bits + (i64)g.d * g.raw_bits;
+  bool ok = code0 <= lim;
+  if (ok) {
+    const u64 field_mask = (1ull << g.hdr_field) - 1ull;
+    const unsigned raw_mask = (1u << g.raw_bits) - 1u;
+    for (int s = lane; s < g.n_seg; s += 32) {
+      i64 pos = code0 + (s > 0 ? (i64)(ibp_exp_window(src, len, (i64)(s - 1) * g.hdr_field) & field_mask) : 0);
+      const int j1 = min(g.d, (s + 1) * g.seg);
+      for (int j = s * g.seg; j < j1 && pos <= lim; ++j) {
+        const int e = ibp_exp_lookup(ibp_exp_window(src, len, pos), lut, max_bits);
+        pos += e & 0xFF;
+        const unsigned raw = (unsigned)ibp_exp_window(src, len, hdr_bits + (i64)j * g.raw_bits) & raw_mask;
+        dst[j] = (T)ibp_exp_element<T>(raw, (unsigned)(e >> 8), g.eshift);
+      }
+      if (pos > lim) ok = false;
+    }
+  }
+  return __all_sync(IBP_EXP_FULL, ok);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------------------------
+
+// Where rows come from and go: out row i (or out_rows[i]) = stored row ids[i] (or i) of a store whose row id sits
+// at base + offsets[id] (or id * row_bytes) with lengths[id] bytes. err[0] = 1 + the first i whose row is malformed,
+// err[1] = 1 + the first i whose id is outside [0, n_rows) (nothing is written for it).
+#define IBP_EXP_GATHER_PARAMS                                                                                          \
+  const i64 *__restrict__ ids, i64 n, const unsigned char *base, const i64 *__restrict__ offsets,                     \
+      const int *__restrict__ lengths, i64 n_rows, unsigned char *__restrict__ out, const i64 *__restrict__ out_rows,  \
+      i64 *err
+#define IBP_EXP_GEOM_PARAMS int d, int eshift, int emask, int raw_bits, int row_bytes, int seg, int n_seg, int hdr_field
+#define IBP_EXP_GEOM_ARGS ibp_exp_geom(d, eshift, emask, raw_bits, row_bytes, seg, n_seg, hdr_field)
+
+__device__ __forceinline__ void ibp_exp_flag(i64* err, int which, i64 i) {
+  atomicCAS(reinterpret_cast<unsigned long long*>(err + which), 0ull, (unsigned long long)(i + 1));
+}
+
+template <typename T>
+__device__ __forceinline__ void ibp_exp_sizes_impl(const unsigned char* __restrict__ x, i64 n, const IbpExpGeom g,
+                                                   const unsigned char* __restrict__ code_len,
+                                                   int* __restrict__ lengths) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+    lengths[i] = ibp_exp_row_len<T>(reinterpret_cast<const T*>(x + i * (i64)g.row_bytes), g, code_len);
+}
+
+// Row i of x goes to address dst_ptrs[i] (room for its length; row_bytes when unknown); lengths[i] = its length.
+template <typename T>
+__device__ __forceinline__ void ibp_exp_encode_impl(const unsigned char* __restrict__ x, i64 n, const IbpExpGeom g,
+                                                    const unsigned char* __restrict__ code_len,
+                                                    const unsigned int* __restrict__ code_rev,
+                                                    const i64* __restrict__ dst_ptrs, int* __restrict__ lengths) {
+  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const T* src = reinterpret_cast<const T*>(x + i * (i64)g.row_bytes);
+    const int len = ibp_exp_row_len<T>(src, g, code_len);
+    ibp_exp_encode_row_t<T>(src, g, len, code_len, code_rev, reinterpret_cast<unsigned char*>(dst_ptrs[i]));
+    lengths[i] = len;
+  }
+}
+
+// Staged decode of one-segment rows <= IBP_EXP_MAX_ROW bytes: a warp takes 32 rows, copies their stored bytes into
+// shared memory (ibp_stage_rows: coalesced, batched loads, what a zero-copy read over PCIe needs), then every lane
+// decodes one row from there in one pass (ibp_exp_decode_row_words_t). The KV fetch (kv_packed.cu) decodes the same
+// way.
+template <typename T>
+__device__ __forceinline__ void ibp_exp_decode_staged_impl(IBP_EXP_GATHER_PARAMS, const IbpExpGeom g,
+                                                           const int* __restrict__ lut, int max_bits) {
   __shared__ uint4 stage[IBP_EXP_WARPS][IBP_EXP_STAGE_VEC];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned char* mine = reinterpret_cast<unsigned char*>(stage[warp]);
   const i64 step = (i64)gridDim.x * IBP_EXP_WARPS * 32;
   for (i64 first = ((i64)blockIdx.x * IBP_EXP_WARPS + warp) * 32; first < n; first += step) {
     const i64 i = first + lane;
-    const int len = i < n ? lengths[i] : 0;
-    const int copy = len < 0 ? 0 : (len < IBP_EXP_MAX_ROW ? len : IBP_EXP_MAX_ROW);
-    ibp_stage_rows(i < n ? base + offsets[i] : base, copy, mine, IBP_EXP_STRIDE, lane);
+    const i64 id = i < n ? (ids ? ids[i] : i) : -1;
+    const bool valid = id >= 0 && id < n_rows;
+    if (i < n && !valid) ibp_exp_flag(err, 1, i);
+    const int len = valid ? lengths[id] : 0;
+    const int copy = len < 0 ? 0 : (len < g.row_bytes ? len : g.row_bytes);  // row_bytes <= IBP_EXP_MAX_ROW
+    const unsigned char* src = valid ? base + (offsets ? offsets[id] : id * (i64)g.row_bytes) : base;
+    ibp_stage_rows(src, copy, mine, IBP_EXP_STRIDE, lane);
     __syncwarp();
-    if (i < n) {
-      if (len > row_bytes || !ibp_exp_decode_row_words(mine + lane * IBP_EXP_STRIDE, len, d, eshift, raw_bits,
-                                                       row_bytes, lut, max_bits, out + i * d)) {
-        atomicCAS(reinterpret_cast<unsigned long long*>(err), 0ull, (unsigned long long)(i + 1));
-      }
+    if (valid) {
+      T* o = reinterpret_cast<T*>(out + (out_rows ? out_rows[i] : i) * (i64)g.row_bytes);
+      if (len > g.row_bytes || !ibp_exp_decode_row_words_t<T>(mine + lane * IBP_EXP_STRIDE, len, g.d, g.eshift,
+                                                              g.raw_bits, g.row_bytes, lut, max_bits, o))
+        ibp_exp_flag(err, 0, i);
     }
     __syncwarp();
   }
 }
 
-// rows i in [0, n): out[i] = decode(base + offsets[i], lengths[i]); a row that overruns sets *err to 1 + i.
-// Any row size; reads the stored bytes thread by thread (device-resident data, or rows > IBP_EXP_MAX_ROW).
-extern "C" __global__ void ibp_exp_decode(const unsigned char* __restrict__ base, const i64* __restrict__ offsets,
-                                          const int* __restrict__ lengths, i64 n, int d, int eshift, int raw_bits,
-                                          int row_bytes, const int* __restrict__ lut, int max_bits,
-                                          unsigned short* __restrict__ out, i64* __restrict__ err) {
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-    if (!ibp_exp_decode_row(base + offsets[i], lengths[i], d, eshift, raw_bits, row_bytes, lut, max_bits,
-                            out + i * d)) {
-      atomicCAS(reinterpret_cast<unsigned long long*>(err), 0ull, (unsigned long long)(i + 1));
+#define IBP_EXP_GATHER_WARPS 8  // warps per block of ibp_exp_gather (8 * 3088 bytes of shared memory)
+
+// A row per warp: ibp_exp_decode_row_warp for rows up to IBP_EXP_WARP_MAX_ROW bytes, ibp_exp_decode_row_direct past.
+template <typename T>
+__device__ __forceinline__ void ibp_exp_gather_impl(IBP_EXP_GATHER_PARAMS, const IbpExpGeom g,
+                                                    const int* __restrict__ lut, int max_bits) {
+  __shared__ uint4 smem[IBP_EXP_GATHER_WARPS][IBP_EXP_WARP_SMEM_VEC];
+  const int lane = threadIdx.x & 31;
+  uint4* mine = smem[threadIdx.x >> 5];
+  const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+  const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+  const bool staged = g.row_bytes <= IBP_EXP_WARP_MAX_ROW;
+  for (i64 i = warp; i < n; i += nwarps) {
+    const i64 id = ids ? ids[i] : i;
+    if (id < 0 || id >= n_rows) {
+      if (lane == 0) ibp_exp_flag(err, 1, i);
+      continue;
     }
-  }
-}
-
-// Stored bytes of one row of d elements (row_bytes when it would not shrink). Shared with kv_packed.cu.
-__device__ __forceinline__ int ibp_exp_row_bytes(const unsigned short* __restrict__ src, int d, int eshift,
-                                                 int emask, int raw_bits, int row_bytes,
-                                                 const unsigned char* __restrict__ code_len) {
-  i64 bits = (i64)d * raw_bits;
-  for (int j = 0; j < d; ++j) bits += code_len[(src[j] >> eshift) & emask];
-  const i64 bytes = (bits + 7) >> 3;
-  return bytes >= row_bytes ? row_bytes : (int)bytes;
-}
-
-// Stored length of every row (bytes; row_bytes when it would not shrink).
-extern "C" __global__ void ibp_exp_sizes(const unsigned short* __restrict__ x, i64 n, int d, int eshift, int emask,
-                                         int raw_bits, int row_bytes, const unsigned char* __restrict__ code_len,
-                                         int* __restrict__ lengths) {
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-    lengths[i] = ibp_exp_row_bytes(x + i * d, d, eshift, emask, raw_bits, row_bytes, code_len);
-  }
-}
-
-// Append `nbits` (<= 32) of `value`, least significant first, to the bit accumulator; flush whole bytes.
-__device__ __forceinline__ void ibp_exp_put(unsigned char* __restrict__ dst, i64& byte, u64& acc, int& fill,
-                                            u64 value, int nbits) {
-  acc |= value << fill;
-  fill += nbits;
-  while (fill >= 8) {
-    dst[byte++] = (unsigned char)(acc & 0xFF);
-    acc >>= 8;
-    fill -= 8;
-  }
-}
-
-// Encode one row (d elements at src) into exactly `len` bytes at row (len from ibp_exp_row_bytes; len ==
-// row_bytes: stored raw, little-endian elements). Writes bytes in order, never reads row. Shared with kv_packed.cu.
-__device__ __forceinline__ void ibp_exp_encode_row(const unsigned short* __restrict__ src, int d, int eshift,
-                                                   int emask, int raw_bits, int row_bytes, int len,
-                                                   const unsigned char* __restrict__ code_len,
-                                                   const unsigned int* __restrict__ code_rev,
-                                                   unsigned char* __restrict__ row) {
-  if (len == row_bytes) {
-    for (int j = 0; j < d; ++j) {
-      row[2 * j] = (unsigned char)(src[j] & 0xFF);
-      row[2 * j + 1] = (unsigned char)(src[j] >> 8);
+    const int len = lengths[id];
+    const unsigned char* src = base + (offsets ? offsets[id] : id * (i64)g.row_bytes);
+    T* dst = reinterpret_cast<T*>(out + (out_rows ? out_rows[i] : i) * (i64)g.row_bytes);
+    const bool coded = len < g.row_bytes;
+    bool ok = len <= g.row_bytes;
+    if (ok) {
+      ok = staged ? ibp_exp_decode_row_warp<T>(src, len, coded, dst, g, lut, max_bits, mine, lane)
+                  : ibp_exp_decode_row_direct<T>(src, len, coded, dst, g, lut, max_bits, lane);
     }
-    return;
+    if (!ok && lane == 0) ibp_exp_flag(err, 0, i);
   }
-  const unsigned mant_mask = (1u << eshift) - 1u;
-  i64 byte = 0;
-  u64 acc = 0;
-  int fill = 0;
-  for (int j = 0; j < d; ++j) {
-    const unsigned v = src[j];
-    ibp_exp_put(row, byte, acc, fill, ((v >> 15) << eshift) | (v & mant_mask), raw_bits);
-  }
-  for (int j = 0; j < d; ++j) {
-    const unsigned e = (src[j] >> eshift) & (unsigned)emask;
-    ibp_exp_put(row, byte, acc, fill, code_rev[e], code_len[e]);  // codeword bit-reversed: MSB goes first
-  }
-  if (fill > 0) row[byte++] = (unsigned char)(acc & 0xFF);
 }
 
-// Encode row i of x (uint16 [n, d]) at dst + offsets[i]; lengths from ibp_exp_sizes.
-extern "C" __global__ void ibp_exp_encode(const unsigned short* __restrict__ x, i64 n, int d, int eshift, int emask,
-                                          int raw_bits, int row_bytes, const unsigned char* __restrict__ code_len,
-                                          const unsigned int* __restrict__ code_rev,
-                                          const i64* __restrict__ offsets, const int* __restrict__ lengths,
-                                          unsigned char* __restrict__ dst) {
-  for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-    ibp_exp_encode_row(x + i * d, d, eshift, emask, raw_bits, row_bytes, lengths[i], code_len, code_rev,
-                       dst + offsets[i]);
+#define IBP_EXP_KERNELS(E, T)                                                                                          \
+  extern "C" __global__ void ibp_exp_sizes_e##E(const unsigned char* x, i64 n, IBP_EXP_GEOM_PARAMS,                   \
+                                                const unsigned char* code_len, int* lengths) {                        \
+    ibp_exp_sizes_impl<T>(x, n, IBP_EXP_GEOM_ARGS, code_len, lengths);                                                \
+  }                                                                                                                    \
+  extern "C" __global__ void ibp_exp_encode_e##E(const unsigned char* x, i64 n, IBP_EXP_GEOM_PARAMS,                  \
+                                                 const unsigned char* code_len, const unsigned int* code_rev,          \
+                                                 const i64* dst_ptrs, int* lengths) {                                 \
+    ibp_exp_encode_impl<T>(x, n, IBP_EXP_GEOM_ARGS, code_len, code_rev, dst_ptrs, lengths);                          \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(32 * IBP_EXP_WARPS)                                                     \
+      ibp_exp_decode_staged_e##E(IBP_EXP_GATHER_PARAMS, IBP_EXP_GEOM_PARAMS, const int* lut, int max_bits) {          \
+    ibp_exp_decode_staged_impl<T>(ids, n, base, offsets, lengths, n_rows, out, out_rows, err, IBP_EXP_GEOM_ARGS, lut, \
+                                  max_bits);                                                                           \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(32 * IBP_EXP_GATHER_WARPS)                                              \
+      ibp_exp_gather_e##E(IBP_EXP_GATHER_PARAMS, IBP_EXP_GEOM_PARAMS, const int* lut, int max_bits) {                 \
+    ibp_exp_gather_impl<T>(ids, n, base, offsets, lengths, n_rows, out, out_rows, err, IBP_EXP_GEOM_ARGS, lut,        \
+                           max_bits);                                                                                  \
   }
-}
+
+IBP_EXP_KERNELS(2, unsigned short)
+IBP_EXP_KERNELS(4, unsigned int)

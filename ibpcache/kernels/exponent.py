@@ -1,12 +1,14 @@
-"""Launchers for ``exponent.cu``: GPU encode/decode of exponent-coded bf16/fp16 rows (thread per row).
+"""Launchers for ``exponent.cu``: GPU size, encode and gather + decode of exponent-coded float rows.
 
-The format and its CPU reference live in ``ibpcache/exponent.py``; these produce and read the same bytes. The
-kernels take plain tensors and geometry (no codec object): the codec layer builds :class:`ExponentTables`.
+The format and its CPU twin live in ``exponent_cpu.py`` (same bytes); the codec (``ibpcache/exponent.py``) builds
+the :class:`ExponentTables` these take, so the kernels never see a codec object. Every launch goes on torch's
+current stream; nothing here synchronizes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -14,18 +16,24 @@ import torch
 from ._build import device_index, launch
 from .bitpack import sm_count
 
-__all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_decode"]
+__all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_gather", "STAGED_MAX_ROW", "WARP_MAX_ROW"]
 
 _SRC = "exponent.cu"
 _THREADS = 128
 _STAGED_WARPS = 4  # IBP_EXP_WARPS
-STAGED_MAX_ROW = 256  # IBP_EXP_MAX_ROW
+_GATHER_WARPS = 8  # IBP_EXP_GATHER_WARPS
+STAGED_MAX_ROW = 256  # IBP_EXP_MAX_ROW: one-segment rows up to this many bytes decode a row per lane
+WARP_MAX_ROW = 2048  # IBP_EXP_WARP_MAX_ROW: rows up to this many bytes are staged in shared memory by the warp decode
 
 
 @dataclass(frozen=True)
 class ExponentTables:
-    """Device tables of one exponent code: ``code_len`` uint8 [S], ``code_rev`` int32 [S] (codewords bit-reversed
-    over their length), ``lut`` int32 [2**max_bits] ((symbol << 8) | length), plus the element geometry."""
+    """Device tables of one exponent code and its row geometry.
+
+    ``code_len`` uint8 [2**ebits], ``code_rev`` int32 [2**ebits] (codewords bit-reversed over their length),
+    ``lut`` int32 [2**max_bits] ((symbol << 8) | length); rows of ``row_elems`` elements of ``elem_bytes`` bytes in
+    ``n_seg`` segments of ``seg`` elements, whose starts take ``hdr_field`` bits each in the row header.
+    """
 
     code_len: torch.Tensor
     code_rev: torch.Tensor
@@ -36,78 +44,117 @@ class ExponentTables:
     raw_bits: int
     row_elems: int
     row_bytes: int
+    elem_bytes: int
+    seg: int
+    n_seg: int
+    hdr_field: int
+
+    def __post_init__(self) -> None:
+        if self.elem_bytes not in (2, 4) or self.row_bytes != self.elem_bytes * self.row_elems:
+            raise ValueError(f"ExponentTables: {self.row_elems} elements of {self.elem_bytes} bytes are not "
+                             f"{self.row_bytes}-byte rows")
+        if self.n_seg != -(-self.row_elems // self.seg) or self.hdr_field not in (16, 32):
+            raise ValueError(f"ExponentTables: {self.n_seg} segments of {self.seg} do not cover {self.row_elems} "
+                             f"elements, or hdr_field {self.hdr_field} is not 16/32")
+
+    @property
+    def device(self) -> torch.device:
+        return self.lut.device
 
 
-def _p(t: torch.Tensor) -> np.uint64:
-    return np.uint64(t.data_ptr())
+def _p(t: "torch.Tensor | None") -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def _geometry(tab: ExponentTables) -> tuple:
-    """(d, eshift, emask, raw_bits, row_bytes) as the sizes/encode kernels take them."""
-    return (np.int32(tab.row_elems), np.int32(tab.eshift), np.int32(tab.emask), np.int32(tab.raw_bits),
-            np.int32(tab.row_bytes))
+    """(d, eshift, emask, raw_bits, row_bytes, seg, n_seg, hdr_field) as every kernel takes them."""
+    return tuple(np.int32(v) for v in (tab.row_elems, tab.eshift, tab.emask, tab.raw_bits, tab.row_bytes, tab.seg,
+                                       tab.n_seg, tab.hdr_field))
 
 
-def _grid(n: int, dev: int) -> int:
-    return max(1, min(-(-n // _THREADS), sm_count(dev) * 8))
+def _grid(n: int, dev: int, per_block: int) -> int:
+    return max(1, min(-(-n // per_block), sm_count(dev) * 8))
 
 
-def _dev(t: torch.Tensor, what: str) -> int:
-    if not t.is_cuda:
-        raise ValueError(f"{what}: expected a CUDA tensor")
-    return device_index(t)
+def _check_rows(rows_u8: torch.Tensor, tab: ExponentTables, name: str) -> int:
+    """Rows as the size/encode kernels read them; returns the device ordinal."""
+    if (not rows_u8.is_cuda or rows_u8.dtype != torch.uint8 or rows_u8.dim() != 2 or not rows_u8.is_contiguous()
+            or rows_u8.shape[1] != tab.row_bytes):
+        raise ValueError(f"{name}: expected contiguous CUDA uint8 [N, {tab.row_bytes}] rows, got {rows_u8.dtype} "
+                         f"{tuple(rows_u8.shape)} on {rows_u8.device}")
+    if rows_u8.data_ptr() % tab.elem_bytes:
+        raise ValueError(f"{name}: rows must start at a multiple of {tab.elem_bytes} bytes (their elements are read "
+                         "as such)")
+    if tab.lut.device != rows_u8.device:
+        raise ValueError(f"tables are on {tab.lut.device}, the rows on {rows_u8.device}")
+    return device_index(rows_u8)
 
 
-def _rows_u16(x: torch.Tensor, tab: ExponentTables) -> torch.Tensor:
-    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_contiguous() or x.numel() % tab.row_elems:
-        raise ValueError("exponent kernels: x must be contiguous bf16/fp16 rows of the codec's size")
-    return x.view(torch.int16)
-
-
-def exp_sizes(x: torch.Tensor, tab: ExponentTables) -> torch.Tensor:
-    """int32 [N]: stored bytes of every row of ``x`` (CUDA)."""
-    dev = _dev(x, "x")
-    u = _rows_u16(x, tab)
-    n = u.numel() // tab.row_elems
-    lengths = torch.empty(n, dtype=torch.int32, device=x.device)
+def exp_sizes(rows_u8: torch.Tensor, tab: ExponentTables) -> torch.Tensor:
+    """int32 [N]: stored bytes of every row of ``rows_u8`` (CUDA uint8 [N, row_bytes])."""
+    dev = _check_rows(rows_u8, tab, "rows_u8")
+    n = rows_u8.shape[0]
+    lengths = torch.empty(n, dtype=torch.int32, device=rows_u8.device)
     if n:
-        launch(_SRC, "ibp_exp_sizes", dev, _grid(n, dev), _THREADS,
-               (_p(u), np.int64(n), *_geometry(tab), _p(tab.code_len), _p(lengths)))
+        launch(_SRC, f"ibp_exp_sizes_e{tab.elem_bytes}", dev, _grid(n, dev, _THREADS), _THREADS,
+               (_p(rows_u8), np.int64(n), *_geometry(tab), _p(tab.code_len), _p(lengths)))
     return lengths
 
 
-def exp_encode(x: torch.Tensor, tab: ExponentTables, offsets: torch.Tensor, lengths: torch.Tensor,
-               dst: torch.Tensor) -> None:
-    """Write every row of ``x`` at ``dst[offsets[i]:][:lengths[i]]`` (``dst`` uint8, device or pinned host)."""
-    dev = _dev(x, "x")
-    u = _rows_u16(x, tab)
-    n = u.numel() // tab.row_elems
-    if offsets.dtype != torch.int64 or lengths.dtype != torch.int32 or dst.dtype != torch.uint8:
-        raise ValueError("exp_encode: offsets int64, lengths int32, dst uint8")
+def exp_encode(rows_u8: torch.Tensor, tab: ExponentTables, dst_ptrs: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Encode row i of ``rows_u8`` to address ``dst_ptrs[i]`` (device memory or pinned host memory through UVA; room
+    for its stored length); ``lengths[i]`` (int32, CUDA) gets that length."""
+    dev = _check_rows(rows_u8, tab, "rows_u8")
+    n = rows_u8.shape[0]
+    for name, t, dt in (("dst_ptrs", dst_ptrs, torch.int64), ("lengths", lengths, torch.int32)):
+        if t.dtype != dt or t.shape != (n,) or not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
     if n:
-        launch(_SRC, "ibp_exp_encode", dev, _grid(n, dev), _THREADS,
-               (_p(u), np.int64(n), *_geometry(tab), _p(tab.code_len), _p(tab.code_rev), _p(offsets), _p(lengths),
-                _p(dst)))
+        launch(_SRC, f"ibp_exp_encode_e{tab.elem_bytes}", dev, _grid(n, dev, _THREADS), _THREADS,
+               (_p(rows_u8), np.int64(n), *_geometry(tab), _p(tab.code_len), _p(tab.code_rev), _p(dst_ptrs),
+                _p(lengths)))
 
 
-def exp_decode(base: int, offsets: torch.Tensor, lengths: torch.Tensor, tab: ExponentTables, out: torch.Tensor,
-               err: torch.Tensor) -> None:
-    """``out`` (bf16/fp16 [N, D] contiguous, CUDA) = the rows stored at ``base + offsets[i]`` (a device address,
-    or a pinned host one read zero-copy). ``err`` int64 [1] (device) gets 1 + the first row that overruns."""
-    dev = _dev(out, "out")
-    n = offsets.numel()
-    if offsets.dtype != torch.int64 or lengths.dtype != torch.int32 or lengths.numel() != n:
-        raise ValueError("exp_decode: offsets int64 [N] and lengths int32 [N]")
-    if out.numel() != n * tab.row_elems or not out.is_contiguous():
-        raise ValueError("exp_decode: out must be contiguous [N, row_elems]")
-    if n and tab.row_bytes <= STAGED_MAX_ROW:  # the usual case: coalesced staging, then a row per lane
-        grid = max(1, min(-(-n // (32 * _STAGED_WARPS)), sm_count(dev) * 8))
-        launch(_SRC, "ibp_exp_decode_staged", dev, grid, 32 * _STAGED_WARPS,
-               (np.uint64(base), _p(offsets), _p(lengths), np.int64(n), np.int32(tab.row_elems), np.int32(tab.eshift),
-                np.int32(tab.raw_bits), np.int32(tab.row_bytes), _p(tab.lut), np.int32(tab.max_bits), _p(out),
-                _p(err)))
-    elif n:
-        launch(_SRC, "ibp_exp_decode", dev, _grid(n, dev), _THREADS,
-               (np.uint64(base), _p(offsets), _p(lengths), np.int64(n), np.int32(tab.row_elems), np.int32(tab.eshift),
-                np.int32(tab.raw_bits), np.int32(tab.row_bytes), _p(tab.lut), np.int32(tab.max_bits), _p(out),
-                _p(err)))
+def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor, ids: Optional[torch.Tensor],
+               n_rows: int, tab: ExponentTables, out_u8: torch.Tensor, err: torch.Tensor,
+               out_rows: Optional[torch.Tensor] = None) -> None:
+    """Decode stored rows into ``out_u8`` (CUDA uint8 [M, row_bytes], contiguous).
+
+    Row ``ids[i]`` (or ``i`` when ``ids`` is None, M = ``n_rows``) of a store whose row ``r`` is ``lengths[r]``
+    bytes at address ``base + offsets[r]`` (``offsets`` None: ``r * row_bytes``) goes to ``out_u8[i]`` (or
+    ``[out_rows[i]]``). ``base`` is a device address or a pinned host one (read zero-copy). One-segment rows up to
+    :data:`STAGED_MAX_ROW` bytes decode a row per lane, everything else a row per warp. ``err`` (int64 [2], CUDA):
+    ``err[0]`` = 1 + the first i whose row is malformed, ``err[1]`` = 1 + the first i whose id is out of range.
+    """
+    if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
+            or out_u8.shape[1] != tab.row_bytes or out_u8.data_ptr() % tab.elem_bytes):
+        raise ValueError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned to "
+                         f"{tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on {out_u8.device}")
+    dev = device_index(out_u8)
+    m = int(ids.numel()) if ids is not None else int(n_rows)
+    checks = [("lengths", lengths, torch.int32, n_rows), ("err", err, torch.int64, 2)]
+    if offsets is not None:
+        checks.append(("offsets", offsets, torch.int64, n_rows))
+    if ids is not None:
+        checks.append(("ids", ids, torch.int64, m))
+    if out_rows is not None:
+        checks.append(("out_rows", out_rows, torch.int64, m))
+    for name, t, dt, size in checks:
+        if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != out_u8.device:
+            raise ValueError(f"{name}: expected a contiguous {dt} tensor of {size} elements on {out_u8.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if out_rows is None and out_u8.shape[0] != m:
+        raise ValueError(f"out_u8: expected {m} rows, got {out_u8.shape[0]}")
+    if tab.lut.device != out_u8.device:
+        raise ValueError(f"tables are on {tab.lut.device}, the output on {out_u8.device}")
+    if m == 0:
+        return
+    args = (_p(ids), np.int64(m), np.uint64(base), _p(offsets), _p(lengths), np.int64(n_rows), _p(out_u8),
+            _p(out_rows), _p(err), *_geometry(tab), _p(tab.lut), np.int32(tab.max_bits))
+    if tab.n_seg == 1 and tab.row_bytes <= STAGED_MAX_ROW:
+        launch(_SRC, f"ibp_exp_decode_staged_e{tab.elem_bytes}", dev, _grid(m, dev, 32 * _STAGED_WARPS),
+               32 * _STAGED_WARPS, args)
+    else:
+        launch(_SRC, f"ibp_exp_gather_e{tab.elem_bytes}", dev, max(1, min(-(-m // _GATHER_WARPS), sm_count(dev) * 16)),
+               32 * _GATHER_WARPS, args)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ._build import device_index, launch
-from .bitpack import sm_count
+from .bitpack import check_ibp_tables, sm_count
 from .hashmap import IndexArgs
 from .tables import KernelTables
 
@@ -177,6 +177,7 @@ def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: KernelTab
 
 
 def _check(ids: torch.Tensor, out: torch.Tensor, tables: KernelTables, err_ptr: int) -> int:
+    check_ibp_tables(tables)  # the lookup decodes IBP rows only: another codec's tables are an error, not garbage
     assert ids.dtype == torch.int64 and ids.is_cuda and ids.is_contiguous()
     assert out.dtype == torch.uint8 and out.is_cuda and out.is_contiguous()
     assert err_ptr != 0, "err must point at pinned host memory (two int32 words)"
