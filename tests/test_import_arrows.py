@@ -96,3 +96,12 @@ def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None
                    "def f():\n    from ..cache import entry\n    import scripts.x\n")
     mods = [m for _, m in _imports(src, "ibpcache.kernels.probe")]
     assert "ibpcache.codec" in mods and "ibpcache.cache" in mods and "scripts.x" in mods
+
+
+@pytest.mark.parametrize("path", sorted((PKG / "cache").glob("plan_*.py")), ids=lambda p: p.name)
+def test_planners_import_no_store(path: Path) -> None:
+    """The planners decide for the stores and caches (which import them); a planner importing a store back would
+    make a cycle (the host store imports the layout and transfer planners at module level)."""
+    engine = {mod for _, mod in _imports(path) if mod.startswith("ibpcache.cache.")}
+    stores = sorted(mod for mod in engine if not mod.startswith("ibpcache.cache._plan_timing"))
+    assert not stores, f"{path.name} imports {stores}"

@@ -28,7 +28,7 @@ import torch
 from ..codec import Codec
 from .host_store import HostStore
 from .ordering import StreamOrder
-from .planner import PathPlanner
+from .plan_path import PathPlanner
 from .policy import EvictionStrategy
 
 __all__ = ["CachedRowManager", "Prepared", "FusedLookup"]

@@ -526,7 +526,7 @@ class CachedEmbeddingBag(_CachedBagBase):
     shared memory with ``CompressedRows.attach``): the module then serves those bytes with no second host copy,
     for inference only (``HostStore`` adopts them read-only). The
     keyword-only ones: ``compress`` (IBP host table: True, False, or "auto", the default: the planner in
-    ``ibpcache.cache.planner`` times compressed vs raw misses on this machine at construction and keeps the
+    ``ibpcache.cache.plan_layout`` times compressed vs raw misses on this machine at construction and keeps the
     faster; ``stats()['host_layout']`` says which and why), ``threshold`` / ``chunk_bytes`` (codec fit,
     "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
     its value at the last fit; None never refits), ``fetch`` (how cache fills cross PCIe on CUDA: "zero_copy",

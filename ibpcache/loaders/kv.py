@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..cache.append_store import AppendStore, RowCodec, StagedChunks
-from ..cache.planner import ROW_METHODS, RowCodecChoice, choose_row_codecs
+from ..cache.plan_codecs import ROW_METHODS, RowCodecChoice, choose_row_codecs
 from ..errors import CapacityError, InvalidIdsError
 from ._kv_store import CpuGatherStore, RowStore, identity_codec
 

@@ -909,7 +909,7 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
 def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
     """The fused lookup's path planner (CPU test with stand-in events): per size class it alternates the two
     ways while calibrating, ignores timings that have not completed, then keeps the faster one."""
-    from ibpcache.cache.planner import PathPlanner as OrderPlanner
+    from ibpcache.cache.plan_path import PathPlanner as OrderPlanner
 
     class Ev:
         def __init__(self, done: bool) -> None:
