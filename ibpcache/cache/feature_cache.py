@@ -629,8 +629,7 @@ class FeatureCache:
         if self.codec is not None:
             extra += self.codec.metadata_nbytes
         if self.dynamic:
-            extra += self._lengths_dev.numel() * 4 + getattr(self.policy, "nbytes", 0)
-            extra += self.policy.slot_ids.numel() * 8  # type: ignore[attr-defined]
+            extra += self._lengths_dev.numel() * 4 + self.policy.nbytes  # type: ignore[attr-defined]
         return extra
 
     def reset_stats(self) -> None:

@@ -6,8 +6,8 @@ optimizer updates (Colossal-AI's ``CachedParamMgr`` role; the embedding bags in 
 are thin adapters over it):
 
 * :class:`CachedRowManager` owns ``C`` rows kept RAW on the compute device as one ``nn.Parameter``, an id -> slot
-  map, a slot -> id map and a per-slot eviction score (:class:`~ibpcache.cache.policy.EvictionStrategy`: LFU / LRU /
-  DATASET). ``prepare_ids`` turns ids into slot indices, reading misses through the host store's transfer path and
+  map, and the engine's slot policy (``policy.py``: the slot -> id map and a per-slot eviction score, for
+  :class:`~ibpcache.cache.policy.EvictionStrategy` LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot indices, reading misses through the host store's transfer path and
   writing evicted rows back re-compressed (:meth:`HostStore.write_rows`, the engine's write-back).
 * :class:`FusedLookup` serves inference lookups over the same cache and host store in ONE kernel launch
   (``kernels/lookup.cu``), with no host sync.
@@ -29,12 +29,11 @@ from ..codec import Codec
 from .host_store import HostStore
 from .ordering import StreamOrder
 from .plan_path import PathPlanner
-from .policy import EvictionStrategy
+from .policy import EvictionStrategy, SlotPolicy, row_policy
 
 __all__ = ["CachedRowManager", "Prepared", "FusedLookup"]
 
 _MIN = torch.iinfo(torch.int64).min
-_MAX = torch.iinfo(torch.int64).max
 _REFIT_CHECK_EVERY = 64
 """Write-back batches between two checks of the host store's compressed fraction (each check syncs)."""
 
@@ -60,7 +59,9 @@ class CachedRowManager:
 
     Slots ``[0, P)`` are pinned (the padding row, never evicted); ``[P, P + C)`` are the cache proper;
     during an oversized batch the parameter grows past ``P + C`` until the next call. ``slot_of`` (int32,
-    ``[N]``, -1 = not cached) and ``id_of`` (int64, per slot, -1 = free) live on the cache device.
+    ``[N]``, -1 = not cached) and ``id_of`` (int64, per slot, -1 = free: the policy's slot table) live on the cache
+    device. Which rows leave is the policy's call (:func:`~ibpcache.cache.policy.row_policy`), the same slot policies
+    FeatureCache uses, under the row cache's contract: every missed row enters.
     """
 
     def __init__(
@@ -89,10 +90,10 @@ class CachedRowManager:
         self.cached_weight = torch.nn.Parameter(
             torch.zeros((self.base_slots, self.embedding_dim), dtype=store.dtype, device=dev))
         self.slot_of = torch.full((self.num_embeddings,), -1, dtype=torch.int32, device=dev)
-        self.id_of = torch.full((self.base_slots,), -1, dtype=torch.int64, device=dev)
-        self.score = torch.zeros(self.base_slots, dtype=torch.int64, device=dev)
         self.n_free = self.capacity
         self.freq = None if ids_freq_mapping is None else ids_freq_mapping.to(dev, torch.int64)
+        self.policy: SlotPolicy = row_policy(strategy, self.base_slots, self.num_embeddings, dev,
+                                             n_pinned=self.n_pinned, priority=self.freq)
         self.dirty = False
         self._clean_version = self.cached_weight._version
         self.step = 0
@@ -125,11 +126,16 @@ class CachedRowManager:
         return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
-    def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Load rows ``ids`` into empty ``slots`` and record the mapping."""
+    @property
+    def id_of(self) -> torch.Tensor:
+        """int64 per slot: the id it holds, -1 = free (the policy's slot table)."""
+        return self.policy.slot_ids
+
+    def _place(self, ids: torch.Tensor, slots: torch.Tensor, scores: Optional[torch.Tensor] = None) -> None:
+        """Load rows ``ids`` into ``slots`` (free, or emptied by eviction) and admit them to the policy."""
         self.store.read_into(ids, self._weight_u8(), slots)
         self.slot_of.index_put_((ids,), slots.to(torch.int32))
-        self.id_of.index_copy_(0, slots, ids)
+        self.policy.admit(slots, ids, scores)
 
     def _warmup(self, warmup_ratio: float) -> None:
         """Preload ``ceil(C * warmup_ratio)`` rows: the most frequent ones when frequencies are known,
@@ -144,18 +150,10 @@ class CachedRowManager:
         else:
             ids = torch.nonzero(~exclude).squeeze(1)[:k]
         slots = torch.arange(self.n_pinned, self.n_pinned + k, dtype=torch.int64, device=self.device)
-        self._place(ids, slots)
-        if self.strategy is EvictionStrategy.LFU and self.freq is not None:
-            self.score[slots] = self.freq[ids]
-        elif self.strategy is EvictionStrategy.DATASET:
-            self.score[slots] = self._priority(ids)
+        # LFU counts uses; rows preloaded by dataset frequency start with that frequency as their count
+        seeded = self.strategy is EvictionStrategy.LFU and self.freq is not None
+        self._place(ids, slots, self.freq[ids] if seeded else None)
         self.n_free -= k
-
-    def _priority(self, ids: torch.Tensor) -> torch.Tensor:
-        """DATASET score of ids: dataset frequency, or ``N - id`` (low ids hot) without a mapping."""
-        if self.freq is not None:
-            return self.freq[ids]
-        return self.num_embeddings - ids
 
     def _weight_u8(self) -> torch.Tensor:
         w = self.cached_weight.data
@@ -209,7 +207,7 @@ class CachedRowManager:
             if checks and verify is not None:
                 verify(torch.stack(list(checks)).tolist())
             if count:
-                self.step += 1
+                self._tick()
                 self._record(0, 0, 0)
             return Prepared(flat.clone(), flat.clone().view(ids.shape), flat.clone(), None)
         uniq, inv, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
@@ -225,7 +223,7 @@ class CachedRowManager:
         if verify is not None and checks:
             verify(vals[n_probes:])
         if count:
-            self.step += 1
+            self._tick()
             self.lookups += int(flat.numel())
         n_miss, n_pinned_hits = vals[0], vals[1]
         pinned_pos = vals[3] if self.n_pinned and vals[2] else None
@@ -236,15 +234,18 @@ class CachedRowManager:
             miss_ids = uniq.index_select(0, miss_pos)
             dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - n_miss - n_pinned_hits)
             slot_u.index_copy_(0, miss_pos, dest)
-        else:
-            miss_ids = dest = None
-        self._touch(slot_u, counts, dest, miss_ids)
+        self.policy.touch(slot_u, counts)
         if count:
             self._record(n_uniq - n_miss, n_miss, written)
         else:
             self.prefetched_rows += int(n_miss)
             self.prefetch_write_backs += int(written)
         return Prepared(slot_u, inv.view(ids.shape), uniq, pinned_pos)
+
+    def _tick(self) -> None:
+        """One more counted lookup: a step of the cache and of its policy's clock (prefetches are not steps)."""
+        self.step += 1
+        self.policy.tick()
 
     def _record(self, hits: int, misses: int, written: int) -> None:
         self.num_hits_history.append(hits)
@@ -258,12 +259,8 @@ class CachedRowManager:
         avail = (self.slots - self.n_pinned) - n_hit_unpinned  # free + evictable
         if n_miss > avail:
             self._grow(n_miss - avail)
-        n_slots = self.slots
-        key = torch.empty(n_slots + 1, dtype=torch.int64, device=self.device)
-        key[:n_slots].copy_(self.score).masked_fill_(self.id_of < 0, _MIN)  # free slots first
-        key.index_fill_(0, torch.where(slot_u >= 0, slot_u, n_slots), _MAX)  # protect this batch's hits
         n_from_free = min(n_miss, self.n_free)
-        chosen = torch.topk(key[self.n_pinned:n_slots], n_miss, largest=False, sorted=True).indices + self.n_pinned
+        chosen = self.policy.make_room(n_miss, slot_u)  # free slots first, never this batch's hits
         victims = chosen[n_from_free:]
         written = 0
         victim_ids = None
@@ -280,18 +277,6 @@ class CachedRowManager:
         self.n_free -= n_from_free
         return chosen, written
 
-    def _touch(self, slot_u: torch.Tensor, counts: torch.Tensor, dest: Optional[torch.Tensor],
-               miss_ids: Optional[torch.Tensor]) -> None:
-        """Update the eviction scores of the slots this batch used."""
-        if self.strategy is EvictionStrategy.LFU:
-            if dest is not None:
-                self.score.index_fill_(0, dest, 0)
-            self.score.index_add_(0, slot_u, counts)
-        elif self.strategy is EvictionStrategy.LRU:
-            self.score.index_fill_(0, slot_u, self.step)
-        elif dest is not None:  # DATASET: static priority, set on admission
-            self.score.index_copy_(0, dest, self._priority(miss_ids))
-
     # -- oversized batches ------------------------------------------------------------------------
     def _grow(self, extra: int) -> None:
         """Add ``extra`` free slots for this batch only (the parameter object stays the same)."""
@@ -301,8 +286,7 @@ class CachedRowManager:
         grad = self.cached_weight.grad
         if grad is not None:
             self.cached_weight.grad = _grow_grad(grad, old + extra)
-        self.id_of = torch.cat([self.id_of, self.id_of.new_full((extra,), -1)])
-        self.score = torch.cat([self.score, self.score.new_zeros(extra)])
+        self.policy.resize(old + extra)
         self.n_free += extra
         for key, st in states:
             self._optimizer.state[self.cached_weight][key] = _grow_rows(st, extra, fill=self._state_init.get(key, 0.0))
@@ -329,8 +313,7 @@ class CachedRowManager:
         grad = self.cached_weight.grad
         if grad is not None:
             self.cached_weight.grad = _shrink_grad(grad, keep)
-        self.id_of = self.id_of[:keep].clone()
-        self.score = self.score[:keep].clone()
+        self.policy.resize(keep)
         for key, st in states:
             self._optimizer.state[self.cached_weight][key] = st[:keep].clone()
 
