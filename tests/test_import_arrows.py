@@ -105,3 +105,12 @@ def test_planners_import_no_store(path: Path) -> None:
     engine = {mod for _, mod in _imports(path) if mod.startswith("ibpcache.cache.")}
     stores = sorted(mod for mod in engine if not mod.startswith("ibpcache.cache._plan_timing"))
     assert not stores, f"{path.name} imports {stores}"
+
+
+@pytest.mark.parametrize("name", ["embedding_bag.py", "pyg.py", "dgl.py"])
+def test_adapters_use_the_engine_not_the_kernels(name: str) -> None:
+    """An adapter translates its framework's API to the engine (``ibpcache.cache``); kernels and their launch
+    arguments are the engine's business."""
+    below = sorted({mod for _, mod in _imports(PKG / "loaders" / name)
+                    if mod.startswith(("ibpcache.kernels", "ibpcache.format"))})
+    assert not below, f"loaders/{name} imports {below} (use what ibpcache.cache offers)"

@@ -26,16 +26,36 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from ..codec import Codec
+from ..compressed import CompressedRows
+from ..format import Layout
+from ..kernels.hashmap import IndexArgs
+from ..kernels.lookup import (SLOTS_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, Staging, lookup_pool,
+                              pool_supported)
 from .host_store import HostStore
 from .ordering import StreamOrder
 from .plan_path import PathPlanner
 from .policy import EvictionStrategy, SlotPolicy, row_policy
 
-__all__ = ["CachedRowManager", "Prepared", "FusedLookup"]
+__all__ = ["CachedRowManager", "Prepared", "FusedLookup", "BagLayout", "pool_supported", "check_adoptable_rows"]
 
 _MIN = torch.iinfo(torch.int64).min
 _REFIT_CHECK_EVERY = 64
 """Write-back batches between two checks of the host store's compressed fraction (each check syncs)."""
+
+
+def check_adoptable_rows(rows: CompressedRows, shape: tuple[int, int], dtype: Optional[torch.dtype],
+                         name: str = "rows") -> None:
+    """Can the row cache serve ``rows`` as its host store (``HostStore.adopt``)? Their shape must be the table's, their
+    dtype ``dtype`` if given, and their layout in place: the lookups read row i at ``i * row_bytes``. ``name`` is the
+    adapter's argument, for the message."""
+    if rows.layout is not Layout.INPLACE:
+        raise ValueError(f"{name}: the embedding bags read rows at i * row_bytes; compress them with "
+                         f"layout='inplace' (got {rows.layout.value!r})")
+    if tuple(rows.shape) != tuple(shape):
+        raise ValueError(f"{name}: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
+                         f"embedding_dim {tuple(shape)}")
+    if dtype is not None and rows.dtype != dtype:
+        raise TypeError(f"{name}: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
 
 
 @dataclass
@@ -472,9 +492,6 @@ class FusedLookup:
     """
 
     def __init__(self, mgr: "CachedRowManager", refresh_every: int, stage_bytes: int = 0) -> None:
-        from ..kernels.hashmap import IndexArgs
-        from ..kernels.lookup import SLOTS_INDEX, LookupErrors
-
         self.mgr = mgr
         dev = mgr.device
         self.refresh_every = int(refresh_every)
@@ -483,8 +500,6 @@ class FusedLookup:
         self.freq = torch.zeros(mgr.num_embeddings, dtype=torch.int32, device=dev)
         self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
         self._empty = torch.empty(0, dtype=torch.int64, device=dev)
-        self._index_mode = SLOTS_INDEX
-        self._index_args = IndexArgs
         self._weight_ptr = -1
         self._codec: "Codec | None" = None
         self._tables: Any = None
@@ -496,13 +511,9 @@ class FusedLookup:
         self.planner = PathPlanner()
         self.staging = None
         if stage_bytes > 0:
-            from ..kernels.lookup import Staging
-
             self.staging = Staging.allocate(mgr.num_embeddings, mgr.store.row_bytes, int(stage_bytes), dev)
 
     def _source(self) -> Any:
-        from ..kernels.lookup import RowSource
-
         mgr, store = self.mgr, self.mgr.store
         ptr = mgr.cached_weight.data_ptr()
         if ptr != self._weight_ptr:  # the cache grew/shrank for an oversized batch: a new slab address
@@ -513,7 +524,7 @@ class FusedLookup:
             self._codec = store.codec
             self._src_key = key
             self._tables = store.codec.kernel_tables(mgr.device)
-            index = self._index_args(self._index_mode, self._empty, mgr.slot_of, 0, 0)
+            index = IndexArgs(SLOTS_INDEX, self._empty, mgr.slot_of, 0, 0)
             lengths = store.lengths_dev if store.compress else None
             self._src = RowSource(index, self.slab_bases, store.data.data_ptr(), None, store.row_bytes, lengths,
                                   mgr.num_embeddings)
@@ -522,8 +533,6 @@ class FusedLookup:
     def pool(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
              include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor, layout: Any) -> None:
         """Pool bags of ``ids`` into ``out`` (see ``kernels.lookup.lookup_pool``); then maybe refresh the cache."""
-        from ..kernels.lookup import ElemType, PoolOp, lookup_pool
-
         mgr = self.mgr
         op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
         elem = ElemType.of(mgr.store.dtype)

@@ -62,7 +62,7 @@ from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidIdsError
 from ..cache.host_store import FitOptions, HostStore, Transfer
 from ..cache.policy import EvictionStrategy
-from ..cache.row_cache import CachedRowManager, Prepared
+from ..cache.row_cache import BagLayout, CachedRowManager, Prepared, check_adoptable_rows, pool_supported
 
 __all__ = [
     "CachedEmbeddingBag",
@@ -241,7 +241,7 @@ class _CachedBagBase(nn.Module):
 
         fetch = fetch if fetch == "auto" else Transfer.coerce(fetch, "fetch")
         if isinstance(weight, CompressedRows):  # serve the given store's bytes: no second host copy
-            self._check_rows(weight, dtype)
+            check_adoptable_rows(weight, (num_embeddings, embedding_dim), dtype, "_weight")
             store = HostStore.adopt(weight, device=self.device, transfer=fetch)
         else:
             weight = self._initial_weight(weight, dtype).to("cpu")
@@ -255,8 +255,6 @@ class _CachedBagBase(nn.Module):
             pinned_ids=() if padding_idx is None else (padding_idx,), refit_threshold=refit_threshold)
         self.cached_weight = self.cache_weight_mgr.cached_weight
         self._padding_slot = None if padding_idx is None else 0
-        from ..kernels.lookup import pool_supported
-
         self.validate = validate
         self.refresh_every = refresh_every
         self.stage_bytes = int(stage_bytes)
@@ -265,21 +263,6 @@ class _CachedBagBase(nn.Module):
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
                                 and (fetch == "auto" or store.transfer is Transfer.ZERO_COPY)
                                 and pool_supported(store.dtype, store.row_bytes))
-
-    def _check_rows(self, rows: CompressedRows, dtype: Optional[torch.dtype]) -> None:
-        """``_weight`` given as CompressedRows: its shape must be the table's, its dtype ``dtype`` if given, and its
-        layout in place (the lookups read row i at ``i * row_bytes``)."""
-        from ..format import Layout
-
-        if rows.layout is not Layout.INPLACE:
-            raise ValueError("_weight: the embedding bags read rows at i * row_bytes; compress them with "
-                             f"layout='inplace' (got {rows.layout.value!r})")
-        shape = (self.num_embeddings, self.embedding_dim)
-        if tuple(rows.shape) != shape:
-            raise ValueError(f"_weight: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
-                             f"embedding_dim {shape}")
-        if dtype is not None and rows.dtype != dtype:
-            raise TypeError(f"_weight: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
 
     def _initial_weight(self, weight: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
         """``_weight`` as given, or Colossal-AI's init: uniform(-1/N, 1/N) with a zero padding row."""
@@ -741,8 +724,6 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
                        psw: Optional[torch.Tensor]) -> torch.Tensor:
         """Inference: all tables in ONE launch, straight into the ``[B, T * D]`` output (no host sync with
         ``validate='lazy'``, the default: CUDA-graph capturable with fixed-size inputs)."""
-        from ..kernels.lookup import BagLayout
-
         n_tab = self.num_tables
         ids = ids.contiguous()
         if ids.dim() == 2:
