@@ -8,6 +8,7 @@ __all__ = [
     "CapacityError",
     "KernelBuildError",
     "InvalidIdsError",
+    "OptimizerStateError",
 ]
 
 
@@ -29,3 +30,8 @@ class KernelBuildError(IbpcacheError, RuntimeError):
 
 class InvalidIdsError(IbpcacheError, IndexError):
     """Row ids that are negative, out of range, or of the wrong dtype."""
+
+
+class OptimizerStateError(IbpcacheError, RuntimeError):
+    """An optimizer step the row cache cannot keep exact: per-row state or updates of rows outside the cache that
+    would stay with a cache slot instead of following its row (the message says what to do)."""

@@ -9,6 +9,9 @@ are thin adapters over it):
   map, and the engine's slot policy (``policy.py``: the slot -> id map and a per-slot eviction score, for
   :class:`~ibpcache.cache.policy.EvictionStrategy` LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot indices, reading misses through the host store's transfer path and
   writing evicted rows back re-compressed (:meth:`HostStore.write_rows`, the engine's write-back).
+* an attached optimizer (:meth:`CachedRowManager.attach_optimizer`, ``row_optimizer.py``) keeps its per-row state
+  with the rows and replays the updates an evicted row missed when it returns, so training equals the same optimizer
+  over the full table;
 * :class:`FusedLookup` serves inference lookups over the same cache and host store in ONE kernel launch
   (``kernels/lookup.cu``), with no host sync.
 
@@ -21,12 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..codec import Codec
 from ..compressed import CompressedRows
+from ..errors import OptimizerStateError
 from ..format import Layout
 from ..kernels.hashmap import IndexArgs
 from ..kernels.lookup import (SLOTS_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, Staging, lookup_pool,
@@ -35,6 +39,7 @@ from .host_store import HostStore
 from .ordering import StreamOrder
 from .plan_path import PathPlanner
 from .policy import EvictionStrategy, SlotPolicy, row_policy
+from .row_optimizer import RowOptimizer, watch_unattached
 
 __all__ = ["CachedRowManager", "Prepared", "FusedLookup", "BagLayout", "pool_supported", "check_adoptable_rows"]
 
@@ -126,10 +131,8 @@ class CachedRowManager:
         self.evictions = 0
         self.refit_steps: list[int] = []
         self._writebacks_since_check = 0
-        self._optimizer: "torch.optim.Optimizer | None" = None
+        self.optim: Optional[RowOptimizer] = None  # the attached optimizer (attach_optimizer)
         self.coalesce_sparse_grads = False
-        self._state_host: dict[str, torch.Tensor] = {}
-        self._state_init: dict[str, float] = {}
         self.prefetched_rows = 0  # rows admitted by prefetch (not counted as lookups)
         self.prefetch_write_backs = 0
         self.order = StreamOrder(self.device)  # one forward at a time, from any thread or CUDA stream
@@ -138,6 +141,7 @@ class CachedRowManager:
             self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
                         torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
         self._warmup(warmup_ratio)
+        watch_unattached(self)
 
     def fused_lookup(self, refresh_every: int, stage_bytes: int = 0) -> "FusedLookup":
         """The fused inference lookup over this cache and its host store (built on first use)."""
@@ -292,8 +296,11 @@ class CachedRowManager:
                 self._maybe_refit()
             self.slot_of.index_fill_(0, victim_ids, -1)
             self.evictions += int(victims.numel())
-        self._move_optimizer_state(victims, victim_ids, chosen, miss_ids)
+        if self.optim is not None and victim_ids is not None:
+            self.optim.save(victims, victim_ids)
         self._place(miss_ids, chosen)
+        if self.optim is not None:
+            self.optim.restore(self.cached_weight.data, chosen, miss_ids)
         self.n_free -= n_from_free
         return chosen, written
 
@@ -301,15 +308,14 @@ class CachedRowManager:
     def _grow(self, extra: int) -> None:
         """Add ``extra`` free slots for this batch only (the parameter object stays the same)."""
         old = self.slots
-        states = self._row_states()
         _set_rows(self.cached_weight, _grow_rows(self.cached_weight.data, extra))
         grad = self.cached_weight.grad
         if grad is not None:
             self.cached_weight.grad = _grow_grad(grad, old + extra)
         self.policy.resize(old + extra)
         self.n_free += extra
-        for key, st in states:
-            self._optimizer.state[self.cached_weight][key] = _grow_rows(st, extra, fill=self._state_init.get(key, 0.0))
+        if self.optim is not None:
+            self.optim.resize(old + extra)
         self.overflow_batches += 1
         self.overflow_rows_max = max(self.overflow_rows_max, old + extra - self.base_slots)
 
@@ -323,19 +329,19 @@ class CachedRowManager:
             ids = self.id_of.index_select(0, occupied)
             if self.is_dirty():
                 self.store.write_rows(ids, self._weight_u8().index_select(0, occupied))
-            self._save_optimizer_state(occupied, ids)
+            if self.optim is not None:
+                self.optim.save(occupied, ids)
             self.slot_of.index_fill_(0, ids, -1)
             self.evictions += int(occupied.numel())
         self.n_free -= (self.slots - self.base_slots) - int(occupied.numel())
         keep = self.base_slots
-        states = self._row_states()
         _set_rows(self.cached_weight, self.cached_weight.data[:keep].clone())
         grad = self.cached_weight.grad
         if grad is not None:
             self.cached_weight.grad = _shrink_grad(grad, keep)
         self.policy.resize(keep)
-        for key, st in states:
-            self._optimizer.state[self.cached_weight][key] = st[:keep].clone()
+        if self.optim is not None:
+            self.optim.resize(keep)
 
     # -- write back / whole table -----------------------------------------------------------------
     def occupied_slots(self) -> torch.Tensor:
@@ -343,8 +349,10 @@ class CachedRowManager:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Write every cached row back to the host store (re-compressed). Rows stay cached, now clean."""
+        """Write every cached row back to the host store (re-compressed), after bringing evicted rows up to date
+        with an attached optimizer's updates. Rows stay cached, now clean."""
         self._shrink()
+        self.catch_up()
         if self.is_dirty():
             slots = self.occupied_slots()
             self.store.write_rows(self.id_of.index_select(0, slots), self._weight_u8().index_select(0, slots))
@@ -355,6 +363,7 @@ class CachedRowManager:
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
         """The current table (host rows with the cached, possibly newer, rows overlaid) as a CPU tensor."""
+        self.catch_up()
         table = self.store.dense()
         slots = self.occupied_slots()
         if slots.numel():
@@ -369,6 +378,7 @@ class CachedRowManager:
             raise ValueError(f"weight: expected shape {(self.num_embeddings, self.embedding_dim)}, "
                              f"got {tuple(table.shape)}")
         self._shrink()
+        self.catch_up()  # optimizer state current as of now: the new rows continue from it
         self.store.refit(table.to(self.store.dtype))
         self.store.refits -= 1  # a reload is not a refit
         slots = self.occupied_slots()
@@ -396,46 +406,24 @@ class CachedRowManager:
 
     # -- optimizer state that follows its rows ----------------------------------------------------
     def attach_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:
-        """Keep per-row optimizer state (tensors shaped like the cache, e.g. Adagrad's ``sum``, Adam's
-        moments) with its row: saved to host when the row leaves, restored when it returns."""
-        if not any(p is self.cached_weight for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError("attach_optimizer: the optimizer does not hold this module's cached parameter")
-        self._optimizer = optimizer
+        """Make ``optimizer`` (over :attr:`cached_weight`) exact against the same optimizer over the full table: its
+        per-row state follows its row in and out of the cache, and rows catch up on the updates they missed while
+        evicted (``row_optimizer.py``). Call it once, before the optimizer's first step."""
+        if self.optim is not None:
+            if self.optim.optimizer is optimizer:
+                return
+            raise OptimizerStateError("attach_optimizer: another optimizer is attached to these cached rows; one "
+                                      "optimizer owns their per-row state")
+        self.optim = RowOptimizer(optimizer, self)
         # SGD adds a sparse gradient occurrence by occurrence; Adagrad/SparseAdam coalesce it first. To stay
         # bit-exact the cache hands each the structure the reference would see (see RowGather).
         self.coalesce_sparse_grads = not isinstance(optimizer, torch.optim.SGD)
-        for key, st in self._row_states():
-            self._state_init[key] = float(st.reshape(-1)[0]) if st.numel() else 0.0
-        init = optimizer.defaults.get("initial_accumulator_value")
-        if init is not None:
-            self._state_init.setdefault("sum", float(init))
 
-    def _row_states(self) -> Iterable[tuple[str, torch.Tensor]]:
-        if self._optimizer is None:
-            return []
-        state = self._optimizer.state.get(self.cached_weight, {})
-        shape = self.cached_weight.shape
-        return [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shape]
-
-    def _host_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        if key not in self._state_host:
-            self._state_host[key] = torch.full((self.num_embeddings, self.embedding_dim),
-                                               self._state_init.get(key, 0.0), dtype=like.dtype)
-        return self._state_host[key]
-
-    def _save_optimizer_state(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        for key, st in self._row_states():
-            self._host_state(key, st)[ids.cpu()] = st.index_select(0, slots).cpu()
-
-    def _move_optimizer_state(self, victims: torch.Tensor, victim_ids: Optional[torch.Tensor],
-                              chosen: torch.Tensor, miss_ids: torch.Tensor) -> None:
-        states = self._row_states()
-        if not states:
-            return
-        if victim_ids is not None:
-            self._save_optimizer_state(victims, victim_ids)
-        for key, st in states:
-            st.index_copy_(0, chosen, self._host_state(key, st)[miss_ids.cpu()].to(st.device))
+    @torch.no_grad()
+    def catch_up(self) -> int:
+        """Bring every evicted row's host copy up to date with the attached optimizer's updates (``flush``,
+        ``weight`` and ``load_weight`` do this first). Returns the rows replayed."""
+        return 0 if self.optim is None else self.optim.catch_up_host(self)
 
     # -- statistics -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

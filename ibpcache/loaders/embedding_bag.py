@@ -29,22 +29,26 @@ followed by keyword-only compression options. What differs, and why:
   changed. Training forwards, ``max_norm`` and any in-place update of ``cached_weight`` (its version counter)
   mark rows dirty.
 
-Training: the cached rows are the module's only parameter (``cached_weight``), so any torch optimizer
-works with dense or ``sparse=True`` gradients. Rows evicted or flushed are written back re-compressed
-(raw when a row no longer matches the mask); ``refit_threshold`` refits the mask when too many rows stop
-compressing (``stats()['refit_steps']`` says when). Exactness against ``torch.nn.EmbeddingBag`` trained
-the same way, bit for bit:
+Training: the cached rows are the module's only parameter (``cached_weight``), dense or ``sparse=True``
+gradients. Rows evicted or flushed are written back re-compressed (raw when a row no longer matches the mask);
+``refit_threshold`` refits the mask when too many rows stop compressing (``stats()['refit_steps']`` says when).
+Exactness against ``torch.nn.EmbeddingBag`` trained the same way, bit for bit:
 
-* exact: SGD without momentum or weight decay (stateless), dense or sparse gradients;
-* exact after ``attach_optimizer(opt)``: optimizers whose per-row state only changes for rows in the batch
-  (Adagrad dense or sparse, SparseAdam), because the state then follows its row in and out of the cache;
-* not exact: optimizers that move rows absent from the batch (Adam/AdamW with dense gradients, momentum,
-  weight decay): an evicted row stops moving while the reference keeps moving it. Colossal-AI has the same
-  limitation.
+* SGD without momentum or weight decay (stateless): exact as it is, dense or sparse gradients;
+* every other optimizer needs ``attach_optimizer(opt)`` once, before its first step (a step without it is
+  refused with ``ibpcache.errors.OptimizerStateError``): SGD with momentum / dampening / nesterov / weight decay,
+  Adam, AdamW, Adagrad (dense gradients), Adagrad and SparseAdam (sparse gradients) are then exact. Per-row state
+  follows its row in and out of the cache, and a row that was evicted while the optimizer kept moving the table's
+  other absent rows (momentum, Adam's moments, weight decay) replays the updates it missed when it comes back, and
+  at ``flush()`` / ``weight`` (``ibpcache.cache.row_optimizer``: the optimizer's own update, so the same rounding;
+  the cost grows with the updates a row missed). SGD momentum or weight decay with ``sparse=True`` is refused (torch
+  keeps a sparse momentum buffer). Colossal-AI keeps the state with the slot and lets evicted rows fall behind.
+* fp16/bf16 rows on the CPU with updates that use ``add(alpha=...)`` (SGD, weight decay): within the one tolerance
+  ``ibpcache.cache.row_optimizer`` documents (torch rounds such an update by an element's position in its tensor).
 
 One forward per backward, as in Colossal-AI: a second forward before ``backward`` may evict rows the
-first one still needs gradients for. An oversized batch resizes ``cached_weight`` for one step; SGD does not
-mind, stateful optimizers need ``attach_optimizer`` (which resizes their state too).
+first one still needs gradients for. An oversized batch resizes ``cached_weight`` for one step (and an attached
+optimizer's state with it).
 """
 
 from __future__ import annotations
@@ -450,7 +454,9 @@ class _CachedBagBase(nn.Module):
         self.cache_weight_mgr.refit()
 
     def attach_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:
-        """Make per-row optimizer state follow its row through evictions (see the module docstring)."""
+        """Keep ``optimizer`` exact against the same optimizer over the full table: per-row state follows its row
+        through evictions and evicted rows catch up on missed updates (see the module docstring). Once, before the
+        optimizer's first step; any optimizer other than plain SGD needs it."""
         self.cache_weight_mgr.attach_optimizer(optimizer)
 
     @property
