@@ -483,7 +483,7 @@ class FusedLookup:
         self.mgr = mgr
         dev = mgr.device
         self.refresh_every = int(refresh_every)
-        self.errors = LookupErrors(pin=True)
+        self.errors = LookupErrors(pin=dev.type == "cuda")  # the kernel writes it through UVA
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
         self.freq = torch.zeros(mgr.num_embeddings, dtype=torch.int32, device=dev)
         self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
