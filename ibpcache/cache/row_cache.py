@@ -7,8 +7,9 @@ are thin adapters over it):
 
 * :class:`CachedRowManager` owns ``C`` rows kept RAW on the compute device as one ``nn.Parameter``, an id -> slot
   map, and the engine's slot policy (``policy.py``: the slot -> id map and a per-slot eviction score, for
-  :class:`~ibpcache.cache.policy.EvictionStrategy` LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot indices, reading misses through the host store's transfer path and
-  writing evicted rows back re-compressed (:meth:`HostStore.write_rows`, the engine's write-back).
+  :class:`~ibpcache.cache.policy.EvictionStrategy` LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot
+  indices, reading misses through the host store's transfer path and writing evicted rows back re-compressed
+  (:meth:`HostStore.write_rows`, the engine's write-back).
 * an attached optimizer (:meth:`CachedRowManager.attach_optimizer`, ``row_optimizer.py``) keeps its per-row state
   with the rows and replays the updates an evicted row missed when it returns, so training equals the same optimizer
   over the full table;

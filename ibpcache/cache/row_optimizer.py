@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.optim.adagrad import adagrad
@@ -51,13 +51,24 @@ from torch.optim.sgd import sgd
 
 from ..errors import OptimizerStateError
 
-if TYPE_CHECKING:
-    from .row_cache import CachedRowManager
-
-__all__ = ["RowOptimizer", "watch_unattached", "SUPPORTED"]
+__all__ = ["RowOptimizer", "RowCache", "watch_unattached", "SUPPORTED"]
 
 _HOST_CHUNK_BYTES = 64 << 20
 """Device bytes of rows (and their state) one host catch-up pass moves at a time."""
+
+
+class RowCache(Protocol):
+    """What an optimizer attachment needs of the row cache (``row_cache.CachedRowManager`` has it): the cached
+    parameter, the table's size, the host store its rows are read from and written back to, the id -> slot map, and
+    the attached optimizer."""
+
+    cached_weight: torch.nn.Parameter
+    num_embeddings: int
+    embedding_dim: int
+    capacity: int
+    store: Any  # HostStore: raw_rows, write_rows, row_bytes, dtype
+    slot_of: torch.Tensor
+    optim: "Optional[RowOptimizer]"
 
 
 def _sgd_update(rows: torch.Tensor, state: dict[str, torch.Tensor], h: dict, step: Optional[torch.Tensor],
@@ -168,7 +179,7 @@ class RowOptimizer:
     as of; a cached row is always current.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, mgr: "CachedRowManager") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, mgr: "RowCache") -> None:
         param = mgr.cached_weight
         group = _group_of(optimizer, param)
         if group is None:
@@ -188,7 +199,7 @@ class RowOptimizer:
                                       "belongs to cache slots, not rows; attach it before its first step")
         self.optimizer = optimizer
         self.family = family
-        self._mgr = weakref.ref(mgr)
+        self.param = param  # the same Parameter object however the cache resizes it
         self.n_rows = mgr.num_embeddings
         self.dim = mgr.embedding_dim
         self.updates = 0
@@ -204,13 +215,8 @@ class RowOptimizer:
         self.resize(int(param.shape[0]))  # state made at construction (Adagrad's) for a cache since grown
 
     # -- the update log ---------------------------------------------------------------------------
-    def _param(self) -> torch.nn.Parameter:
-        mgr = self._mgr()
-        assert mgr is not None
-        return mgr.cached_weight
-
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        param = self._param()
+        param = self.param
         self._pending = None
         if param.grad is None:
             return  # torch skips a parameter without a gradient: not an update
@@ -239,7 +245,7 @@ class RowOptimizer:
     # -- state that follows its rows ----------------------------------------------------------------
     def row_states(self) -> list[tuple[str, torch.Tensor]]:
         """(key, tensor) of the optimizer's per-row state for the cached rows (none before its first step)."""
-        state = self.optimizer.state.get(self._param(), {})
+        state = self.optimizer.state.get(self.param, {})
         return [(k, state[k]) for k in self.family.states if isinstance(state.get(k), torch.Tensor)]
 
     def _host_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
@@ -267,7 +273,7 @@ class RowOptimizer:
 
     def resize(self, rows: int) -> None:
         """Follow the cached parameter to ``rows`` slots (new slots hold fresh state)."""
-        state = self.optimizer.state.get(self._param(), {})
+        state = self.optimizer.state.get(self.param, {})
         with torch.inference_mode(False):  # the optimizer updates its state in place later, outside inference mode
             for key, st in self.row_states():
                 have = st.shape[0]
@@ -305,7 +311,7 @@ class RowOptimizer:
         st = {k: v.index_select(0, at) for k, v in states.items()}
         first_t = int(lo[0]) + 1
         counts = torch.searchsorted(lo, torch.arange(first_t, self.updates + 1), right=False).tolist()
-        step_like = self.optimizer.state.get(self._param(), {}).get("step")
+        step_like = self.optimizer.state.get(self.param, {}).get("step")
         update = self.family.update
         assert update is not None  # families without one never move idle rows
         for t, n in zip(range(first_t, self.updates + 1), counts):
@@ -320,7 +326,7 @@ class RowOptimizer:
             states[k].index_copy_(0, at, v)
         return int(pos.numel())
 
-    def catch_up_host(self, mgr: "CachedRowManager") -> int:
+    def catch_up_host(self, mgr: "RowCache") -> int:
         """Bring every host row that is not cached up to date (weights written back to the store, state to host
         memory), e.g. before the whole table is read. Returns the rows replayed."""
         ids = torch.nonzero(self.stale(torch.arange(self.n_rows))).squeeze(1)
@@ -345,11 +351,11 @@ class RowOptimizer:
 
 # ---- stateful optimizers that were not attached: refused at their first step ----------------------------------
 
-_WATCHED: "weakref.WeakValueDictionary[int, CachedRowManager]" = weakref.WeakValueDictionary()
+_WATCHED: "weakref.WeakValueDictionary[int, RowCache]" = weakref.WeakValueDictionary()
 _HOOK: Any = None
 
 
-def watch_unattached(mgr: "CachedRowManager") -> None:
+def watch_unattached(mgr: "RowCache") -> None:
     """Refuse optimizer steps over ``mgr``'s cached rows that would not be exact without ``attach_optimizer``."""
     global _HOOK
     _WATCHED[id(mgr.cached_weight)] = mgr
@@ -376,6 +382,6 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
                 raise OptimizerStateError(
                     f"{type(optimizer).__name__} keeps per-row state (or moves rows absent from the batch) over the "
                     f"cached embedding rows, whose {mgr.capacity} cache rows take turns holding {mgr.num_embeddings} "
-                    "table rows: call module.attach_optimizer(optimizer) once after creating the optimizer and before its "
-                    "first step, so the state follows its rows and evicted rows catch up (supported: "
+                    "table rows: call module.attach_optimizer(optimizer) once after creating the optimizer and "
+                    "before its first step, so the state follows its rows and evicted rows catch up (supported: "
                     f"{', '.join(SUPPORTED)}); plain SGD needs nothing")
