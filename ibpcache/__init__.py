@@ -9,7 +9,8 @@ from .codec import Codec, IBPCodec, RawCodec
 from .compressed import CompressedRows  # installs Codec.compress
 from .errors import (CapacityError, CodecKindError, ConfigError, DeviceError, FormatError, IbpcacheError,
                      InternalError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, KernelBuildError,
-                     RowDtypeError, RowShapeError, StateError, UnsupportedError, UnsupportedModelError)
+                     OptimizerStateError, RowDtypeError, RowShapeError, StateError, UnsupportedError,
+                     UnsupportedModelError)
 from .exponent import ExponentCodec  # registers the "exponent" method with Codec.fit / Codec.load
 from .format import FORMAT_VERSION, Layout
 
@@ -38,6 +39,7 @@ __all__ = [
     "RowDtypeError",
     "RowShapeError",
     "CodecKindError",
+    "OptimizerStateError",
 ]
 
 __version__ = "0.1.0"

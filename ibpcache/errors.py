@@ -36,6 +36,7 @@ __all__ = [
     "RowDtypeError",
     "RowShapeError",
     "CodecKindError",
+    "OptimizerStateError",
 ]
 
 
@@ -115,3 +116,8 @@ class RowShapeError(InvalidArgumentError):
 
 class CodecKindError(InvalidTypeError):
     """A codec of a kind this path cannot serve (e.g. the IBP kernels given an exponent codec's tables)."""
+
+
+class OptimizerStateError(StateError):
+    """An optimizer step the row cache cannot keep exact: per-row state or updates of rows outside the cache that
+    would stay with a cache slot instead of following its row (the message says what to do)."""

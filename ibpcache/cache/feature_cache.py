@@ -44,6 +44,7 @@ from ..errors import CapacityError, InternalError, InvalidArgumentError, Invalid
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
 from .host_store import CacheMirror, HostStore, Transfer, fit_codec
+from .plan_layout import calibrate_layout
 from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
 from .slab import SLAB_ALIGN, Slab, usable_bytes
@@ -84,7 +85,7 @@ class FeatureCache:
         device: ``"cuda"`` or ``"cpu"`` (the CPU path runs the same design with Numba decoders).
         codec: None or ``"auto"`` (fit on the rows when any compression is on), or a :class:`Codec`.
         compress_cache / compress_host: store compressed rows in the slab / in host memory. ``compress_host="auto"``
-            lets the host-layout planner (``planner.py``, as the embedding bags do by default) time compressed vs
+            lets the host-layout planner (``plan_layout.py``, as the embedding bags do by default) time compressed vs
             raw zero-copy misses on this machine and keep the faster (``stats()["host_layout"]`` says which); a
             ``CompressedRows`` input stays compressed (decompressing it would cost the memory it saves).
         index: ``"auto"``, ``"hash"`` or ``"direct"`` (see ``hashmap.make_index``).
@@ -208,8 +209,6 @@ class FeatureCache:
             return {"compress": bool(option), "reason": f"compress_host={option!r} (set)"}
         if isinstance(rows, CompressedRows) or self.codec is None:
             return {"compress": True, "reason": "CompressedRows given: kept compressed"}
-        from .planner import calibrate_layout
-
         # static CUDA caches may take ids on the CPU: the CPU's own gather of raw rows is a candidate there too
         choice = calibrate_layout(rows, self.codec, self.device, host_paths=self.policy_kind is PolicyKind.STATIC)
         self.compress_host = choice.compress
@@ -644,8 +643,7 @@ class FeatureCache:
         if self.codec is not None:
             extra += self.codec.metadata_nbytes
         if self.dynamic:
-            extra += self._lengths_dev.numel() * 4 + getattr(self.policy, "nbytes", 0)
-            extra += self.policy.slot_ids.numel() * 8  # type: ignore[attr-defined]
+            extra += self._lengths_dev.numel() * 4 + self.policy.nbytes  # type: ignore[attr-defined]
         return extra
 
     def reset_stats(self) -> None:

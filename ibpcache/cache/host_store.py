@@ -8,11 +8,12 @@ and the embedding bags' trainable row cache (:mod:`ibpcache.cache.row_cache`, wi
   layout is what makes write-back possible: a row re-encoded after a training update always fits its own slot,
   compressed with the table's codec when it still matches the mask and raw otherwise, so nothing moves.
 * Raw (``compress=False``): the rows as they are; lengths are ``row_bytes`` and no per-row tables exist.
-* ``compress="auto"``: the host-layout planner (``planner.py``) times compressed vs raw misses on this machine.
+* ``compress="auto"``: the host-layout planner (``plan_layout.py``) times compressed vs raw misses on this machine.
 * An existing ``CompressedRows`` (also one attached from shared memory) is served as is, never copied:
   ``adopted`` rows are read-only (their bytes belong to their owner), and checked for replacement on every read.
 
-Transfer paths (:class:`Transfer`) for :meth:`HostStore.read_into`, i.e. how rows reach a CUDA device:
+Transfer paths (:class:`~ibpcache.cache.plan_transfer.Transfer`; ``plan_transfer.py`` picks one) for
+:meth:`HostStore.read_into`, i.e. how rows reach a CUDA device:
 
 * ``zero_copy``: GPU warps read the stored rows straight from pinned host memory (UVA) and decode them;
 * ``cpu_gather``: the CPU packs the rows' *stored* (compressed) bytes into pinned staging, which crosses PCIe in
@@ -29,7 +30,6 @@ copy, and the host-side read paths get the written rows' lengths mirrored at eac
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -41,6 +41,8 @@ from ..codec import Codec
 from ..compressed import CompressedRows, _flags_from_lengths
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
+from .plan_layout import LayoutChoice, calibrate_layout
+from .plan_transfer import Transfer, TransferChoice, calibrate_transfer
 
 __all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "FIT_SAMPLE_ROWS",
            "FIT_SAMPLE_BYTES"]
@@ -54,24 +56,6 @@ copied to the GPU whole for a fit."""
 _STAGE_ALIGN = 16
 """The GPU decoders read 16-byte aligned blocks up to the one holding a row's last byte: staged bytes start
 16-byte aligned and end with 16 spare bytes."""
-
-
-class Transfer(str, enum.Enum):
-    """How a CUDA store's rows reach the GPU (see the module docstring)."""
-
-    ZERO_COPY = "zero_copy"
-    CPU_GATHER = "cpu_gather"
-    HOST_GATHER = "host_gather"
-
-    @classmethod
-    def coerce(cls, value: "str | Transfer", name: str = "transfer") -> "Transfer":
-        """Parse a name (``name`` is the argument's name in the message)."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{name} must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -158,7 +142,7 @@ class HostStore:
         self._share_rows = bool(share_rows)
         self.fit_options = codec if isinstance(codec, FitOptions) else None
         self.compress_option: "bool | str" = compress
-        self.layout_choice: Any = None  # planner.LayoutChoice when compress="auto" decided
+        self.layout_choice: Optional[LayoutChoice] = None  # set when compress="auto" decided
         self.refits = 0
         self.rows_read = 0
         self.rows_written = 0
@@ -168,10 +152,8 @@ class HostStore:
             self._from_compressed(rows, codec if isinstance(codec, Codec) else None, compress)
         else:
             self._load(check_rows(rows, "rows"), codec if isinstance(codec, Codec) else None, Layout.from_str(layout))
-        self.transfer_choice: Any = None  # planner.TransferChoice when transfer="auto" was timed
+        self.transfer_choice: Optional[TransferChoice] = None  # set when transfer="auto" was timed
         if auto and device.type == "cuda":
-            from .planner import calibrate_transfer
-
             self.transfer_choice = calibrate_transfer(self)
             self.transfer = Transfer(self.transfer_choice.transfer)
 
@@ -207,8 +189,6 @@ class HostStore:
         self.compress = self.compress_option is not False
         if self.compress_option == "auto" and self.layout_choice is None:
             codec = codec or self._fit(rows)
-            from .planner import calibrate_layout
-
             self.layout_choice = calibrate_layout(rows, codec, self.device)
             self.compress = self.layout_choice.compress
         elif self.compress_option == "auto":

@@ -5,7 +5,7 @@ manager stores every layer's K and V as rows of ``head_dim`` values, one per (to
 unit InfiniGen fetches — numbered by *slot* (token-major), in the engine's append-only packed store,
 :class:`~ibpcache.cache.append_store.AppendStore`: per request it chooses one codec per layer and tensor on a
 sample of the prompt (IBP, exponent coding or raw, whichever stores the sample smallest, see
-:func:`~ibpcache.cache.planner.choose_row_codecs`), and each append's rows are encoded on the GPU and packed back
+:func:`~ibpcache.cache.plan_codecs.choose_row_codecs`), and each append's rows are encoded on the GPU and packed back
 to back in pinned host memory, so host memory and PCIe bytes shrink with the ratio. A fetch turns token indices
 into (position, length) pairs on the GPU and decodes K and V in one launch; an append is two launches. Neither
 waits for the device (a prompt-sized append waits once). A layer's decode step can be captured in a CUDA graph
@@ -29,7 +29,7 @@ from ..errors import CapacityError, InvalidIdsError
 from .append_store import AppendStore, RowCodec, StagedChunks
 from .cpu_gather_store import CpuGatherStore
 from .kv_slots import SlotLayout
-from .planner import ROW_METHODS, RowCodecChoice, choose_row_codecs
+from .plan_codecs import ROW_METHODS, RowCodecChoice, choose_row_codecs
 
 __all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES"]
 

@@ -16,6 +16,11 @@ Dynamic policies never evict a row that was hit in the current batch (LRU: its s
 the candidate must be strictly more frequent than the victim), and admit at most one row per slot per
 batch, so batches with more distinct ids than slots are served (the surplus comes from host) and the
 policy keeps its best candidates.
+
+The trainable row cache of the embedding bags (``row_cache.py``) keeps its eviction state in the same
+:class:`SlotPolicy` objects (:func:`row_policy` maps its :class:`EvictionStrategy`), under its own admission
+contract: every row of a batch must become resident (the optimizer updates them), so it asks for room for all
+misses instead of a plan.
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ __all__ = [
     "SlotPolicy",
     "LRUPolicy",
     "LFUPolicy",
+    "PriorityPolicy",
     "Admission",
+    "FREE",
+    "row_policy",
     "POLICIES",
     "make_policy",
     "choose_slot_bytes",
@@ -199,40 +207,93 @@ class Admission:
         return self.ids.numel() == 0
 
 
+FREE = torch.iinfo(torch.int64).min
+"""The score a free slot is ranked by: below every occupied slot's, so free slots are filled before anything is
+evicted."""
+
+_PROTECTED = torch.iinfo(torch.int64).max
+
+
 class SlotPolicy(CachePolicy):
-    """Shared state of slot-based dynamic policies: which id occupies each slot (-1 = free)."""
+    """Which id each slot holds (-1 = free) and one int64 score per slot: lower is evicted first.
+
+    Every dynamic cache of the engine keeps its eviction state here, through one of two admission contracts:
+
+    * a read cache (FeatureCache) may leave misses uncached: :meth:`record` accounts a batch, then :meth:`plan`
+      pairs the best missed candidates with the worst slots and admits a candidate only where it beats its victim;
+    * the trainable row cache (``row_cache.py``) must make every row of a batch resident, because the optimizer
+      updates them: :meth:`make_room` picks slots for all misses (free first, then the lowest scores, never a slot
+      the batch uses), :meth:`admit` fills them, and :meth:`touch` accounts every slot the batch used.
+
+    A policy is the rule for the score a row starts with when admitted (:meth:`_start`) and for what a use does to
+    it (:meth:`touch`); ``clock`` counts batches (:meth:`tick`). Slots ``[0, n_pinned)`` are never evicted (the row
+    cache's padding row). The row cache resizes the slots for an oversized batch (:meth:`resize`).
+    """
 
     dynamic = True
 
-    def __init__(self, n_slots: int, n_rows: int, device: torch.device) -> None:
+    def __init__(self, n_slots: int, n_rows: int, device: torch.device, n_pinned: int = 0) -> None:
         if n_slots < 0:
             raise CapacityError(f"n_slots must be >= 0, got {n_slots}")
-        self.n_slots = n_slots
         self.n_rows = n_rows
         self.device = device
+        self.n_pinned = int(n_pinned)
+        self.clock = 0
         self.slot_ids = torch.full((n_slots,), -1, dtype=torch.int64, device=device)
+        self.score = torch.zeros(n_slots, dtype=torch.int64, device=device)
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.slot_ids.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the policy's state."""
+        return (self.slot_ids.numel() + self.score.numel()) * 8
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, ids) of occupied slots (for rebuilding an index)."""
         slots = torch.nonzero(self.slot_ids >= 0).reshape(-1)
         return slots, self.slot_ids[slots]
 
+    def victim_scores(self) -> torch.Tensor:
+        """Per-slot score, lower = evicted first; free slots score :data:`FREE`."""
+        return torch.where(self.slot_ids >= 0, self.score, torch.full_like(self.score, FREE))
+
+    # -- the rule -------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def _victim_scores(self) -> torch.Tensor:
-        """Per-slot score, lower = evict first; free slots must score lowest."""
+    def _start(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 score of rows ``ids`` admitted now."""
 
     @abc.abstractmethod
+    def touch(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """Slots ``slots`` (duplicates allowed) were used ``counts`` times each in this batch."""
+
+    def _count(self, ids: torch.Tensor) -> None:
+        """Hook: every requested id of a read-cache batch (duplicates count), hit or miss."""
+
+    def _candidates(self, cand: torch.Tensor, cand_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, scores): ``cand[order]`` best first, and the score each of those would start with."""
+        scores = self._start(cand)
+        order = torch.argsort(scores, descending=True, stable=True)
+        return order, scores[order]
+
+    def tick(self) -> int:
+        """One more batch; returns the clock."""
+        self.clock += 1
+        return self.clock
+
+    # -- read-cache contract ----------------------------------------------------------------------------
     def record(self, ids: torch.Tensor, hit_slots: torch.Tensor) -> None:
-        """Account one batch: all requested ``ids`` (duplicates count) and the slots that were hit."""
-
-    @abc.abstractmethod
-    def _admissible(self, cand: torch.Tensor, cand_counts: torch.Tensor,
-                    victim_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(order, take): ``cand[order]`` is best first; ``take[j]`` says pairing candidate ``order[j]``
-        with victim j is worth it."""
+        """Account one batch: all requested ``ids`` (duplicates count) and the slot of every hit (one per hit)."""
+        self.tick()
+        if ids.numel():
+            self._count(ids)
+        if hit_slots.numel():
+            self.touch(hit_slots, torch.ones_like(hit_slots))
 
     def plan(self, cand: torch.Tensor, cand_counts: torch.Tensor) -> Admission:
-        """Pair the best missed candidates with the worst slots and update the slot table.
+        """Pair the best missed candidates with the worst slots and admit where the candidate scores higher.
 
         ``cand``: distinct missed ids that may enter (their stored length fits a slot); ``cand_counts``:
         how often each was requested in the batch.
@@ -240,11 +301,11 @@ class SlotPolicy(CachePolicy):
         empty = cand[:0]
         if self.n_slots == 0 or cand.numel() == 0:
             return Admission(empty, empty, empty, empty)
-        scores = self._victim_scores()
         m = min(cand.numel(), self.n_slots)
-        victim_scores, victims = torch.topk(scores, m, largest=False, sorted=True)
-        order, take = self._admissible(cand, cand_counts, victim_scores)
-        k = int(take[:m].sum())  # the admissible pairs form a prefix (best candidate vs worst victim)
+        victim_scores, victims = torch.topk(self.victim_scores(), m, largest=False, sorted=True)
+        order, cand_scores = self._candidates(cand, cand_counts)
+        take = cand_scores[:m] > victim_scores
+        k = int(take.sum())  # the admissible pairs form a prefix (best candidate vs worst victim)
         if k == 0:
             return Admission(empty, empty, empty, empty)
         slots = victims[:k]
@@ -252,77 +313,124 @@ class SlotPolicy(CachePolicy):
         ids = cand[picks]
         old = self.slot_ids[slots]
         evicted = old[old >= 0]
-        self.slot_ids[slots] = ids
-        self._admitted(slots, ids)
+        self.admit(slots, ids)
         return Admission(ids, slots, evicted, picks)
 
-    def free(self, slots: torch.Tensor) -> None:
-        """Mark ``slots`` empty (used when an index rebuild drops a duplicate)."""
-        self.slot_ids[slots] = -1
+    # -- row-cache contract ---------------------------------------------------------------------------
+    def make_room(self, n: int, protect: torch.Tensor) -> torch.Tensor:
+        """Slots for ``n`` rows that must all enter: free slots first, then occupied ones from the lowest score
+        up, never a pinned slot or one in ``protect`` (int64 slots the batch uses; negative entries are ignored).
+        The caller makes sure there are enough (:meth:`resize`). Returned in that order."""
+        n_slots = self.n_slots
+        key = torch.empty(n_slots + 1, dtype=torch.int64, device=self.device)
+        key[:n_slots].copy_(self.victim_scores())
+        key.index_fill_(0, torch.where(protect >= 0, protect, n_slots), _PROTECTED)
+        return torch.topk(key[self.n_pinned:n_slots], n, largest=False, sorted=True).indices + self.n_pinned
 
-    def _admitted(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        """Hook: initialise per-slot state of newly admitted rows."""
+    def admit(self, slots: torch.Tensor, ids: torch.Tensor, scores: "torch.Tensor | None" = None) -> None:
+        """Rows ``ids`` now occupy ``slots``, starting at ``scores`` (default: the policy's start score)."""
+        self.slot_ids.index_copy_(0, slots, ids)
+        self.score.index_copy_(0, slots, self._start(ids) if scores is None else scores.to(torch.int64))
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Mark ``slots`` empty."""
+        self.slot_ids.index_fill_(0, slots, -1)
+
+    def resize(self, n_slots: int) -> None:
+        """Grow (new slots free) or cut to ``n_slots`` slots (the caller has emptied the ones cut)."""
+        have = self.n_slots
+        if n_slots > have:
+            self.slot_ids = torch.cat([self.slot_ids, self.slot_ids.new_full((n_slots - have,), -1)])
+            self.score = torch.cat([self.score, self.score.new_zeros(n_slots - have)])
+        elif n_slots < have:
+            self.slot_ids = self.slot_ids[:n_slots].clone()
+            self.score = self.score[:n_slots].clone()
 
 
 class LRUPolicy(SlotPolicy):
-    """Least recently used: evict the slots whose last hit is oldest; a batch is one time step."""
+    """Least recently used: a slot's score is the batch (``clock``) it was last used in."""
 
     kind = PolicyKind.LRU
 
-    def __init__(self, n_slots: int, n_rows: int, device: torch.device) -> None:
-        super().__init__(n_slots, n_rows, device)
-        self.clock = 0
-        self.last_used = torch.full((n_slots,), -1, dtype=torch.int64, device=device)
+    def _start(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(ids, self.clock, dtype=torch.int64)
 
-    def record(self, ids: torch.Tensor, hit_slots: torch.Tensor) -> None:
-        self.clock += 1
-        if hit_slots.numel():
-            self.last_used[hit_slots] = self.clock
+    def touch(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        self.score.index_fill_(0, slots, self.clock)
 
-    def _victim_scores(self) -> torch.Tensor:
-        return torch.where(self.slot_ids >= 0, self.last_used, torch.full_like(self.last_used, -1))
-
-    def _admissible(self, cand, cand_counts, victim_scores):
-        # all candidates are equally recent; prefer ids requested more often in this batch
+    def _candidates(self, cand: torch.Tensor, cand_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # all candidates are equally recent (they would start at the clock, so a row hit in this batch, scored the
+        # clock too, is never their victim); prefer ids requested more often in this batch
         order = torch.argsort(cand_counts, descending=True, stable=True)
-        return order, victim_scores < self.clock  # never evict a row hit in this batch
-
-    def _admitted(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        self.last_used[slots] = self.clock
+        return order, self._start(cand)
 
 
 class LFUPolicy(SlotPolicy):
-    """Least frequently used, with exact per-id request counts (int32 per row on the device).
+    """Least frequently used: a slot's score counts its row's requests.
 
-    A missed id replaces the least frequent resident row only if it was requested strictly more often,
-    so equally hot rows do not churn. Counts never decay (suits stationary skew such as degree-driven
-    GNN sampling).
+    ``since_admission=False`` (FeatureCache): exact per-id request counts over the cache's lifetime (int32 per row on
+    the device; they never decay, which suits stationary skew such as degree-driven GNN sampling). An admitted row
+    starts at its count, so a missed id replaces the least frequent resident row only if it was requested strictly
+    more often, and equally hot rows do not churn. ``since_admission=True`` (the row cache, as Colossal-AI's
+    ``CachedParamMgr``): a row's uses since it entered; nothing is kept per table row.
     """
 
     kind = PolicyKind.LFU
 
-    def __init__(self, n_slots: int, n_rows: int, device: torch.device) -> None:
-        super().__init__(n_slots, n_rows, device)
-        self.freq = torch.zeros(n_rows, dtype=torch.int32, device=device)
+    def __init__(self, n_slots: int, n_rows: int, device: torch.device, n_pinned: int = 0,
+                 since_admission: bool = False) -> None:
+        super().__init__(n_slots, n_rows, device, n_pinned)
+        self.since_admission = bool(since_admission)
+        self.freq = None if since_admission else torch.zeros(n_rows, dtype=torch.int32, device=device)
 
-    def record(self, ids: torch.Tensor, hit_slots: torch.Tensor) -> None:
-        if ids.numel():
+    def _count(self, ids: torch.Tensor) -> None:
+        if self.freq is not None:
             self.freq.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
-    def _victim_scores(self) -> torch.Tensor:
-        occupied = self.slot_ids >= 0
-        freq = self.freq[self.slot_ids.clamp(min=0)].to(torch.int64)
-        return torch.where(occupied, freq, torch.full_like(freq, -1))
+    def _start(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.freq is None:
+            return torch.zeros_like(ids, dtype=torch.int64)
+        return self.freq[ids].to(torch.int64)
 
-    def _admissible(self, cand, cand_counts, victim_scores):
-        cand_freq = self.freq[cand].to(torch.int64)
-        order = torch.argsort(cand_freq, descending=True, stable=True)
-        m = victim_scores.numel()
-        return order, cand_freq[order][:m] > victim_scores
+    def touch(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        self.score.index_add_(0, slots, counts.to(torch.int64))
 
     @property
     def nbytes(self) -> int:
-        return self.freq.numel() * 4
+        return super().nbytes + (0 if self.freq is None else self.freq.numel() * 4)
+
+
+class PriorityPolicy(SlotPolicy):
+    """A static priority per id, set when the row enters (uses change nothing): ``priority[id]``, or without one
+    ``n_rows - id`` (low ids hot: Colossal-AI's convention for frequency-sorted tables). The row cache's
+    ``DATASET`` strategy."""
+
+    def __init__(self, n_slots: int, n_rows: int, device: torch.device, n_pinned: int = 0,
+                 priority: "torch.Tensor | None" = None) -> None:
+        super().__init__(n_slots, n_rows, device, n_pinned)
+        self.priority = None if priority is None else priority.to(device, torch.int64)
+
+    def _start(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.priority[ids] if self.priority is not None else self.n_rows - ids
+
+    def touch(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + (0 if self.priority is None else self.priority.numel() * 8)
+
+
+def row_policy(strategy: "EvictionStrategy | str", n_slots: int, n_rows: int, device: torch.device, *,
+               n_pinned: int = 0, priority: "torch.Tensor | None" = None) -> SlotPolicy:
+    """The row cache's policy for an :class:`EvictionStrategy`: LFU counts uses since admission, LRU, or DATASET
+    (``priority``: the dataset frequency of each id, or None for low ids hot)."""
+    strategy = EvictionStrategy.coerce(strategy)
+    if strategy is EvictionStrategy.LFU:
+        return LFUPolicy(n_slots, n_rows, device, n_pinned, since_admission=True)
+    if strategy is EvictionStrategy.LRU:
+        return LRUPolicy(n_slots, n_rows, device, n_pinned)
+    return PriorityPolicy(n_slots, n_rows, device, n_pinned, priority)
 
 
 POLICIES: dict[PolicyKind, type[CachePolicy]] = {

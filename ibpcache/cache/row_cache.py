@@ -6,9 +6,13 @@ optimizer updates (Colossal-AI's ``CachedParamMgr`` role; the embedding bags in 
 are thin adapters over it):
 
 * :class:`CachedRowManager` owns ``C`` rows kept RAW on the compute device as one ``nn.Parameter``, an id -> slot
-  map, a slot -> id map and a per-slot eviction score (:class:`~ibpcache.cache.policy.EvictionStrategy`: LFU / LRU /
-  DATASET). ``prepare_ids`` turns ids into slot indices, reading misses through the host store's transfer path and
-  writing evicted rows back re-compressed (:meth:`HostStore.write_rows`, the engine's write-back).
+  map, and the engine's slot policy (``policy.py``: the slot -> id map and a per-slot eviction score, for
+  :class:`~ibpcache.cache.policy.EvictionStrategy` LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot
+  indices, reading misses through the host store's transfer path and writing evicted rows back re-compressed
+  (:meth:`HostStore.write_rows`, the engine's write-back).
+* an attached optimizer (:meth:`CachedRowManager.attach_optimizer`, ``row_optimizer.py``) keeps its per-row state
+  with the rows and replays the updates an evicted row missed when it returns, so training equals the same optimizer
+  over the full table;
 * :class:`FusedLookup` serves inference lookups over the same cache and host store in ONE kernel launch
   (``kernels/lookup.cu``), with no host sync.
 
@@ -21,22 +25,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..codec import Codec
+from ..compressed import CompressedRows
+from ..errors import OptimizerStateError
+from ..format import Layout
+from ..kernels.hashmap import IndexArgs
+from ..kernels.lookup import (SLOTS_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, Staging, lookup_pool,
+                              pool_supported)
 from .host_store import HostStore
 from .ordering import StreamOrder
-from .planner import PathPlanner
-from .policy import EvictionStrategy
+from .plan_path import PathPlanner
+from .policy import EvictionStrategy, SlotPolicy, row_policy
+from .row_optimizer import RowOptimizer, watch_unattached
 
-__all__ = ["CachedRowManager", "Prepared", "FusedLookup"]
+__all__ = ["CachedRowManager", "Prepared", "FusedLookup", "BagLayout", "pool_supported", "check_adoptable_rows"]
 
 _MIN = torch.iinfo(torch.int64).min
-_MAX = torch.iinfo(torch.int64).max
 _REFIT_CHECK_EVERY = 64
 """Write-back batches between two checks of the host store's compressed fraction (each check syncs)."""
+
+
+def check_adoptable_rows(rows: CompressedRows, shape: tuple[int, int], dtype: Optional[torch.dtype],
+                         name: str = "rows") -> None:
+    """Can the row cache serve ``rows`` as its host store (``HostStore.adopt``)? Their shape must be the table's, their
+    dtype ``dtype`` if given, and their layout in place: the lookups read row i at ``i * row_bytes``. ``name`` is the
+    adapter's argument, for the message."""
+    if rows.layout is not Layout.INPLACE:
+        raise ValueError(f"{name}: the embedding bags read rows at i * row_bytes; compress them with "
+                         f"layout='inplace' (got {rows.layout.value!r})")
+    if tuple(rows.shape) != tuple(shape):
+        raise ValueError(f"{name}: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
+                         f"embedding_dim {tuple(shape)}")
+    if dtype is not None and rows.dtype != dtype:
+        raise TypeError(f"{name}: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
 
 
 @dataclass
@@ -60,7 +85,9 @@ class CachedRowManager:
 
     Slots ``[0, P)`` are pinned (the padding row, never evicted); ``[P, P + C)`` are the cache proper;
     during an oversized batch the parameter grows past ``P + C`` until the next call. ``slot_of`` (int32,
-    ``[N]``, -1 = not cached) and ``id_of`` (int64, per slot, -1 = free) live on the cache device.
+    ``[N]``, -1 = not cached) and ``id_of`` (int64, per slot, -1 = free: the policy's slot table) live on the cache
+    device. Which rows leave is the policy's call (:func:`~ibpcache.cache.policy.row_policy`), the same slot policies
+    FeatureCache uses, under the row cache's contract: every missed row enters.
     """
 
     def __init__(
@@ -89,10 +116,10 @@ class CachedRowManager:
         self.cached_weight = torch.nn.Parameter(
             torch.zeros((self.base_slots, self.embedding_dim), dtype=store.dtype, device=dev))
         self.slot_of = torch.full((self.num_embeddings,), -1, dtype=torch.int32, device=dev)
-        self.id_of = torch.full((self.base_slots,), -1, dtype=torch.int64, device=dev)
-        self.score = torch.zeros(self.base_slots, dtype=torch.int64, device=dev)
         self.n_free = self.capacity
         self.freq = None if ids_freq_mapping is None else ids_freq_mapping.to(dev, torch.int64)
+        self.policy: SlotPolicy = row_policy(strategy, self.base_slots, self.num_embeddings, dev,
+                                             n_pinned=self.n_pinned, priority=self.freq)
         self.dirty = False
         self._clean_version = self.cached_weight._version
         self.step = 0
@@ -105,10 +132,8 @@ class CachedRowManager:
         self.evictions = 0
         self.refit_steps: list[int] = []
         self._writebacks_since_check = 0
-        self._optimizer: "torch.optim.Optimizer | None" = None
+        self.optim: Optional[RowOptimizer] = None  # the attached optimizer (attach_optimizer)
         self.coalesce_sparse_grads = False
-        self._state_host: dict[str, torch.Tensor] = {}
-        self._state_init: dict[str, float] = {}
         self.prefetched_rows = 0  # rows admitted by prefetch (not counted as lookups)
         self.prefetch_write_backs = 0
         self.order = StreamOrder(self.device)  # one forward at a time, from any thread or CUDA stream
@@ -117,6 +142,7 @@ class CachedRowManager:
             self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
                         torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
         self._warmup(warmup_ratio)
+        watch_unattached(self)
 
     def fused_lookup(self, refresh_every: int, stage_bytes: int = 0) -> "FusedLookup":
         """The fused inference lookup over this cache and its host store (built on first use)."""
@@ -125,11 +151,16 @@ class CachedRowManager:
         return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
-    def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Load rows ``ids`` into empty ``slots`` and record the mapping."""
+    @property
+    def id_of(self) -> torch.Tensor:
+        """int64 per slot: the id it holds, -1 = free (the policy's slot table)."""
+        return self.policy.slot_ids
+
+    def _place(self, ids: torch.Tensor, slots: torch.Tensor, scores: Optional[torch.Tensor] = None) -> None:
+        """Load rows ``ids`` into ``slots`` (free, or emptied by eviction) and admit them to the policy."""
         self.store.read_into(ids, self._weight_u8(), slots)
         self.slot_of.index_put_((ids,), slots.to(torch.int32))
-        self.id_of.index_copy_(0, slots, ids)
+        self.policy.admit(slots, ids, scores)
 
     def _warmup(self, warmup_ratio: float) -> None:
         """Preload ``ceil(C * warmup_ratio)`` rows: the most frequent ones when frequencies are known,
@@ -144,18 +175,10 @@ class CachedRowManager:
         else:
             ids = torch.nonzero(~exclude).squeeze(1)[:k]
         slots = torch.arange(self.n_pinned, self.n_pinned + k, dtype=torch.int64, device=self.device)
-        self._place(ids, slots)
-        if self.strategy is EvictionStrategy.LFU and self.freq is not None:
-            self.score[slots] = self.freq[ids]
-        elif self.strategy is EvictionStrategy.DATASET:
-            self.score[slots] = self._priority(ids)
+        # LFU counts uses; rows preloaded by dataset frequency start with that frequency as their count
+        seeded = self.strategy is EvictionStrategy.LFU and self.freq is not None
+        self._place(ids, slots, self.freq[ids] if seeded else None)
         self.n_free -= k
-
-    def _priority(self, ids: torch.Tensor) -> torch.Tensor:
-        """DATASET score of ids: dataset frequency, or ``N - id`` (low ids hot) without a mapping."""
-        if self.freq is not None:
-            return self.freq[ids]
-        return self.num_embeddings - ids
 
     def _weight_u8(self) -> torch.Tensor:
         w = self.cached_weight.data
@@ -209,7 +232,7 @@ class CachedRowManager:
             if checks and verify is not None:
                 verify(torch.stack(list(checks)).tolist())
             if count:
-                self.step += 1
+                self._tick()
                 self._record(0, 0, 0)
             return Prepared(flat.clone(), flat.clone().view(ids.shape), flat.clone(), None)
         uniq, inv, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
@@ -225,7 +248,7 @@ class CachedRowManager:
         if verify is not None and checks:
             verify(vals[n_probes:])
         if count:
-            self.step += 1
+            self._tick()
             self.lookups += int(flat.numel())
         n_miss, n_pinned_hits = vals[0], vals[1]
         pinned_pos = vals[3] if self.n_pinned and vals[2] else None
@@ -236,15 +259,18 @@ class CachedRowManager:
             miss_ids = uniq.index_select(0, miss_pos)
             dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - n_miss - n_pinned_hits)
             slot_u.index_copy_(0, miss_pos, dest)
-        else:
-            miss_ids = dest = None
-        self._touch(slot_u, counts, dest, miss_ids)
+        self.policy.touch(slot_u, counts)
         if count:
             self._record(n_uniq - n_miss, n_miss, written)
         else:
             self.prefetched_rows += int(n_miss)
             self.prefetch_write_backs += int(written)
         return Prepared(slot_u, inv.view(ids.shape), uniq, pinned_pos)
+
+    def _tick(self) -> None:
+        """One more counted lookup: a step of the cache and of its policy's clock (prefetches are not steps)."""
+        self.step += 1
+        self.policy.tick()
 
     def _record(self, hits: int, misses: int, written: int) -> None:
         self.num_hits_history.append(hits)
@@ -258,12 +284,8 @@ class CachedRowManager:
         avail = (self.slots - self.n_pinned) - n_hit_unpinned  # free + evictable
         if n_miss > avail:
             self._grow(n_miss - avail)
-        n_slots = self.slots
-        key = torch.empty(n_slots + 1, dtype=torch.int64, device=self.device)
-        key[:n_slots].copy_(self.score).masked_fill_(self.id_of < 0, _MIN)  # free slots first
-        key.index_fill_(0, torch.where(slot_u >= 0, slot_u, n_slots), _MAX)  # protect this batch's hits
         n_from_free = min(n_miss, self.n_free)
-        chosen = torch.topk(key[self.n_pinned:n_slots], n_miss, largest=False, sorted=True).indices + self.n_pinned
+        chosen = self.policy.make_room(n_miss, slot_u)  # free slots first, never this batch's hits
         victims = chosen[n_from_free:]
         written = 0
         victim_ids = None
@@ -275,37 +297,26 @@ class CachedRowManager:
                 self._maybe_refit()
             self.slot_of.index_fill_(0, victim_ids, -1)
             self.evictions += int(victims.numel())
-        self._move_optimizer_state(victims, victim_ids, chosen, miss_ids)
+        if self.optim is not None and victim_ids is not None:
+            self.optim.save(victims, victim_ids)
         self._place(miss_ids, chosen)
+        if self.optim is not None:
+            self.optim.restore(self.cached_weight.data, chosen, miss_ids)
         self.n_free -= n_from_free
         return chosen, written
-
-    def _touch(self, slot_u: torch.Tensor, counts: torch.Tensor, dest: Optional[torch.Tensor],
-               miss_ids: Optional[torch.Tensor]) -> None:
-        """Update the eviction scores of the slots this batch used."""
-        if self.strategy is EvictionStrategy.LFU:
-            if dest is not None:
-                self.score.index_fill_(0, dest, 0)
-            self.score.index_add_(0, slot_u, counts)
-        elif self.strategy is EvictionStrategy.LRU:
-            self.score.index_fill_(0, slot_u, self.step)
-        elif dest is not None:  # DATASET: static priority, set on admission
-            self.score.index_copy_(0, dest, self._priority(miss_ids))
 
     # -- oversized batches ------------------------------------------------------------------------
     def _grow(self, extra: int) -> None:
         """Add ``extra`` free slots for this batch only (the parameter object stays the same)."""
         old = self.slots
-        states = self._row_states()
         _set_rows(self.cached_weight, _grow_rows(self.cached_weight.data, extra))
         grad = self.cached_weight.grad
         if grad is not None:
             self.cached_weight.grad = _grow_grad(grad, old + extra)
-        self.id_of = torch.cat([self.id_of, self.id_of.new_full((extra,), -1)])
-        self.score = torch.cat([self.score, self.score.new_zeros(extra)])
+        self.policy.resize(old + extra)
         self.n_free += extra
-        for key, st in states:
-            self._optimizer.state[self.cached_weight][key] = _grow_rows(st, extra, fill=self._state_init.get(key, 0.0))
+        if self.optim is not None:
+            self.optim.resize(old + extra)
         self.overflow_batches += 1
         self.overflow_rows_max = max(self.overflow_rows_max, old + extra - self.base_slots)
 
@@ -319,20 +330,19 @@ class CachedRowManager:
             ids = self.id_of.index_select(0, occupied)
             if self.is_dirty():
                 self.store.write_rows(ids, self._weight_u8().index_select(0, occupied))
-            self._save_optimizer_state(occupied, ids)
+            if self.optim is not None:
+                self.optim.save(occupied, ids)
             self.slot_of.index_fill_(0, ids, -1)
             self.evictions += int(occupied.numel())
         self.n_free -= (self.slots - self.base_slots) - int(occupied.numel())
         keep = self.base_slots
-        states = self._row_states()
         _set_rows(self.cached_weight, self.cached_weight.data[:keep].clone())
         grad = self.cached_weight.grad
         if grad is not None:
             self.cached_weight.grad = _shrink_grad(grad, keep)
-        self.id_of = self.id_of[:keep].clone()
-        self.score = self.score[:keep].clone()
-        for key, st in states:
-            self._optimizer.state[self.cached_weight][key] = st[:keep].clone()
+        self.policy.resize(keep)
+        if self.optim is not None:
+            self.optim.resize(keep)
 
     # -- write back / whole table -----------------------------------------------------------------
     def occupied_slots(self) -> torch.Tensor:
@@ -340,8 +350,10 @@ class CachedRowManager:
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Write every cached row back to the host store (re-compressed). Rows stay cached, now clean."""
+        """Write every cached row back to the host store (re-compressed), after bringing evicted rows up to date
+        with an attached optimizer's updates. Rows stay cached, now clean."""
         self._shrink()
+        self.catch_up()
         if self.is_dirty():
             slots = self.occupied_slots()
             self.store.write_rows(self.id_of.index_select(0, slots), self._weight_u8().index_select(0, slots))
@@ -352,6 +364,7 @@ class CachedRowManager:
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
         """The current table (host rows with the cached, possibly newer, rows overlaid) as a CPU tensor."""
+        self.catch_up()
         table = self.store.dense()
         slots = self.occupied_slots()
         if slots.numel():
@@ -366,6 +379,7 @@ class CachedRowManager:
             raise ValueError(f"weight: expected shape {(self.num_embeddings, self.embedding_dim)}, "
                              f"got {tuple(table.shape)}")
         self._shrink()
+        self.catch_up()  # optimizer state current as of now: the new rows continue from it
         self.store.refit(table.to(self.store.dtype))
         self.store.refits -= 1  # a reload is not a refit
         slots = self.occupied_slots()
@@ -393,46 +407,24 @@ class CachedRowManager:
 
     # -- optimizer state that follows its rows ----------------------------------------------------
     def attach_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:
-        """Keep per-row optimizer state (tensors shaped like the cache, e.g. Adagrad's ``sum``, Adam's
-        moments) with its row: saved to host when the row leaves, restored when it returns."""
-        if not any(p is self.cached_weight for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError("attach_optimizer: the optimizer does not hold this module's cached parameter")
-        self._optimizer = optimizer
+        """Make ``optimizer`` (over :attr:`cached_weight`) exact against the same optimizer over the full table: its
+        per-row state follows its row in and out of the cache, and rows catch up on the updates they missed while
+        evicted (``row_optimizer.py``). Call it once, before the optimizer's first step."""
+        if self.optim is not None:
+            if self.optim.optimizer is optimizer:
+                return
+            raise OptimizerStateError("attach_optimizer: another optimizer is attached to these cached rows; one "
+                                      "optimizer owns their per-row state")
+        self.optim = RowOptimizer(optimizer, self)
         # SGD adds a sparse gradient occurrence by occurrence; Adagrad/SparseAdam coalesce it first. To stay
         # bit-exact the cache hands each the structure the reference would see (see RowGather).
         self.coalesce_sparse_grads = not isinstance(optimizer, torch.optim.SGD)
-        for key, st in self._row_states():
-            self._state_init[key] = float(st.reshape(-1)[0]) if st.numel() else 0.0
-        init = optimizer.defaults.get("initial_accumulator_value")
-        if init is not None:
-            self._state_init.setdefault("sum", float(init))
 
-    def _row_states(self) -> Iterable[tuple[str, torch.Tensor]]:
-        if self._optimizer is None:
-            return []
-        state = self._optimizer.state.get(self.cached_weight, {})
-        shape = self.cached_weight.shape
-        return [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shape]
-
-    def _host_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        if key not in self._state_host:
-            self._state_host[key] = torch.full((self.num_embeddings, self.embedding_dim),
-                                               self._state_init.get(key, 0.0), dtype=like.dtype)
-        return self._state_host[key]
-
-    def _save_optimizer_state(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        for key, st in self._row_states():
-            self._host_state(key, st)[ids.cpu()] = st.index_select(0, slots).cpu()
-
-    def _move_optimizer_state(self, victims: torch.Tensor, victim_ids: Optional[torch.Tensor],
-                              chosen: torch.Tensor, miss_ids: torch.Tensor) -> None:
-        states = self._row_states()
-        if not states:
-            return
-        if victim_ids is not None:
-            self._save_optimizer_state(victims, victim_ids)
-        for key, st in states:
-            st.index_copy_(0, chosen, self._host_state(key, st)[miss_ids.cpu()].to(st.device))
+    @torch.no_grad()
+    def catch_up(self) -> int:
+        """Bring every evicted row's host copy up to date with the attached optimizer's updates (``flush``,
+        ``weight`` and ``load_weight`` do this first). Returns the rows replayed."""
+        return 0 if self.optim is None else self.optim.catch_up_host(self)
 
     # -- statistics -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -489,19 +481,14 @@ class FusedLookup:
     """
 
     def __init__(self, mgr: "CachedRowManager", refresh_every: int, stage_bytes: int = 0) -> None:
-        from ..kernels.hashmap import IndexArgs
-        from ..kernels.lookup import SLOTS_INDEX, LookupErrors
-
         self.mgr = mgr
         dev = mgr.device
         self.refresh_every = int(refresh_every)
-        self.errors = LookupErrors(pin=True)
+        self.errors = LookupErrors(pin=dev.type == "cuda")  # the kernel writes it through UVA
         self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
         self.freq = torch.zeros(mgr.num_embeddings, dtype=torch.int32, device=dev)
         self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
         self._empty = torch.empty(0, dtype=torch.int64, device=dev)
-        self._index_mode = SLOTS_INDEX
-        self._index_args = IndexArgs
         self._weight_ptr = -1
         self._codec: "Codec | None" = None
         self._tables: Any = None
@@ -513,13 +500,9 @@ class FusedLookup:
         self.planner = PathPlanner()
         self.staging = None
         if stage_bytes > 0:
-            from ..kernels.lookup import Staging
-
             self.staging = Staging.allocate(mgr.num_embeddings, mgr.store.row_bytes, int(stage_bytes), dev)
 
     def _source(self) -> Any:
-        from ..kernels.lookup import RowSource
-
         mgr, store = self.mgr, self.mgr.store
         ptr = mgr.cached_weight.data_ptr()
         if ptr != self._weight_ptr:  # the cache grew/shrank for an oversized batch: a new slab address
@@ -530,7 +513,7 @@ class FusedLookup:
             self._codec = store.codec
             self._src_key = key
             self._tables = store.codec.kernel_tables(mgr.device)
-            index = self._index_args(self._index_mode, self._empty, mgr.slot_of, 0, 0)
+            index = IndexArgs(SLOTS_INDEX, self._empty, mgr.slot_of, 0, 0)
             lengths = store.lengths_dev if store.compress else None
             self._src = RowSource(index, self.slab_bases, store.data.data_ptr(), None, store.row_bytes, lengths,
                                   mgr.num_embeddings)
@@ -539,8 +522,6 @@ class FusedLookup:
     def pool(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
              include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor, layout: Any) -> None:
         """Pool bags of ``ids`` into ``out`` (see ``kernels.lookup.lookup_pool``); then maybe refresh the cache."""
-        from ..kernels.lookup import ElemType, PoolOp, lookup_pool
-
         mgr = self.mgr
         op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
         elem = ElemType.of(mgr.store.dtype)

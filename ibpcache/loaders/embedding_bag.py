@@ -29,22 +29,26 @@ followed by keyword-only compression options. What differs, and why:
   changed. Training forwards, ``max_norm`` and any in-place update of ``cached_weight`` (its version counter)
   mark rows dirty.
 
-Training: the cached rows are the module's only parameter (``cached_weight``), so any torch optimizer
-works with dense or ``sparse=True`` gradients. Rows evicted or flushed are written back re-compressed
-(raw when a row no longer matches the mask); ``refit_threshold`` refits the mask when too many rows stop
-compressing (``stats()['refit_steps']`` says when). Exactness against ``torch.nn.EmbeddingBag`` trained
-the same way, bit for bit:
+Training: the cached rows are the module's only parameter (``cached_weight``), dense or ``sparse=True``
+gradients. Rows evicted or flushed are written back re-compressed (raw when a row no longer matches the mask);
+``refit_threshold`` refits the mask when too many rows stop compressing (``stats()['refit_steps']`` says when).
+Exactness against ``torch.nn.EmbeddingBag`` trained the same way, bit for bit:
 
-* exact: SGD without momentum or weight decay (stateless), dense or sparse gradients;
-* exact after ``attach_optimizer(opt)``: optimizers whose per-row state only changes for rows in the batch
-  (Adagrad dense or sparse, SparseAdam), because the state then follows its row in and out of the cache;
-* not exact: optimizers that move rows absent from the batch (Adam/AdamW with dense gradients, momentum,
-  weight decay): an evicted row stops moving while the reference keeps moving it. Colossal-AI has the same
-  limitation.
+* SGD without momentum or weight decay (stateless): exact as it is, dense or sparse gradients;
+* every other optimizer needs ``attach_optimizer(opt)`` once, before its first step (a step without it is
+  refused with ``ibpcache.errors.OptimizerStateError``): SGD with momentum / dampening / nesterov / weight decay,
+  Adam, AdamW, Adagrad (dense gradients), Adagrad and SparseAdam (sparse gradients) are then exact. Per-row state
+  follows its row in and out of the cache, and a row that was evicted while the optimizer kept moving the table's
+  other absent rows (momentum, Adam's moments, weight decay) replays the updates it missed when it comes back, and
+  at ``flush()`` / ``weight`` (``ibpcache.cache.row_optimizer``: the optimizer's own update, so the same rounding;
+  the cost grows with the updates a row missed). SGD momentum or weight decay with ``sparse=True`` is refused (torch
+  keeps a sparse momentum buffer). Colossal-AI keeps the state with the slot and lets evicted rows fall behind.
+* fp16/bf16 rows on the CPU with updates that use ``add(alpha=...)`` (SGD, weight decay): within the one tolerance
+  ``ibpcache.cache.row_optimizer`` documents (torch rounds such an update by an element's position in its tensor).
 
 One forward per backward, as in Colossal-AI: a second forward before ``backward`` may evict rows the
-first one still needs gradients for. An oversized batch resizes ``cached_weight`` for one step; SGD does not
-mind, stateful optimizers need ``attach_optimizer`` (which resizes their state too).
+first one still needs gradients for. An oversized batch resizes ``cached_weight`` for one step (and an attached
+optimizer's state with it).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidIdsError
 from ..cache.host_store import FitOptions, HostStore, Transfer
 from ..cache.policy import EvictionStrategy
-from ..cache.row_cache import CachedRowManager, Prepared
+from ..cache.row_cache import BagLayout, CachedRowManager, Prepared, check_adoptable_rows, pool_supported
 
 __all__ = [
     "CachedEmbeddingBag",
@@ -240,7 +244,7 @@ class _CachedBagBase(nn.Module):
 
         fetch = fetch if fetch == "auto" else Transfer.coerce(fetch, "fetch")
         if isinstance(weight, CompressedRows):  # serve the given store's bytes: no second host copy
-            self._check_rows(weight, dtype)
+            check_adoptable_rows(weight, (num_embeddings, embedding_dim), dtype, "_weight")
             store = HostStore.adopt(weight, device=self.device, transfer=fetch)
         else:
             weight = self._initial_weight(weight, dtype).to("cpu")
@@ -254,8 +258,6 @@ class _CachedBagBase(nn.Module):
             pinned_ids=() if padding_idx is None else (padding_idx,), refit_threshold=refit_threshold)
         self.cached_weight = self.cache_weight_mgr.cached_weight
         self._padding_slot = None if padding_idx is None else 0
-        from ..kernels.lookup import pool_supported
-
         self.validate = validate
         self.refresh_every = refresh_every
         self.stage_bytes = int(stage_bytes)
@@ -264,21 +266,6 @@ class _CachedBagBase(nn.Module):
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
                                 and (fetch == "auto" or store.transfer is Transfer.ZERO_COPY)
                                 and pool_supported(store.dtype, store.row_bytes))
-
-    def _check_rows(self, rows: CompressedRows, dtype: Optional[torch.dtype]) -> None:
-        """``_weight`` given as CompressedRows: its shape must be the table's, its dtype ``dtype`` if given, and its
-        layout in place (the lookups read row i at ``i * row_bytes``)."""
-        from ..format import Layout
-
-        if rows.layout is not Layout.INPLACE:
-            raise ValueError("_weight: the embedding bags read rows at i * row_bytes; compress them with "
-                             f"layout='inplace' (got {rows.layout.value!r})")
-        shape = (self.num_embeddings, self.embedding_dim)
-        if tuple(rows.shape) != shape:
-            raise ValueError(f"_weight: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
-                             f"embedding_dim {shape}")
-        if dtype is not None and rows.dtype != dtype:
-            raise TypeError(f"_weight: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
 
     def _initial_weight(self, weight: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> torch.Tensor:
         """``_weight`` as given, or Colossal-AI's init: uniform(-1/N, 1/N) with a zero padding row."""
@@ -466,7 +453,9 @@ class _CachedBagBase(nn.Module):
         self.cache_weight_mgr.refit()
 
     def attach_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:
-        """Make per-row optimizer state follow its row through evictions (see the module docstring)."""
+        """Keep ``optimizer`` exact against the same optimizer over the full table: per-row state follows its row
+        through evictions and evicted rows catch up on missed updates (see the module docstring). Once, before the
+        optimizer's first step; any optimizer other than plain SGD needs it."""
         self.cache_weight_mgr.attach_optimizer(optimizer)
 
     @property
@@ -525,7 +514,7 @@ class CachedEmbeddingBag(_CachedBagBase):
     shared memory with ``CompressedRows.attach``): the module then serves those bytes with no second host copy,
     for inference only (``HostStore`` adopts them read-only). The
     keyword-only ones: ``compress`` (IBP host table: True, False, or "auto", the default: the planner in
-    ``ibpcache.cache.planner`` times compressed vs raw misses on this machine at construction and keeps the
+    ``ibpcache.cache.plan_layout`` times compressed vs raw misses on this machine at construction and keeps the
     faster; ``stats()['host_layout']`` says which and why), ``threshold`` / ``chunk_bytes`` (codec fit,
     "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
     its value at the last fit; None never refits), ``fetch`` (how cache fills cross PCIe on CUDA: "zero_copy",
@@ -740,8 +729,6 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
                        psw: Optional[torch.Tensor]) -> torch.Tensor:
         """Inference: all tables in ONE launch, straight into the ``[B, T * D]`` output (no host sync with
         ``validate='lazy'``, the default: CUDA-graph capturable with fixed-size inputs)."""
-        from ..kernels.lookup import BagLayout
-
         n_tab = self.num_tables
         ids = ids.contiguous()
         if ids.dim() == 2:

@@ -276,7 +276,7 @@ def test_property_any_bits_roundtrip() -> None:
 
 
 def test_planner_chooses_per_tensor_on_real_kv(chat_kv: Any) -> None:
-    from ibpcache.cache.planner import choose_row_codecs
+    from ibpcache.cache.plan_codecs import choose_row_codecs
     from ibpcache.exponent import ExponentCodec
 
     k, v = chat_kv("bf16", (0, 29))

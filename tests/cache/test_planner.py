@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ibpcache.cache.planner import MARGIN, MIN_RATIO, calibrate_layout, decide_layout
+from ibpcache.cache.plan_layout import MARGIN, MIN_RATIO, calibrate_layout, decide_layout
 
 
 def test_rule_keeps_compression_only_when_measurably_faster() -> None:

@@ -1,4 +1,5 @@
-"""Cache policies: the registry, the static greedy fill, slot sizing, and LRU/LFU admission and eviction."""
+"""Cache policies: the registry, the static greedy fill, slot sizing, and LRU/LFU admission and eviction under both
+admission contracts (FeatureCache's plan, the row cache's make_room + admit + touch)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import pytest
 import torch
 
 from ibpcache.cache.policy import (
+    FREE,
+    EvictionStrategy,
     LFUPolicy,
     LRUPolicy,
     POLICIES,
     PolicyKind,
+    PriorityPolicy,
     StaticPolicy,
     choose_slot_bytes,
     greedy_fill,
     make_policy,
+    row_policy,
 )
 
 CPU = torch.device("cpu")
@@ -115,3 +120,73 @@ def test_zero_slots_admits_nothing() -> None:
     p = LRUPolicy(0, 10, CPU)
     p.record(torch.tensor([1]), torch.empty(0, dtype=torch.int64))
     assert p.plan(torch.tensor([1]), torch.tensor([1])).empty
+
+
+def test_lfu_slot_scores_are_the_resident_ids_lifetime_counts() -> None:
+    """FeatureCache's LFU keeps per-slot scores; they must equal the per-id counts of the rows they hold (the
+    victim is the least requested resident row), however the rows came in."""
+    p = LFUPolicy(4, 50, CPU)
+    gen = torch.Generator().manual_seed(0)
+    slot_of: dict[int, int] = {}
+    for _ in range(30):
+        ids = torch.randint(0, 12, (20,), generator=gen)
+        hit_slots = torch.tensor([slot_of[i] for i in ids.tolist() if i in slot_of], dtype=torch.int64)
+        p.record(ids, hit_slots)
+        missed = torch.tensor(sorted({i for i in ids.tolist() if i not in slot_of}), dtype=torch.int64)
+        counts = torch.tensor([int((ids == i).sum()) for i in missed.tolist()], dtype=torch.int64)
+        a = p.plan(missed, counts)
+        for e in a.evicted.tolist():
+            slot_of.pop(e)
+        slot_of.update(zip(a.ids.tolist(), a.slots.tolist()))
+        slots, held = p.resident()
+        assert torch.equal(p.score[slots], p.freq[held].to(torch.int64))
+    assert sorted(slot_of) == sorted(p.resident()[1].tolist())
+
+
+def test_make_room_free_first_then_lowest_never_protected_or_pinned() -> None:
+    p = LFUPolicy(6, 100, CPU, n_pinned=1, since_admission=True)
+    p.admit(torch.tensor([0, 1, 2, 3]), torch.tensor([50, 10, 11, 12]))
+    p.touch(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 5, 2, 9]))
+    assert p.score.tolist()[:4] == [1, 5, 2, 9]
+    # free slots 4, 5 first, then slot 2 (score 2): slot 0 is pinned (score 1), slot 3 is protected
+    room = p.make_room(3, torch.tensor([3, -1])).tolist()
+    assert sorted(room[:2]) == [4, 5] and room[2] == 2  # free ones (in any order), then the lowest score
+    assert sorted(p.make_room(2, torch.tensor([-1])).tolist()) == [4, 5]
+    assert p.victim_scores().tolist()[4:] == [FREE, FREE]
+
+
+def test_row_policies_start_and_touch() -> None:
+    """The row cache's rules: LFU counts uses since admission (a returning row starts from 0 again), LRU stamps the
+    clock, DATASET keeps the id's priority whatever happens."""
+    lfu = row_policy("lfu", 3, 10, CPU)
+    assert isinstance(lfu, LFUPolicy) and lfu.since_admission and lfu.freq is None
+    lfu.admit(torch.tensor([0]), torch.tensor([4]))
+    lfu.touch(torch.tensor([0, 0]), torch.tensor([3, 2]))
+    assert int(lfu.score[0]) == 5
+    lfu.admit(torch.tensor([0]), torch.tensor([7]))
+    assert int(lfu.score[0]) == 0
+    lru = row_policy(EvictionStrategy.LRU, 3, 10, CPU)
+    lru.tick(), lru.tick()
+    lru.admit(torch.tensor([1]), torch.tensor([4]))
+    assert int(lru.score[1]) == 2
+    lru.tick()
+    lru.touch(torch.tensor([1]), torch.tensor([1]))
+    assert int(lru.score[1]) == 3
+    prio = row_policy("dataset", 3, 10, CPU, priority=torch.arange(10) * 7)
+    assert isinstance(prio, PriorityPolicy)
+    prio.admit(torch.tensor([2]), torch.tensor([3]))
+    prio.touch(torch.tensor([2]), torch.tensor([100]))
+    assert int(prio.score[2]) == 21
+    low_ids_hot = row_policy("dataset", 3, 10, CPU)
+    low_ids_hot.admit(torch.tensor([0, 1]), torch.tensor([1, 8]))
+    assert low_ids_hot.score[:2].tolist() == [9, 2]
+
+
+def test_resize_grows_free_slots_and_cuts_back() -> None:
+    p = LRUPolicy(2, 10, CPU)
+    p.admit(torch.tensor([0, 1]), torch.tensor([3, 4]))
+    p.resize(5)
+    assert p.n_slots == 5 and p.slot_ids.tolist() == [3, 4, -1, -1, -1]
+    assert sorted(p.make_room(3, torch.tensor([0, 1])).tolist()) == [2, 3, 4]
+    p.resize(2)
+    assert p.slot_ids.tolist() == [3, 4] and p.score.numel() == 2

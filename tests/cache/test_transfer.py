@@ -15,7 +15,7 @@ import torch
 from cache_helpers import zipf
 
 from ibpcache.cache.host_store import FitOptions, HostStore, Transfer
-from ibpcache.cache.planner import decide_transfer
+from ibpcache.cache.plan_transfer import decide_transfer
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -215,7 +215,7 @@ def test_stage_builds_descriptors_and_packs_stored_bytes(cora_x: torch.Tensor, c
 
 
 def test_layout_planner_keeps_raw_rows_when_the_cpu_gather_wins() -> None:
-    from ibpcache.cache.planner import LayoutChoice, prefer_host_gather
+    from ibpcache.cache.plan_layout import LayoutChoice, prefer_host_gather
 
     compressed = LayoutChoice(True, "compressed misses 1.10x faster than raw", 1.15, 1.0, 1.1, 8192)
     got = prefer_host_gather(compressed, host_gather_ms=0.4, compressed_wall_ms=1.0)

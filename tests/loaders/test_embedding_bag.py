@@ -257,13 +257,16 @@ def test_set_cache_op_and_prepare_ids(table: torch.Tensor) -> None:
 
 
 def _train(m: torch.nn.Module, ref: torch.nn.Module, make_opt, device: str, steps: int, mode: str,
-           unique_ids: bool = False, seed: int = 9, psw: bool = False) -> None:
+           unique_ids: bool = False, seed: int = 9, psw: bool = False, one_id: bool = False,
+           schedule: bool = False) -> None:
     """``steps`` identical training steps on both models, comparing outputs bitwise each step. The last
     step's outputs stay alive during the next forward (as in a usual loop), which keeps autograd's cached
-    view of the parameter alive while the cache resizes it."""
+    view of the parameter alive while the cache resizes it. ``one_id``: bags of one id (a ``[B, 1]`` input);
+    ``schedule``: the learning rate halves every 3 steps (StepLR)."""
     opt, ref_opt = make_opt(m.parameters()), make_opt(ref.parameters())
     if hasattr(m, "attach_optimizer") and getattr(make_opt, "attach", False):
         m.attach_optimizer(opt)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 3, 0.5) for o in (opt, ref_opt)] if schedule else []
     gen = torch.Generator().manual_seed(seed)
     outs: list = []
     for step in range(steps):
@@ -273,15 +276,22 @@ def _train(m: torch.nn.Module, ref: torch.nn.Module, make_opt, device: str, step
             offsets = torch.arange(0, 40, 4)
         else:
             ids, offsets = random_bags(gen, ROWS, 10, hot=12)
+        if one_id:
+            ids, offsets = ids.view(-1, 1), torch.arange(ids.numel())
         target = torch.randn(offsets.numel(), DIM, generator=gen).to(device)
         w = torch.rand(ids.numel(), generator=gen).to(device) if psw else None
         outs = []
         for model, o in ((m, opt), (ref, ref_opt)):
             o.zero_grad()
-            out = model(ids.to(device), offsets.to(device), per_sample_weights=w)
+            if one_id:
+                out = model(ids.to(device), per_sample_weights=None if w is None else w.view(-1, 1))
+            else:
+                out = model(ids.to(device), offsets.to(device), per_sample_weights=w)
             ((out - target) ** 2).sum().backward()
             o.step()
             outs.append(out)
+        for sched in schedulers:
+            sched.step()
         assert_bitwise(outs[0], outs[1], f"output at step {step}")
 
 
@@ -301,6 +311,31 @@ def _sparse_adam(params):
 
 
 _sparse_adam.attach = True
+
+
+def _momentum(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _nesterov_decay(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.01)
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _adamw_amsgrad(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.05, amsgrad=True)
+
+
+def _adagrad_decay(params):
+    return torch.optim.Adagrad(params, lr=0.05, lr_decay=0.01, weight_decay=0.01)
+
+
+for _f in (_momentum, _nesterov_decay, _adam, _adamw_amsgrad, _adagrad_decay):
+    _f.attach = True
+MOVING = [_momentum, _nesterov_decay, _adam, _adamw_amsgrad, _adagrad_decay]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -370,22 +405,101 @@ def test_inference_mode_then_training(table: torch.Tensor) -> None:
     assert_bitwise(m.cache_weight_mgr.weight, ref.weight)
 
 
-def test_training_without_attach_is_approximate(table: torch.Tensor) -> None:
-    """Documented limitation: without attach_optimizer, Adagrad state stays with the slot, not the row
-    (and an oversized batch, which resizes the parameter, would break the optimizer: none happens here)."""
-    m = make(table, "cpu", mode="sum", cache_ratio=0.3)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make_opt", MOVING, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("one_id", [False, True], ids=["bags", "one-id-bags"])
+def test_training_momentum_adam_decay_exact_after_attach(table: torch.Tensor, device: str, make_opt,
+                                                         one_id: bool) -> None:
+    """Optimizers that move rows absent from the batch (momentum, Adam's moments, weight decay) under a learning-rate
+    schedule: an evicted row catches up on the updates it missed when it returns, and the host rows at ``weight`` /
+    ``flush``, so every output and the final table equal nn.EmbeddingBag + torch.optim bit for bit. A 3% cache:
+    evictions and oversized batches every step."""
+    m = make(table, device, mode="sum", cache_ratio=0.03)
+    ref = reference(table, device, mode="sum")
+    _train(m, ref, make_opt, device, steps=10, mode="sum", unique_ids=device == "cuda", one_id=one_id,
+           schedule=True)
+    st = m.stats()
+    assert st["evictions"] > 0 and st["overflow_batches"] > 0
+    assert_bitwise(m.weight, ref.weight, "weight (evicted rows caught up)")
+    m.flush()
+    assert_bitwise(m.cache_weight_mgr.store.dense(), ref.weight, "host table after flush")
+
+
+@pytest.mark.parametrize("make_opt", [_momentum, _adam], ids=["momentum", "adam"])
+def test_inference_between_steps_sees_current_rows(table: torch.Tensor, make_opt) -> None:
+    """Rows admitted by an inference lookup (here an oversized one, under inference_mode) are brought up to date
+    first: the lookup of every row equals the reference's current table after each step, and training goes on
+    exactly."""
+    m = make(table, "cpu", mode="sum", cache_ratio=0.05)
     ref = reference(table, "cpu", mode="sum")
-    opt, ref_opt = _adagrad(m.parameters()), _adagrad(ref.parameters())
-    gen = torch.Generator().manual_seed(10)
-    for _ in range(8):
-        ids, offsets = random_bags(gen, ROWS, 10)
+    opt, ref_opt = make_opt(m.parameters()), make_opt(ref.parameters())
+    m.attach_optimizer(opt)
+    gen = torch.Generator().manual_seed(14)
+    every = torch.arange(ROWS).view(-1, 1)
+    for step in range(5):
+        ids, offsets = random_bags(gen, ROWS, 10, hot=12)
         for model, o in ((m, opt), (ref, ref_opt)):
             o.zero_grad()
             model(ids, offsets).pow(2).sum().backward()
             o.step()
-    m.flush()
-    assert m.stats()["evictions"] > 0 and m.stats()["overflow_batches"] == 0
-    assert not torch.equal(bits(m.weight), bits(ref.weight))
+        with torch.inference_mode():
+            assert_bitwise(m(every), ref(every), f"every row after step {step}")
+    assert_bitwise(m.weight, ref.weight)
+
+
+@pytest.mark.parametrize("make_opt,sparse", [(_momentum, False), (_nesterov_decay, False), (_adam, False),
+                                             (_adagrad, False), (_sparse_adam, True),
+                                             (lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01), False)],
+                         ids=["momentum", "nesterov-decay", "adam", "adagrad", "sparse-adam", "sgd-decay"])
+def test_stateful_optimizer_without_attach_is_refused(table: torch.Tensor, make_opt, sparse: bool) -> None:
+    """Without attach_optimizer an optimizer with per-row state (or weight decay) would keep it with the slot and
+    break once the cache grows: refused at its first step, before anything changed, saying what to do."""
+    from ibpcache.errors import OptimizerStateError
+
+    m = make(table, "cpu", mode="sum", cache_ratio=0.05, sparse=sparse)
+    opt = make_opt(m.parameters())
+    ids = torch.randperm(ROWS, generator=torch.Generator().manual_seed(15))[:60]  # more rows than the cache holds
+    m(ids, torch.arange(0, 60, 6)).pow(2).sum().backward()
+    before = m.cached_weight.detach().clone()
+    with pytest.raises(OptimizerStateError, match="attach_optimizer") as exc:
+        opt.step()
+    assert isinstance(exc.value, RuntimeError)
+    assert_bitwise(m.cached_weight, before, "rows after the refused step")
+    m.attach_optimizer(opt)  # the fix the message names
+    opt.step()
+    plain = make(table, "cpu", mode="sum", cache_ratio=0.05)
+    sgd = _sgd(plain.parameters())
+    plain(ids, torch.arange(0, 60, 6)).sum().backward()
+    sgd.step()  # stateless SGD needs nothing
+
+
+def test_attach_refuses_what_it_cannot_keep_exact(table: torch.Tensor) -> None:
+    from ibpcache.errors import OptimizerStateError
+
+    m = make(table, "cpu", mode="sum", cache_ratio=0.05)
+    with pytest.raises(OptimizerStateError, match="not supported"):
+        m.attach_optimizer(torch.optim.RMSprop(m.parameters(), lr=0.01))
+    with pytest.raises(ValueError, match="does not hold"):
+        m.attach_optimizer(_adam([torch.nn.Parameter(torch.zeros(3))]))
+    stepped = torch.nn.Parameter(torch.zeros_like(m.cached_weight))
+    donor = _adam([stepped])
+    stepped.grad = torch.ones_like(stepped)
+    donor.step()
+    opt = _adam(m.parameters())
+    opt.load_state_dict(donor.state_dict())  # a checkpoint's state belongs to slots, not rows
+    with pytest.raises(OptimizerStateError, match="before its first step"):
+        m.attach_optimizer(opt)
+    first = _adam(m.parameters())
+    m.attach_optimizer(first)
+    m.attach_optimizer(first)  # again: nothing changes
+    with pytest.raises(OptimizerStateError, match="another optimizer"):
+        m.attach_optimizer(_adam(m.parameters()))
+    sparse = make(table, "cpu", mode="sum", cache_ratio=0.05, sparse=True)
+    mom = _momentum(sparse.parameters())
+    sparse.attach_optimizer(mom)
+    sparse(torch.tensor([1, 2, 3]), torch.tensor([0])).sum().backward()
+    with pytest.raises(OptimizerStateError, match="sparse=False"):
+        mom.step()
 
 
 def test_rows_that_stop_matching_are_stored_raw_and_refit(table: torch.Tensor) -> None:
@@ -909,7 +1023,7 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
 def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
     """The fused lookup's path planner (CPU test with stand-in events): per size class it alternates the two
     ways while calibrating, ignores timings that have not completed, then keeps the faster one."""
-    from ibpcache.cache.planner import PathPlanner as OrderPlanner
+    from ibpcache.cache.plan_path import PathPlanner as OrderPlanner
 
     class Ev:
         def __init__(self, done: bool) -> None:
