@@ -130,6 +130,11 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _git_commit() -> str | None:
+    """The commit the results come from: ``$IBPCACHE_GIT_COMMIT`` when set (a copy of the working tree on another
+    machine may carry a stale ``.git``, so the sender names the commit), else ``git rev-parse`` here."""
+    named = os.environ.get("IBPCACHE_GIT_COMMIT", "").strip()
+    if named:
+        return named
     try:
         res = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, check=False
