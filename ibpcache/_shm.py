@@ -73,7 +73,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .errors import FormatError, IbpcacheError
+from .errors import CapacityError, FormatError, IbpcacheError, InvalidArgumentError
 
 __all__ = ["SHM_DIR", "StaleStoreError", "Segment", "Owner", "SweepReport", "publish", "open_segment", "segment_path",
            "list_segments", "sweep", "release"]
@@ -98,8 +98,8 @@ class StaleStoreError(IbpcacheError, RuntimeError):
 
 def _check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"shared store name must match {_NAME_RE.pattern} (letters, digits, '_', '.', '-'), "
-                         f"got {name!r}")
+        raise InvalidArgumentError(f"shared store name must match {_NAME_RE.pattern} (letters, digits, '_', '.', '-'), "
+                                   f"got {name!r}")
     return name
 
 
@@ -610,7 +610,7 @@ def publish(name: str, manifest: dict, sections: dict[str, np.ndarray], *, repla
     man = dict(manifest, generation=generation, uid=uid, owner=Owner.current().to_manifest(), sections=layout)
     blob = json.dumps(man, sort_keys=True).encode()
     if _HEADER.size + len(blob) > _PAGE:
-        raise ValueError(f"shared store manifest is {len(blob)} bytes; at most {_PAGE - _HEADER.size} fit")
+        raise CapacityError(f"shared store manifest is {len(blob)} bytes; at most {_PAGE - _HEADER.size} fit")
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:

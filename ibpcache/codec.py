@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ._validation import as_row_bytes, check_rows
-from .errors import CodecKindError, FormatError, RowDtypeError, RowShapeError
+from .errors import CodecKindError, FormatError, InternalError, InvalidArgumentError, RowDtypeError, RowShapeError
 from .fit import DEFAULT_THRESHOLDS, fit_rows_many, sample_rows
 from .format import CHUNK_SIZES, FileKind, RowGeometry, dtype_to_name, name_to_dtype, read_container, write_container
 from .kernels.backends import backend_for
@@ -207,7 +207,7 @@ class Codec(abc.ABC):
         copied once (transient). Implemented by ``compressed.compress_rows``.
         """
         if _compressor is None:  # compressed.py installs it; `import ibpcache` always imports compressed.py
-            raise RuntimeError("ibpcache.compressed is not imported: import ibpcache first")
+            raise InternalError("ibpcache.compressed is not imported: import ibpcache first")
         return _compressor(self, x, layout=layout, pin=pin, device=device)
 
     # -- files ------------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ class Codec(abc.ABC):
         rows (``seed``); "auto" compares sizes on those rows too.
         """
         if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
+            raise InvalidArgumentError(f"method must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
         if method == "raw":
             x = check_rows(x)
             dtype_to_name(x.dtype)
@@ -441,7 +441,7 @@ class IBPCodec(Codec):
             return []
         chunk_list = list(chunk_bytes) if isinstance(chunk_bytes, (list, tuple)) else [chunk_bytes] * len(xs)
         if len(chunk_list) != len(xs):
-            raise ValueError(f"chunk_bytes: expected {len(xs)} values, got {len(chunk_list)}")
+            raise InvalidArgumentError(f"chunk_bytes: expected {len(xs)} values, got {len(chunk_list)}")
         rows_list, sizes_list = [], []
         for x, chunk in zip(xs, chunk_list):
             idx = None
@@ -452,7 +452,7 @@ class IBPCodec(Codec):
             x = check_rows(x)  # copies a strided x once (transient; the fit reads every row anyway)
             dtype_to_name(x.dtype)
             if x.shape[0] == 0:
-                raise ValueError("cannot fit a codec on zero rows")
+                raise InvalidArgumentError("cannot fit a codec on zero rows")
             rows = as_row_bytes(x)
             if idx is None:
                 idx = sample_rows(rows.shape[0], sample, seed)
@@ -461,7 +461,7 @@ class IBPCodec(Codec):
             rows_list.append(rows)
             sizes_list.append(cls._fit_sizes_arg(chunk))
         if len({r.device for r in rows_list}) != 1:
-            raise ValueError("fit_many: every tensor must be on the same device")
+            raise InvalidArgumentError("fit_many: every tensor must be on the same device")
         grid = cls._fit_grid_arg(threshold, thresholds)
         results = fit_rows_many(rows_list, thresholds=grid, chunk_sizes=sizes_list, backend=backend_for(rows_list[0]))
         return [IBPCodec(r.mask, r.bitval, chunk_bytes=r.chunk_bytes, row_bytes=rows.shape[1], dtype=x.dtype,
@@ -475,9 +475,9 @@ class IBPCodec(Codec):
             return tuple(thresholds)
         if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
             if not 0.5 < float(threshold) <= 1.0:
-                raise ValueError(f"threshold must be in (0.5, 1.0] or 'auto', got {threshold}")
+                raise InvalidArgumentError(f"threshold must be in (0.5, 1.0] or 'auto', got {threshold}")
             return (float(threshold),)
-        raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
+        raise InvalidArgumentError(f"threshold must be a number or 'auto', got {threshold!r}")
 
     @staticmethod
     def _fit_sizes_arg(chunk_bytes: "int | str") -> "tuple[int, ...]":
@@ -485,7 +485,7 @@ class IBPCodec(Codec):
             return CHUNK_SIZES
         if chunk_bytes in CHUNK_SIZES:
             return (int(chunk_bytes),)
-        raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES} or 'auto', got {chunk_bytes!r}")
+        raise InvalidArgumentError(f"chunk_bytes must be one of {CHUNK_SIZES} or 'auto', got {chunk_bytes!r}")
 
     # -- host rows --------------------------------------------------------------------------------
     def row_lengths(self, rows_u8: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ import torch
 
 from ._validation import OUT_CONTIGUOUS_WHY, check_ids, resolve_device
 from .codec import Codec, check_codec, set_compressor
-from .errors import FormatError
+from .errors import FormatError, InvalidArgumentError
 from . import _shm
 from .format import FileKind, Layout, read_container, write_container
 
@@ -369,12 +369,13 @@ class CompressedRows:
         if out is None:
             return torch.empty(shape, dtype=self.dtype, device=dev)
         if not isinstance(out, torch.Tensor) or out.dtype != self.dtype or tuple(out.shape) != shape:
-            raise ValueError(f"out: expected a {self.dtype} tensor of shape {shape}, got "
-                             f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
+            raise InvalidArgumentError(f"out: expected a {self.dtype} tensor of shape {shape}, got "
+                                       f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}")
         if out.device != dev and not (out.device.type == dev.type == "cuda"):
-            raise ValueError(f"out: expected device {dev}, got {out.device}")
+            raise InvalidArgumentError(f"out: expected device {dev}, got {out.device}")
         if not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous tensor, got strides {out.stride()} ({OUT_CONTIGUOUS_WHY})")
+            raise InvalidArgumentError(f"out: expected a contiguous tensor, got strides {out.stride()} "
+                                       f"({OUT_CONTIGUOUS_WHY})")
         return out
 
     def _gather_valid(self, ids: torch.Tensor, dev: torch.device, out: "torch.Tensor | None") -> torch.Tensor:

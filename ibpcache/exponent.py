@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .codec import Codec
-from .errors import FormatError, RowDtypeError, RowShapeError
+from .errors import FormatError, InvalidArgumentError, RowDtypeError, RowShapeError
 from .fit import sample_rows
 from .format import dtype_to_name, name_to_dtype
 from .kernels import exponent_cpu as cpu
@@ -184,7 +184,7 @@ class ExponentCodec(Codec):
             raise RowShapeError(f"rows of zero elements cannot be stored (row shape {self.row_shape})")
         self._row_bytes = self.elem_bytes * self.row_elems
         if seg is not None and (isinstance(seg, bool) or not isinstance(seg, (int, np.integer)) or seg < 1):
-            raise ValueError(f"seg must be a positive number of elements or None, got {seg!r}")
+            raise InvalidArgumentError(f"seg must be a positive number of elements or None, got {seg!r}")
         self.seg = min(int(seg), self.row_elems) if seg is not None else self.row_elems
         self.n_seg = -(-self.row_elems // self.seg)
         self.max_code_bits = int(lengths.max())
@@ -231,7 +231,7 @@ class ExponentCodec(Codec):
         if x.dtype not in ALL_FORMATS:
             raise RowDtypeError(f"the exponent codec takes float32, bfloat16 or float16 rows, got {x.dtype}")
         if x.shape[0] == 0:
-            raise ValueError("cannot fit a codec on zero rows")
+            raise InvalidArgumentError("cannot fit a codec on zero rows")
         idx = sample_rows(int(x.shape[0]), sample, seed)
         if idx is not None:
             x = x[torch.from_numpy(idx).to(x.device)]
@@ -244,7 +244,7 @@ class ExponentCodec(Codec):
             mean = float((counts * lengths).sum() / max(1, counts.sum()))
             seg = segment_size(d, raw_bits, mean, header_field_bits(d, int(lengths.max())))
         elif isinstance(seg, str):
-            raise ValueError(f"seg must be a positive int, 'auto' or None, got {seg!r}")
+            raise InvalidArgumentError(f"seg must be a positive int, 'auto' or None, got {seg!r}")
         return cls(lengths, dtype=x.dtype, row_shape=row_shape, seg=seg, fitted_rows=int(x.shape[0]))
 
     # -- host rows --------------------------------------------------------------------------------
@@ -373,7 +373,7 @@ class ExponentCodec(Codec):
         Two launches and one host sync (the total size sizes ``data``)."""
         rows = self.check_compatible(x)
         if not rows.is_cuda:
-            raise ValueError("encode_gpu: expected rows on a CUDA device")
+            raise InvalidArgumentError("encode_gpu: expected rows on a CUDA device")
         lengths = self.size_rows_gpu(rows)
         offsets = torch.zeros(lengths.numel(), dtype=torch.int64, device=rows.device)
         if lengths.numel() > 1:
@@ -393,10 +393,10 @@ class ExponentCodec(Codec):
         tab = self.kernel_tables(device)
         dev = tab.lut.device
         if not (data.is_cuda or data.is_pinned()):
-            raise ValueError("data: expected a CUDA tensor or pinned host memory (zero-copy reads)")
+            raise InvalidArgumentError("data: expected a CUDA tensor or pinned host memory (zero-copy reads)")
         n = offsets.numel()
         if lengths.numel() != n:
-            raise ValueError(f"lengths: expected {n} values (one per offset), got {lengths.numel()}")
+            raise InvalidArgumentError(f"lengths: expected {n} values (one per offset), got {lengths.numel()}")
         if n:  # bounds first (one sync): the kernels trust them
             lo_off, lo_len = int(offsets.min()), int(lengths.min())
             hi_len, hi_end = int(lengths.max()), int((offsets.to(torch.int64) + lengths.to(offsets.device,

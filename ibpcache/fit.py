@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .errors import InvalidArgumentError, InvalidTypeError
 from .format import CHUNK_SIZES, RowGeometry
 
 __all__ = ["DEFAULT_THRESHOLDS", "FitResult", "bit_levels", "chunk_tables", "fit_rows_many", "sample_rows"]
@@ -37,7 +38,7 @@ class FitResult:
 def _percent_grid(thresholds: tuple[float, ...]) -> np.ndarray:
     grid = np.array(sorted({int(round(t * 100)) for t in thresholds}), dtype=np.int64)
     if grid.size == 0 or grid[0] <= 50 or grid[-1] > 100:
-        raise ValueError(f"thresholds must lie in (0.5, 1.0], got {thresholds}")
+        raise InvalidArgumentError(f"thresholds must lie in (0.5, 1.0], got {thresholds}")
     return grid
 
 
@@ -89,14 +90,14 @@ def sample_rows(n_rows: int, sample: "float | int | None", seed: int = 0) -> "np
     if sample is None:
         return None
     if isinstance(sample, bool) or not isinstance(sample, (int, float)):
-        raise TypeError(f"sample must be None, a fraction in (0, 1] or a row count, got {sample!r}")
+        raise InvalidTypeError(f"sample must be None, a fraction in (0, 1] or a row count, got {sample!r}")
     if isinstance(sample, float):
         if not 0.0 < sample <= 1.0:
-            raise ValueError(f"sample fraction must be in (0, 1], got {sample}")
+            raise InvalidArgumentError(f"sample fraction must be in (0, 1], got {sample}")
         count = max(1, int(round(sample * n_rows)))
     else:
         if sample < 1:
-            raise ValueError(f"sample row count must be >= 1, got {sample}")
+            raise InvalidArgumentError(f"sample row count must be >= 1, got {sample}")
         count = min(int(sample), n_rows)
     if count >= n_rows:
         return None
@@ -120,7 +121,7 @@ def fit_rows_many(
     for sizes in chunk_sizes:
         for c in sizes:
             if c not in CHUNK_SIZES:
-                raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES}, got {c}")
+                raise InvalidArgumentError(f"chunk_bytes must be one of {CHUNK_SIZES}, got {c}")
     grid = _percent_grid(thresholds)
     k_count = len(grid)
     counts = backend.collect([backend.bitcount_lazy(rows) for rows in rows_list])

@@ -17,7 +17,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from .errors import FormatError
+from .errors import FormatError, InvalidArgumentError
 from .kernels.layout import GROUP_CHUNKS  # defined with the kernels, which may not import this module
 
 __all__ = [
@@ -61,7 +61,7 @@ class Layout(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"layout must be one of {[m.value for m in cls]}, got {value!r}") from None
+            raise InvalidArgumentError(f"layout must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 class FileKind(enum.IntEnum):
@@ -113,9 +113,9 @@ class RowGeometry:
 
     def __post_init__(self) -> None:
         if self.chunk_bytes not in CHUNK_SIZES:
-            raise ValueError(f"chunk_bytes must be one of {CHUNK_SIZES}, got {self.chunk_bytes}")
+            raise InvalidArgumentError(f"chunk_bytes must be one of {CHUNK_SIZES}, got {self.chunk_bytes}")
         if self.row_bytes < 1:
-            raise ValueError(f"row_bytes must be >= 1, got {self.row_bytes}")
+            raise InvalidArgumentError(f"row_bytes must be >= 1, got {self.row_bytes}")
 
     @property
     def n_chunks(self) -> int:

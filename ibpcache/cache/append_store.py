@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ..codec import Codec
-from ..errors import CapacityError, FormatError
+from ..errors import CapacityError, FormatError, InvalidArgumentError, InvalidTypeError, RowShapeError, UnsupportedError
 from ..exponent import ExponentCodec
 from ..kernels import layout as L
 
@@ -70,7 +70,7 @@ def codec_method(codec: RowCodec) -> int:
         return L.KVP_EXPONENT
     if isinstance(codec, Codec):
         return L.KVP_IBP if bool(np.any(codec.mask)) else L.KVP_RAW
-    raise TypeError(f"codec: expected an ibpcache Codec or ExponentCodec, got {type(codec).__name__}")
+    raise InvalidTypeError(f"codec: expected an ibpcache Codec or ExponentCodec, got {type(codec).__name__}")
 
 
 def chunk_capacity(index: int, min_bytes: int, max_bytes: int, total: int = 0) -> int:
@@ -208,14 +208,14 @@ class AppendStore:
                  min_chunk_bytes: "int | None" = None, max_chunk_bytes: int = 4 << 20, slots: int = 0) -> None:
         self.methods = (codec_method(k_codec), codec_method(v_codec))
         if k_codec.row_bytes != v_codec.row_bytes:
-            raise ValueError(f"K and V rows differ in size: {k_codec.row_bytes} vs {v_codec.row_bytes}")
+            raise InvalidArgumentError(f"K and V rows differ in size: {k_codec.row_bytes} vs {v_codec.row_bytes}")
         if not isinstance(rows_per_token, int) or rows_per_token < 1:
-            raise ValueError(f"rows_per_token: expected a positive int, got {rows_per_token!r}")
+            raise InvalidArgumentError(f"rows_per_token: expected a positive int, got {rows_per_token!r}")
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+            raise InvalidArgumentError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self.codecs = (k_codec, v_codec)
         self.device = dev
         self.cuda = dev.type == "cuda"
@@ -384,13 +384,13 @@ class AppendStore:
     # -- append ----------------------------------------------------------------------------------------------------
     def _check_append(self, keys: torch.Tensor, values: torch.Tensor, slot0: int) -> int:
         if keys.shape != values.shape or keys.dim() != 4 or keys.dtype != values.dtype:
-            raise ValueError(f"keys/values: expected two [B, H, n, D] tensors of one shape and dtype, got "
-                             f"{tuple(keys.shape)} {keys.dtype} and {tuple(values.shape)} {values.dtype}")
+            raise InvalidArgumentError(f"keys/values: expected two [B, H, n, D] tensors of one shape and dtype, got "
+                                       f"{tuple(keys.shape)} {keys.dtype} and {tuple(values.shape)} {values.dtype}")
         if keys.dtype != self.codecs[0].dtype or keys.shape[3] * keys.element_size() != self.row_bytes:
-            raise ValueError(f"keys/values: expected {self.codecs[0].dtype} rows of {self.row_bytes} bytes, got "
-                             f"{keys.dtype} rows of {keys.shape[3] * keys.element_size()} bytes")
+            raise RowShapeError(f"keys/values: expected {self.codecs[0].dtype} rows of {self.row_bytes} bytes, got "
+                                f"{keys.dtype} rows of {keys.shape[3] * keys.element_size()} bytes")
         if keys.device != self.device or values.device != self.device:
-            raise ValueError(f"keys/values: expected tensors on {self.device}, got {keys.device}")
+            raise InvalidArgumentError(f"keys/values: expected tensors on {self.device}, got {keys.device}")
         m = keys.shape[0] * keys.shape[1] * keys.shape[2]
         if slot0 < 0 or slot0 > self.high_water:
             raise CapacityError(f"append at slot {slot0}: slots must be written in order (next free: "
@@ -503,7 +503,7 @@ class AppendStore:
         from ..kernels.kv_packed import kvp_fetch
 
         if not self.cuda:
-            raise RuntimeError("AppendStore.fetch is the CUDA path; on the CPU use read_rows")
+            raise UnsupportedError("AppendStore.fetch is the CUDA path; on the CPU use read_rows")
         stage = None
         if staged is not None:
             current = torch.cuda.current_stream(self.device)
@@ -527,7 +527,7 @@ class AppendStore:
         from ..kernels._build import copy_host_to_device
 
         if not self.cuda:
-            raise RuntimeError("AppendStore.stage_chunks is the CUDA path; on the CPU use read_rows")
+            raise UnsupportedError("AppendStore.stage_chunks is the CUDA path; on the CPU use read_rows")
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
         chunks = self._chunks
         sizes, offsets = stage_layout(chunks.caps, self._bound)
@@ -547,7 +547,7 @@ class AppendStore:
     def read_rows(self, side: int, slots: np.ndarray, out_u8: np.ndarray, out_rows: "np.ndarray | None") -> int:
         """CPU: decode the rows of ``slots`` of ``side`` into ``out_u8[out_rows]`` (or in order); the bytes read."""
         if self.cuda:
-            raise RuntimeError("AppendStore.read_rows is the CPU path; on CUDA use fetch")
+            raise UnsupportedError("AppendStore.read_rows is the CPU path; on CUDA use fetch")
         m = slots.size
         if m == 0:
             return 0
@@ -572,10 +572,11 @@ class AppendStore:
 
         m = self._check_append(keys, values, slot0) if slot0 <= self.high_water else -1
         if m < 0 or 2 * m * self.row_bytes > self.min_chunk:
-            raise ValueError(f"a captured append must be a decode step starting at the next free slot "
-                             f"({self.high_water}) whose worst case fits the smallest chunk ({self.min_chunk} bytes)")
+            raise InvalidArgumentError(f"a captured append must be a decode step starting at the next free slot "
+                                       f"({self.high_water}) whose worst case fits the smallest chunk "
+                                       f"({self.min_chunk} bytes)")
         if 2 * m > self._scratch.numel():  # growing it here would be captured (and replayed) too
-            raise ValueError("launch_dynamic: call prepare_capture first (scratch room)")
+            raise InvalidArgumentError("launch_dynamic: call prepare_capture first (scratch room)")
         kvp_append(self._desc, keys, values, slot0, t0, dyn=True, written=written, into=into, att_pos0=att_pos0)
 
     def prepare_capture(self, slot0: int, m: int) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CapacityError
+from ..errors import CapacityError, InvalidArgumentError
 from ..kernels import layout as L
 from .append_store import RowCodec, codec_method
 
@@ -34,11 +34,12 @@ class CpuGatherStore:
 
     def __init__(self, k_codec: RowCodec, v_codec: RowCodec, device: torch.device) -> None:
         if device.type != "cuda":
-            raise ValueError(f"CpuGatherStore needs a CUDA device, got {device}")
+            raise InvalidArgumentError(f"CpuGatherStore needs a CUDA device, got {device}")
         if codec_method(k_codec) != L.KVP_RAW or codec_method(v_codec) != L.KVP_RAW:
-            raise ValueError("CpuGatherStore stores raw rows (InfiniGen's baseline): pass raw codecs (Codec.raw)")
+            raise InvalidArgumentError("CpuGatherStore stores raw rows (InfiniGen's baseline): pass raw codecs "
+                                       "(Codec.raw)")
         if k_codec.row_bytes != v_codec.row_bytes:
-            raise ValueError(f"K and V rows differ in size: {k_codec.row_bytes} vs {v_codec.row_bytes}")
+            raise InvalidArgumentError(f"K and V rows differ in size: {k_codec.row_bytes} vs {v_codec.row_bytes}")
         self.codecs = (k_codec, v_codec)
         self.device = device
         self.cuda = True

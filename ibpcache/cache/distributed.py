@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .._validation import check_ids
 from ..codec import Codec
 from ..compressed import CompressedRows
+from ..errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["PartitionBook", "DistributedRows"]
 
@@ -38,8 +39,8 @@ class PartitionBook:
         """Book from an owner rank per row (e.g. a METIS/DistDGL assignment); local ids follow global order."""
         owner = torch.as_tensor(owner).to(torch.int64).reshape(-1)
         if owner.numel() and (int(owner.min()) < 0 or int(owner.max()) >= world_size):
-            raise ValueError(f"owner ranks must lie in [0, {world_size}), got [{int(owner.min())}, "
-                             f"{int(owner.max())}]")
+            raise InvalidArgumentError(f"owner ranks must lie in [0, {world_size}), got [{int(owner.min())}, "
+                                       f"{int(owner.max())}]")
         order = torch.argsort(owner, stable=True)
         counts = torch.bincount(owner, minlength=world_size)
         starts = torch.cumsum(counts, 0) - counts
@@ -51,7 +52,7 @@ class PartitionBook:
     def contiguous(cls, n_rows: int, world_size: int) -> "PartitionBook":
         """Row ranges: rank r owns ``[r*ceil(N/W), (r+1)*ceil(N/W))`` (TorchRec row-wise sharding)."""
         if world_size < 1 or n_rows < 0:
-            raise ValueError(f"need world_size >= 1 and n_rows >= 0, got {world_size}, {n_rows}")
+            raise InvalidArgumentError(f"need world_size >= 1 and n_rows >= 0, got {world_size}, {n_rows}")
         per = -(-n_rows // world_size) if n_rows else 1
         return cls.from_owner(torch.arange(n_rows) // per, world_size)
 
@@ -73,7 +74,8 @@ class DistributedRows:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         if book.world_size != self.world_size:
-            raise ValueError(f"partition book is for {book.world_size} ranks, the group has {self.world_size}")
+            raise InvalidArgumentError(f"partition book is for {book.world_size} ranks, the group has "
+                                       f"{self.world_size}")
         self.book = book
         n_local = int((book.owner == self.rank).sum())
         if isinstance(local_rows, CompressedRows):
@@ -86,9 +88,9 @@ class DistributedRows:
             self.row_shape, self.dtype = tuple(local_rows.shape[1:]), local_rows.dtype
             have = int(local_rows.shape[0])
         else:
-            raise TypeError(f"local_rows: expected CompressedRows or a tensor, got {type(local_rows).__name__}")
+            raise InvalidTypeError(f"local_rows: expected CompressedRows or a tensor, got {type(local_rows).__name__}")
         if have != n_local:
-            raise ValueError(f"rank {self.rank} holds {have} rows but the partition book gives it {n_local}")
+            raise InvalidArgumentError(f"rank {self.rank} holds {have} rows but the partition book gives it {n_local}")
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
         self.codecs = self._exchange_codecs()
         self.bytes_sent = 0
@@ -106,8 +108,8 @@ class DistributedRows:
         codecs: list[Codec | None] = []
         for r, (shape, dtype, codec) in enumerate(everyone):
             if (tuple(shape), dtype) != (self.row_shape, str(self.dtype)):
-                raise ValueError(f"rank {r} holds {dtype} rows of shape {tuple(shape)}, rank {self.rank} "
-                                 f"{self.dtype} rows of shape {self.row_shape}")
+                raise InvalidArgumentError(f"rank {r} holds {dtype} rows of shape {tuple(shape)}, rank {self.rank} "
+                                           f"{self.dtype} rows of shape {self.row_shape}")
             codecs.append(None if codec is None else Codec.from_header(codec[0], codec[1], codec[2]))
         return codecs
 

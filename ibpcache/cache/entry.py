@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import CapacityError
+from ..errors import CapacityError, InvalidArgumentError
 from ..kernels.layout import (  # the kernels' copy is the definition: kernels may not import the cache
     COMPRESSED_SHIFT,
     EMPTY_ENTRY,
@@ -122,9 +122,9 @@ def pack_entry(offset: int, slab_id: int, compressed: bool, length: int) -> int:
 def unpack_entry(entry: int) -> EntryFields:
     """Inverse of :func:`pack_entry`; accepts the signed (int64) or unsigned form."""
     if entry == EMPTY_ENTRY:
-        raise ValueError("cannot unpack EMPTY_ENTRY: it marks a row that is not cached")
+        raise InvalidArgumentError("cannot unpack EMPTY_ENTRY: it marks a row that is not cached")
     if not _I64_MIN <= entry < _U64:
-        raise ValueError(f"entry {entry} is not a 64-bit value")
+        raise InvalidArgumentError(f"entry {entry} is not a 64-bit value")
     value = entry % _U64
     return EntryFields(
         offset=(value >> OFFSET_SHIFT) & OFFSET_MASK,

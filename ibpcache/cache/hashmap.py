@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CapacityError, InvalidIdsError
+from ..errors import CapacityError, InternalError, InvalidArgumentError, InvalidIdsError
 from ..kernels.hashmap import IndexArgs, IndexMode, Status
 from .entry import EMPTY_ENTRY, EMPTY_KEY
 
@@ -166,7 +166,7 @@ class HashIndex(CacheIndex):
     def __init__(self, max_entries: int, device: torch.device, max_probes: int = DEFAULT_MAX_PROBES) -> None:
         super().__init__(device)
         if max_probes < 1:
-            raise ValueError(f"max_probes must be >= 1, got {max_probes}")
+            raise InvalidArgumentError(f"max_probes must be >= 1, got {max_probes}")
         self.max_entries = max_entries
         self.capacity = hash_capacity(max_entries)
         self.max_probes = max_probes
@@ -280,10 +280,10 @@ class HashIndex(CacheIndex):
                 f"hash index {what}: a key found no free bucket within max_probes={self.max_probes} "
                 f"(capacity {self.capacity}); raise max_probes or use index='direct'")
         if code == Status.DUPLICATE:
-            raise ValueError(f"hash index {what}: duplicate row ids (each cached id must be unique)")
+            raise InvalidArgumentError(f"hash index {what}: duplicate row ids (each cached id must be unique)")
         if code == Status.BAD_KEY:
             raise InvalidIdsError(f"hash index {what}: negative row id")
-        raise RuntimeError(f"hash index {what}: kernel status {code}")
+        raise InternalError(f"hash index {what}: kernel status {code}")
 
 
 _NO_VALID = np.zeros(0, dtype=np.uint8)
@@ -301,7 +301,7 @@ def make_index(n_rows: int, max_entries: int, device: torch.device, kind: str = 
     ``"hash"`` or ``"direct"``. A cache of capacity zero always gets a :class:`NoIndex`.
     """
     if kind not in ("auto", "hash", "direct"):
-        raise ValueError(f"index kind must be 'auto', 'hash' or 'direct', got {kind!r}")
+        raise InvalidArgumentError(f"index kind must be 'auto', 'hash' or 'direct', got {kind!r}")
     if max_entries <= 0:
         return NoIndex(device)
     if kind == "auto":

@@ -39,6 +39,7 @@ import torch
 from .._validation import as_row_bytes, check_rows
 from ..codec import Codec
 from ..compressed import CompressedRows, _flags_from_lengths
+from ..errors import InvalidArgumentError, StateError, UnsupportedError
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
 from .plan_layout import LayoutChoice, calibrate_layout
@@ -132,7 +133,7 @@ class HostStore:
                  compress: "bool | str" = True, device: torch.device, layout: "str | Layout" = Layout.INPLACE,
                  transfer: "str | Transfer" = "auto", share_rows: bool = False) -> None:
         if compress not in (True, False, "auto"):
-            raise ValueError(f"compress must be True, False or 'auto', got {compress!r}")
+            raise InvalidArgumentError(f"compress must be True, False or 'auto', got {compress!r}")
         self.device = device
         auto = transfer == "auto"
         self.transfer = Transfer.ZERO_COPY if auto else Transfer.coerce(transfer)
@@ -167,7 +168,7 @@ class HostStore:
 
     def _from_compressed(self, packed: CompressedRows, codec: Optional[Codec], compress: "bool | str") -> None:
         if codec is not None and not codec.same_tables(packed.codec):
-            raise ValueError("codec differs from the codec the CompressedRows were made with")
+            raise InvalidArgumentError("codec differs from the codec the CompressedRows were made with")
         packed.check_shared()
         self._geometry(packed.n_rows, packed.row_bytes, packed.dtype, tuple(packed.codec.row_shape))
         if compress is False:  # the caller asked for raw host rows: a private decoded copy
@@ -198,7 +199,7 @@ class HostStore:
             return
         if codec is None:
             if self.fit_options is None:
-                raise ValueError("compress=True needs a codec (or FitOptions to fit one)")
+                raise InvalidArgumentError("compress=True needs a codec (or FitOptions to fit one)")
             codec = self._fit(rows)
         run_on = rows.device if rows.is_cuda else self.device
         self._use_packed(codec.compress(rows, layout=layout, pin=self._pin, device=run_on))
@@ -447,10 +448,10 @@ class HostStore:
         """Store ``rows_u8`` (uint8 ``[M, row_bytes]``) as rows ``ids`` (distinct), re-encoded with the store's
         codec in place: compressed if a row still matches the mask, raw otherwise (training write-back)."""
         if self.read_only:
-            raise RuntimeError("this store serves adopted CompressedRows (read-only, inference only); build it "
-                               "from the dense table to write rows back (e.g. to train an embedding table)")
+            raise StateError("this store serves adopted CompressedRows (read-only, inference only); build it "
+                             "from the dense table to write rows back (e.g. to train an embedding table)")
         if self.layout is not Layout.INPLACE:
-            raise RuntimeError("rows can be written back only in the in-place layout (packed rows cannot grow)")
+            raise UnsupportedError("rows can be written back only in the in-place layout (packed rows cannot grow)")
         if ids.numel() == 0:
             return
         self.rows_written += int(ids.numel())

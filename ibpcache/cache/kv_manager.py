@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from ..codec import Codec
-from ..errors import CapacityError, InvalidIdsError
+from ..errors import (CapacityError, DeviceError, InvalidArgumentError, InvalidIdsError, InvalidTypeError,
+                      RowDtypeError, StateError)
 from .append_store import AppendStore, RowCodec, StagedChunks
 from .cpu_gather_store import CpuGatherStore
 from .kv_slots import SlotLayout
@@ -151,34 +152,36 @@ class KVOffloadManager:
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("batch_size", batch_size), ("sample_rows", sample_rows)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"{name}: expected a positive int, got {val!r}")
+                raise InvalidArgumentError(f"{name}: expected a positive int, got {val!r}")
         if dtype not in _KV_DTYPES:
-            raise TypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype}")
+            raise InvalidTypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise RuntimeError("device='cuda' was requested but no CUDA GPU is available (use device='cpu')")
+                raise DeviceError("device='cuda' was requested but no CUDA GPU is available (use device='cpu')")
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.type != "cpu":
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+            raise InvalidArgumentError(f"device must be 'cpu' or 'cuda', got {device!r}")
         if transfer == "auto":
             transfer = "zero_copy" if dev.type == "cuda" else "host"
         if transfer not in TRANSFERS:
-            raise ValueError(f"transfer must be one of {TRANSFERS} or 'auto', got {transfer!r}")
+            raise InvalidArgumentError(f"transfer must be one of {TRANSFERS} or 'auto', got {transfer!r}")
         if (transfer == "host") != (dev.type == "cpu"):
-            raise ValueError(f"transfer={transfer!r} does not run on device {dev} ('host' is the CPU path; "
-                             f"'zero_copy' and 'cpu_gather' need CUDA)")
+            raise InvalidArgumentError(f"transfer={transfer!r} does not run on device {dev} ('host' is the CPU path; "
+                                       f"'zero_copy' and 'cpu_gather' need CUDA)")
         if transfer == "cpu_gather" and compress:
-            raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
+            raise InvalidArgumentError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass "
+                                       "compress=False")
         if dense_fetch not in DENSE_FETCHES:
-            raise ValueError(f"dense_fetch must be one of {DENSE_FETCHES}, got {dense_fetch!r}")
+            raise InvalidArgumentError(f"dense_fetch must be one of {DENSE_FETCHES}, got {dense_fetch!r}")
         if codec not in ROW_METHODS:
-            raise ValueError(f"codec must be one of {ROW_METHODS}, got {codec!r}")
+            raise InvalidArgumentError(f"codec must be one of {ROW_METHODS}, got {codec!r}")
         if compress and codec == "exponent" and dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"codec='exponent' codes bfloat16/float16 rows, not {dtype} (use 'auto', 'ibp' or 'raw')")
+            raise RowDtypeError(f"codec='exponent' codes bfloat16/float16 rows, not {dtype} (use 'auto', 'ibp' or "
+                                "'raw')")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.batch_size, self.dtype, self.device = batch_size, dtype, dev
         self.compress, self.transfer = bool(compress), transfer
@@ -242,7 +245,7 @@ class KVOffloadManager:
 
     def _state(self, layer: int) -> _LayerState:
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+            raise InvalidIdsError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         return self._layers[layer]
 
     def seq_length(self, layer: int) -> int:
@@ -260,15 +263,15 @@ class KVOffloadManager:
     # -- writing ----------------------------------------------------------------------------------
     def _check_kv(self, x: object, name: str) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype != self.dtype:
-            raise TypeError(f"{name}: expected dtype {self.dtype}, got {x.dtype}")
+            raise InvalidTypeError(f"{name}: expected dtype {self.dtype}, got {x.dtype}")
         if x.device != self.device:
-            raise ValueError(f"{name}: expected a tensor on {self.device}, got {x.device}")
+            raise InvalidArgumentError(f"{name}: expected a tensor on {self.device}, got {x.device}")
         want = (self.batch_size, self.num_kv_heads)
         if x.dim() != 4 or tuple(x.shape[:2]) != want or x.shape[3] != self.head_dim:
-            raise ValueError(f"{name}: expected shape [{want[0]}, {want[1]}, n_tokens, {self.head_dim}], "
-                             f"got {tuple(x.shape)}")
+            raise InvalidArgumentError(f"{name}: expected shape [{want[0]}, {want[1]}, n_tokens, {self.head_dim}], "
+                                       f"got {tuple(x.shape)}")
         return x
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,7 +321,7 @@ class KVOffloadManager:
         st = self._state(layer)
         keys, values = self._check_kv(keys, "keys"), self._check_kv(values, "values")
         if keys.shape != values.shape:
-            raise ValueError(f"keys and values differ in shape: {tuple(keys.shape)} vs {tuple(values.shape)}")
+            raise InvalidArgumentError(f"keys and values differ in shape: {tuple(keys.shape)} vs {tuple(values.shape)}")
         n = keys.shape[2]
         if n == 0:
             return
@@ -424,7 +427,7 @@ class KVOffloadManager:
     def _check_idx(self, token_idx: object, n_tokens: int) -> torch.Tensor:
         """Token indices [B, H, k] (int64/int32) in [0, n_tokens): one reduction, one sync."""
         if not isinstance(token_idx, torch.Tensor):
-            raise TypeError(f"token_idx: expected an int64 torch.Tensor, got {type(token_idx).__name__}")
+            raise InvalidTypeError(f"token_idx: expected an int64 torch.Tensor, got {type(token_idx).__name__}")
         if token_idx.dtype not in (torch.int64, torch.int32):
             raise InvalidIdsError(f"token_idx: expected dtype int64 (or int32), got {token_idx.dtype}")
         want = (self.batch_size, self.num_kv_heads)
@@ -546,13 +549,13 @@ class KVOffloadManager:
     def _check_out(self, out: object, k: int) -> None:
         want = (self.batch_size, self.num_kv_heads, k, self.head_dim)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError("out: expected a (keys, values) pair of tensors")
+            raise InvalidTypeError("out: expected a (keys, values) pair of tensors")
         for name, t in zip(("out[0]", "out[1]"), out):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != self.dtype \
                     or t.device != self.device or not t.is_contiguous():
                 got = (tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name}: expected a contiguous {self.dtype} tensor of shape {want} on "
-                                 f"{self.device}, got {got}")
+                raise InvalidArgumentError(f"{name}: expected a contiguous {self.dtype} tensor of shape {want} on "
+                                           f"{self.device}, got {got}")
 
     def fetch_all(self, layer: int, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored token's K and V, as [B, H, T + extra_tokens, D] (the last ``extra_tokens`` left unset).
@@ -562,7 +565,7 @@ class KVOffloadManager:
         st = self._state(layer)
         self._flush_pending()
         if extra_tokens < 0:
-            raise ValueError(f"extra_tokens must be >= 0, got {extra_tokens}")
+            raise InvalidArgumentError(f"extra_tokens must be >= 0, got {extra_tokens}")
         out = self._alloc(st.n_tokens + extra_tokens)
         if st.n_tokens:
             start = self._timed_start()
@@ -632,8 +635,8 @@ class KVOffloadManager:
         :meth:`before_graph_append` before and :meth:`after_graph_append` after every replay (no bookkeeping here)."""
         st = self._state(layer)
         if not self.can_graph_append(layer) or keys.shape[2] != 1:
-            raise ValueError(f"graph_append: layer {layer} needs a zero-copy CUDA store in the identity slot layout "
-                             "whose next slot is its next free one (no crop since), and one token")
+            raise InvalidArgumentError(f"graph_append: layer {layer} needs a zero-copy CUDA store in the identity slot "
+                                       "layout whose next slot is its next free one (no crop since), and one token")
         t0 = st.n_tokens
         slot0 = st.slots.slot_of_token(t0)
         st.kv.launch_dynamic(keys, values, slot0, t0, written=self._dev_written)
@@ -789,13 +792,14 @@ class KVOffloadManager:
 
     def _check_batch_index(self, index: object, name: str) -> torch.Tensor:
         if not isinstance(index, torch.Tensor) or index.dim() != 1:
-            raise TypeError(f"{name}: expected a 1-D integer torch.Tensor, got {index!r:.80}")
+            raise InvalidTypeError(f"{name}: expected a 1-D integer torch.Tensor, got {index!r:.80}")
         if index.dtype == torch.bool:
             if index.numel() != self.batch_size:
-                raise ValueError(f"{name}: a boolean mask needs {self.batch_size} entries, got {index.numel()}")
+                raise InvalidArgumentError(f"{name}: a boolean mask needs {self.batch_size} entries, got "
+                                           f"{index.numel()}")
             index = index.nonzero().view(-1)  # a mask's size is data-dependent: this one syncs
         elif index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise TypeError(f"{name}: expected an integer tensor, got {index.dtype}")
+            raise InvalidTypeError(f"{name}: expected an integer tensor, got {index.dtype}")
         return index.to(device=self.device, dtype=torch.int64, non_blocking=True)
 
     def reorder(self, beam_idx: torch.Tensor, layer: "int | None" = None) -> None:
@@ -805,7 +809,8 @@ class KVOffloadManager:
         rows are not touched and nothing waits for the device."""
         beam_idx = self._check_batch_index(beam_idx, "beam_idx")
         if beam_idx.numel() != self.batch_size:
-            raise ValueError(f"beam_idx: expected {self.batch_size} entries (the batch size), got {beam_idx.numel()}")
+            raise InvalidArgumentError(f"beam_idx: expected {self.batch_size} entries (the batch size), got "
+                                       f"{beam_idx.numel()}")
         for st in self._layers_for(layer):
             if st.n_tokens:
                 st.slots.row0 = self._table(st).index_select(1, beam_idx)  # a new tensor: pending readers keep the old
@@ -819,13 +824,13 @@ class KVOffloadManager:
     def repeat_batch(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times in place (``repeat_interleave`` on the batch dimension)."""
         if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-            raise ValueError(f"repeats: expected a positive int, got {repeats!r}")
+            raise InvalidArgumentError(f"repeats: expected a positive int, got {repeats!r}")
         self._set_batch([self._table(st).repeat_interleave(repeats, dim=1) if st.n_tokens else None
                          for st in self._layers_for(None)], self.batch_size * repeats)
 
     def _set_batch(self, tables: "list[torch.Tensor | None]", batch_size: int) -> None:
         if batch_size < 1:
-            raise ValueError("a batch selection must keep at least one row")
+            raise InvalidArgumentError("a batch selection must keep at least one row")
         for st, table in zip(self._layers, tables):
             st.slots.row0 = table
         self.batch_size = batch_size
@@ -835,7 +840,7 @@ class KVOffloadManager:
     def crop(self, n_tokens: int, layer: "int | None" = None) -> None:
         """Keep the first ``n_tokens`` tokens of ``layer`` (None: every layer); their slots are reused."""
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 0:
-            raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
+            raise InvalidArgumentError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
         for st in self._layers_for(layer):
             st.n_tokens = min(st.n_tokens, n_tokens)
 
@@ -952,14 +957,16 @@ class KVStepGraph:
         mgr._flush_pending()
         mgr._retire(st)
         if mgr.transfer != "zero_copy" or st.kv is None or not st.kv.cuda:
-            raise ValueError("capture_decode_step: needs transfer='zero_copy' on CUDA and a layer that holds its prompt")
+            raise InvalidArgumentError("capture_decode_step: needs transfer='zero_copy' on CUDA and a layer that holds "
+                                       "its prompt")
         segments = st.slots.segments
         if st.slots.row0 is not None or not segments or segments[-1][2] != mgr.rows_per_token:
-            raise ValueError("capture_decode_step: the layer's slots were reordered or selected (beam search); only the "
-                             "identity layout can be captured")
+            raise InvalidArgumentError("capture_decode_step: the layer's slots were reordered or selected (beam "
+                                       "search); only the identity layout can be captured")
         t0 = st.n_tokens
         if not isinstance(max_tokens, int) or max_tokens < t0 + 1:
-            raise ValueError(f"max_tokens: expected an int >= {t0 + 1} (stored tokens + 1), got {max_tokens!r}")
+            raise InvalidArgumentError(f"max_tokens: expected an int >= {t0 + 1} (stored tokens + 1), got "
+                                       f"{max_tokens!r}")
         self.mgr, self.layer, self.max_tokens = mgr, layer, max_tokens
         shape = (mgr.batch_size, mgr.num_kv_heads, 1, mgr.head_dim)
         dev = mgr.device
@@ -986,8 +993,8 @@ class KVStepGraph:
         mgr = self.mgr
         st = mgr._state(self.layer)
         if st.kv is not self._store or st.n_tokens != self._tokens or st.slots.row0 is not None:
-            raise RuntimeError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
-                               "or reset): capture again")
+            raise StateError(f"layer {self.layer} changed since capture_decode_step (an eager append, crop, reorder "
+                             "or reset): capture again")
         n = st.n_tokens
         if n + 1 > self.max_tokens:
             raise CapacityError(f"the captured step of layer {self.layer} holds at most {self.max_tokens} tokens")

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidArgumentError, StateError
+
 __all__ = ["SelectionConfig", "PartialKeySelector", "top_k_ascending", "critical_counts"]
 
 
@@ -49,11 +51,11 @@ class SelectionConfig:
 
     def __post_init__(self) -> None:
         if not self.alpha > 0:
-            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+            raise InvalidArgumentError(f"alpha must be > 0, got {self.alpha}")
         if not 0.0 < self.partial_ratio <= 1.0:
-            raise ValueError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
+            raise InvalidArgumentError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
         if self.max_num_kv < 1:
-            raise ValueError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
+            raise InvalidArgumentError(f"max_num_kv must be >= 1, got {self.max_num_kv}")
 
 
 def top_k_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -77,7 +79,7 @@ class PartialKeySelector:
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  config: SelectionConfig = SelectionConfig()) -> None:
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise InvalidArgumentError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.cfg = config
         self.num_layers = num_layers
         self.num_heads = num_heads
@@ -168,7 +170,7 @@ class PartialKeySelector:
     def length_on_device(self, layer: int) -> torch.Tensor:
         """int64 [1] device view of the layer's token count (what :meth:`select_static` reads)."""
         if self._len_dev is None:
-            raise RuntimeError("length_on_device: no CUDA partial key cache yet")
+            raise StateError("length_on_device: no CUDA partial key cache yet")
         return self._len_dev[layer : layer + 1]
 
     def keys_of(self, layer: int) -> "torch.Tensor | None":
@@ -184,7 +186,7 @@ class PartialKeySelector:
         """Add the partial columns of newly generated keys [B, Hkv, n, D]."""
         store = self._keys[layer]
         if store is None:
-            raise RuntimeError(f"layer {layer}: append_keys before prefill")
+            raise StateError(f"layer {layer}: append_keys before prefill")
         n = keys.shape[2]
         t = self._len[layer]
         store = self.reserve_keys(layer, n)
@@ -208,7 +210,7 @@ class PartialKeySelector:
         device counter holds, which it then moves on. Before each run: :meth:`reserve_keys` (same cache, else
         capture again); after: :meth:`note_appended`."""
         if keys.shape[2] != 1:
-            raise ValueError(f"append_keys_static: one token at a time, got {keys.shape[2]}")
+            raise InvalidArgumentError(f"append_keys_static: one token at a time, got {keys.shape[2]}")
         pos = self.length_on_device(layer)
         self._keys[layer].index_copy_(2, pos, self._columns(keys, self._dims[layer]))
         pos.add_(1)
@@ -285,7 +287,7 @@ class PartialKeySelector:
         ``query`` is the (speculated) query [B, Hq, 1, D] after RoPE; ``valid`` [B, T] excludes padding.
         """
         if self._dims[layer] is None:
-            raise RuntimeError(f"layer {layer}: select before prefill")
+            raise StateError(f"layer {layer}: select before prefill")
         k = self.planned_k(layer)
         self.last_k[layer] = k
         return self._scores_counted(layer, query, valid, k)[1]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InternalError
+
 __all__ = ["SlotLayout"]
 
 
@@ -70,7 +72,7 @@ class SlotLayout:
             for (t0, s0, width), t1 in zip(self.segments, ends):
                 n = max(0, min(t1, t) - t0)
                 if n and width != batch_size * num_kv_heads:
-                    raise RuntimeError(f"tokens stored with {width} rows per token but no slot table")
+                    raise InternalError(f"tokens stored with {width} rows per token but no slot table")
                 if n:
                     self.fill(t0, n, s0, batch_size, num_kv_heads, device)
         return self.row0

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..codec import Codec
+from ..errors import InvalidArgumentError, RowDtypeError
 
 __all__ = ["ROW_METHODS", "RowCodecChoice", "choose_row_codecs"]
 
@@ -44,13 +45,13 @@ def choose_row_codecs(samples: "list[torch.Tensor]", method: str = "auto", thres
     from ..exponent import FORMATS, ExponentCodec
 
     if method not in ROW_METHODS:
-        raise ValueError(f"method must be one of {ROW_METHODS}, got {method!r}")
+        raise InvalidArgumentError(f"method must be one of {ROW_METHODS}, got {method!r}")
     if not samples:
         return []
     dtype = samples[0].dtype
     if method == "exponent" and dtype not in FORMATS:
-        raise TypeError(f"method='exponent' codes bfloat16/float16 rows; these rows are {dtype} (use 'ibp', 'raw' or "
-                        "'auto')")
+        raise RowDtypeError(f"method='exponent' codes bfloat16/float16 rows; these rows are {dtype} (use 'ibp', 'raw' "
+                            "or 'auto')")
     if method == "raw":
         return [RowCodecChoice(Codec.raw(x.dtype, tuple(x.shape[1:])), "raw", {}) for x in samples]
     if method == "exponent":

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["PathPlanner"]
 
 
@@ -41,7 +43,7 @@ class PathPlanner:
     def fix(self, kind: str, second: "bool | None") -> None:
         """Pin a kind of lookup to one way for every size (``None`` lets the timings decide again)."""
         if kind not in self.LABELS:
-            raise ValueError(f"kind must be one of {sorted(self.LABELS)}, got {kind!r}")
+            raise InvalidArgumentError(f"kind must be one of {sorted(self.LABELS)}, got {kind!r}")
         if second is None:
             self._fixed.pop(kind, None)
         else:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ._plan_timing import MARGIN, wall_medians
 
 __all__ = ["Transfer", "TransferChoice", "decide_transfer", "calibrate_transfer", "MARGIN"]
@@ -35,7 +36,7 @@ class Transfer(str, enum.Enum):
         try:
             return cls(value)
         except ValueError:
-            raise ValueError(f"{name} must be one of {[m.value for m in cls]}, got {value!r}") from None
+            raise InvalidArgumentError(f"{name} must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 class TimedStore(Protocol):

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import CapacityError
+from ..errors import CapacityError, InvalidArgumentError
 
 __all__ = [
     "PolicyKind",
@@ -68,7 +68,7 @@ class PolicyKind(str, enum.Enum):
         try:
             return cls(str(value).lower())
         except ValueError:
-            raise ValueError(f"policy must be one of {[m.value for m in cls]}, got {value!r}") from None
+            raise InvalidArgumentError(f"policy must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 class EvictionStrategy(str, enum.Enum):
@@ -95,8 +95,8 @@ class EvictionStrategy(str, enum.Enum):
             key = name.strip().upper()
             if key in cls.__members__:
                 return cls[key]
-        raise ValueError(f"evict_strategy must be one of {[m.name for m in cls]} (or Colossal-AI's enum), "
-                         f"got {value!r}")
+        raise InvalidArgumentError(f"evict_strategy must be one of {[m.name for m in cls]} (or Colossal-AI's enum), "
+                                   f"got {value!r}")
 
 
 class CachePolicy(abc.ABC):
@@ -157,9 +157,9 @@ class StaticPolicy(CachePolicy):
         else:
             hot = self.hotness.reshape(-1)
             if hot.numel() != n:
-                raise ValueError(f"hotness must have one score per row ({n}), got {hot.numel()}")
+                raise InvalidArgumentError(f"hotness must have one score per row ({n}), got {hot.numel()}")
             if hot.dtype == torch.bool or hot.is_complex():
-                raise ValueError(f"hotness must be a real-valued score, got dtype {hot.dtype}")
+                raise InvalidArgumentError(f"hotness must be a real-valued score, got dtype {hot.dtype}")
             hot64 = hot.to(lengths.device).to(torch.float64)
             order = torch.argsort(hot64, descending=True, stable=True)
             if bool(torch.isneginf(hot64).any()):  # construction time only: one host sync is fine

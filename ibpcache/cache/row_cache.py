@@ -31,7 +31,7 @@ import torch
 
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import OptimizerStateError
+from ..errors import InvalidArgumentError, InvalidTypeError, OptimizerStateError
 from ..format import Layout
 from ..kernels.hashmap import IndexArgs
 from ..kernels.lookup import (SLOTS_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, Staging, lookup_pool,
@@ -55,13 +55,13 @@ def check_adoptable_rows(rows: CompressedRows, shape: tuple[int, int], dtype: Op
     dtype ``dtype`` if given, and their layout in place: the lookups read row i at ``i * row_bytes``. ``name`` is the
     adapter's argument, for the message."""
     if rows.layout is not Layout.INPLACE:
-        raise ValueError(f"{name}: the embedding bags read rows at i * row_bytes; compress them with "
-                         f"layout='inplace' (got {rows.layout.value!r})")
+        raise InvalidArgumentError(f"{name}: the embedding bags read rows at i * row_bytes; compress them with "
+                                   f"layout='inplace' (got {rows.layout.value!r})")
     if tuple(rows.shape) != tuple(shape):
-        raise ValueError(f"{name}: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
-                         f"embedding_dim {tuple(shape)}")
+        raise InvalidArgumentError(f"{name}: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings "
+                                   f"and embedding_dim {tuple(shape)}")
     if dtype is not None and rows.dtype != dtype:
-        raise TypeError(f"{name}: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
+        raise InvalidTypeError(f"{name}: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
 
 
 @dataclass
@@ -376,8 +376,8 @@ class CachedRowManager:
     def load_weight(self, table: torch.Tensor) -> None:
         """Replace the whole table (e.g. ``load_state_dict``): re-encode it and reload the cached rows."""
         if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"weight: expected shape {(self.num_embeddings, self.embedding_dim)}, "
-                             f"got {tuple(table.shape)}")
+            raise InvalidArgumentError(f"weight: expected shape {(self.num_embeddings, self.embedding_dim)}, "
+                                       f"got {tuple(table.shape)}")
         self._shrink()
         self.catch_up()  # optimizer state current as of now: the new rows continue from it
         self.store.refit(table.to(self.store.dtype))

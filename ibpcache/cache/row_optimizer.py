@@ -49,7 +49,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.optim.sgd import sgd
 
-from ..errors import OptimizerStateError
+from ..errors import InvalidArgumentError, OptimizerStateError
 
 __all__ = ["RowOptimizer", "RowCache", "watch_unattached", "SUPPORTED"]
 
@@ -183,7 +183,7 @@ class RowOptimizer:
         param = mgr.cached_weight
         group = _group_of(optimizer, param)
         if group is None:
-            raise ValueError("attach_optimizer: the optimizer does not hold this module's cached parameter")
+            raise InvalidArgumentError("attach_optimizer: the optimizer does not hold this module's cached parameter")
         family = _FAMILIES.get(type(optimizer))
         if family is None:
             raise OptimizerStateError(

@@ -27,6 +27,7 @@ from typing import Any
 
 from .. import _shm
 from ..compressed import CompressedRows
+from ..errors import InvalidArgumentError
 
 __all__ = ["StoreHost", "serve", "serve_config", "main"]
 
@@ -36,7 +37,7 @@ class StoreHost:
 
     def __init__(self, stores: Mapping[str, "str | os.PathLike[str]"], *, replace: bool = True) -> None:
         if not stores:
-            raise ValueError("serve: no stores given (expected name -> saved store file)")
+            raise InvalidArgumentError("serve: no stores given (expected name -> saved store file)")
         self.segments: dict[str, _shm.Segment] = {}
         self.info: dict[str, dict[str, Any]] = {}
         try:

@@ -15,7 +15,7 @@ import functools
 import threading
 from pathlib import Path
 
-from ..errors import KernelBuildError
+from ..errors import DeviceError, KernelBuildError
 
 __all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy",
            "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free", "host_register_read_only",
@@ -223,8 +223,8 @@ def host_register_read_only(ptr: int, nbytes: int) -> None:
     # Kernels use the host address itself, valid on the device only where it may use host pointers of registered
     # memory (cudaDevAttrCanUseHostPointerForRegisteredMem).
     if not getattr(props, "can_use_host_pointer_for_registered_mem", True):
-        raise RuntimeError("this GPU cannot use host pointers of registered memory (no UVA mapping); the zero-copy "
-                           "host store needs it")
+        raise DeviceError("this GPU cannot use host pointers of registered memory (no UVA mapping); the zero-copy "
+                          "host store needs it")
     import_cupy().cuda.runtime.hostRegister(int(ptr), int(nbytes), _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY)
 
 

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-from ..errors import CodecKindError
+from ..errors import CodecKindError, InvalidArgumentError, RowShapeError
 from ._build import device_index, launch
 from .tables import KernelTables
 
@@ -58,8 +58,8 @@ def _err_word(device_id: int) -> torch.Tensor:
 
 def _check_u8_rows(rows: torch.Tensor, name: str) -> None:
     if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous uint8 [N, row_bytes] tensor, got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
+        raise InvalidArgumentError(f"{name}: expected a contiguous uint8 [N, row_bytes] tensor, got {rows.dtype} "
+                                   f"{tuple(rows.shape)}")
 
 
 def _upload(arrays: "list[np.ndarray]", device: torch.device) -> list[torch.Tensor]:
@@ -103,7 +103,7 @@ class GpuBackend:
         n, rb = rows.shape
         k = pc.shape[0]
         if k > 32:
-            raise ValueError(f"the GPU fit scores at most 32 thresholds at once, got {k}")
+            raise InvalidArgumentError(f"the GPU fit scores at most 32 thresholds at once, got {k}")
         dev = device_index(rows)
         lv, iv, pct = _upload([np.ascontiguousarray(level, dtype=np.uint8), np.ascontiguousarray(inv).view(np.int64),
                                np.ascontiguousarray(pc, dtype=np.int32)], rows.device)
@@ -139,10 +139,10 @@ def _check_tables(tables: KernelTables, device: torch.device, row_bytes: int, na
     """IBP tables that sit on the launch device and describe rows of the width being launched on."""
     check_ibp_tables(tables)
     if tables.mask.device != device:
-        raise ValueError(f"tables: mask/bitval are on {tables.mask.device}, the launch is on {device} "
-                         f"(use codec.kernel_tables({str(device)!r}))")
+        raise InvalidArgumentError(f"tables: mask/bitval are on {tables.mask.device}, the launch is on {device} "
+                                   f"(use codec.kernel_tables({str(device)!r}))")
     if row_bytes != tables.row_bytes:
-        raise ValueError(f"{name}: expected {tables.row_bytes}-byte rows, got {row_bytes}")
+        raise RowShapeError(f"{name}: expected {tables.row_bytes}-byte rows, got {row_bytes}")
 
 
 def size_rows(rows: torch.Tensor, tables: KernelTables) -> torch.Tensor:
@@ -171,8 +171,8 @@ def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torc
     _check_tables(tables, rows_u8.device, rb, "rows_u8")
     for name, t, dt in (("dst_ptrs", dst_ptrs, torch.int64), ("lengths_out", lengths_out, torch.int32)):
         if t.dtype != dt or t.shape != (n,) or not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+            raise InvalidArgumentError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
+                                       f"{tuple(t.shape)} on {t.device}")
     if n == 0:
         return
     dev = device_index(rows_u8)
@@ -195,10 +195,10 @@ def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: to
     for name, t, dt in (("src_ptrs", src_ptrs, torch.int64), ("lengths", lengths, torch.int32),
                         ("compressed", compressed, torch.uint8)):
         if t.dtype != dt or t.numel() != m or not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous CUDA {dt} tensor of {m} elements, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+            raise InvalidArgumentError(f"{name}: expected a contiguous CUDA {dt} tensor of {m} elements, got {t.dtype} "
+                                       f"{tuple(t.shape)} on {t.device}")
     if out_rows is not None and (out_rows.dtype != torch.int64 or out_rows.numel() != m or not out_rows.is_cuda):
-        raise ValueError(f"out_rows: expected a CUDA int64 tensor of {m} elements")
+        raise InvalidArgumentError(f"out_rows: expected a CUDA int64 tensor of {m} elements")
     dev = device_index(out_u8)
     _launch(f"ibp_decode_desc_c{tables.chunk_bytes}", dev, warp_grid(m, dev), _THREADS,
             (_ptr(src_ptrs), _ptr(lengths), _ptr(compressed), _ptr(out_rows), _ptr(out_u8), np.int64(m),

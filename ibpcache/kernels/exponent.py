@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..errors import InvalidArgumentError
 from ._build import device_index, launch
 from .bitpack import sm_count
 
@@ -51,11 +52,11 @@ class ExponentTables:
 
     def __post_init__(self) -> None:
         if self.elem_bytes not in (2, 4) or self.row_bytes != self.elem_bytes * self.row_elems:
-            raise ValueError(f"ExponentTables: {self.row_elems} elements of {self.elem_bytes} bytes are not "
-                             f"{self.row_bytes}-byte rows")
+            raise InvalidArgumentError(f"ExponentTables: {self.row_elems} elements of {self.elem_bytes} bytes are not "
+                                       f"{self.row_bytes}-byte rows")
         if self.n_seg != -(-self.row_elems // self.seg) or self.hdr_field not in (16, 32):
-            raise ValueError(f"ExponentTables: {self.n_seg} segments of {self.seg} do not cover {self.row_elems} "
-                             f"elements, or hdr_field {self.hdr_field} is not 16/32")
+            raise InvalidArgumentError(f"ExponentTables: {self.n_seg} segments of {self.seg} do not cover "
+                                       f"{self.row_elems} elements, or hdr_field {self.hdr_field} is not 16/32")
 
     @property
     def device(self) -> torch.device:
@@ -80,13 +81,13 @@ def _check_rows(rows_u8: torch.Tensor, tab: ExponentTables, name: str) -> int:
     """Rows as the size/encode kernels read them; returns the device ordinal."""
     if (not rows_u8.is_cuda or rows_u8.dtype != torch.uint8 or rows_u8.dim() != 2 or not rows_u8.is_contiguous()
             or rows_u8.shape[1] != tab.row_bytes):
-        raise ValueError(f"{name}: expected contiguous CUDA uint8 [N, {tab.row_bytes}] rows, got {rows_u8.dtype} "
-                         f"{tuple(rows_u8.shape)} on {rows_u8.device}")
+        raise InvalidArgumentError(f"{name}: expected contiguous CUDA uint8 [N, {tab.row_bytes}] rows, got "
+                                   f"{rows_u8.dtype} {tuple(rows_u8.shape)} on {rows_u8.device}")
     if rows_u8.data_ptr() % tab.elem_bytes:
-        raise ValueError(f"{name}: rows must start at a multiple of {tab.elem_bytes} bytes (their elements are read "
-                         "as such)")
+        raise InvalidArgumentError(f"{name}: rows must start at a multiple of {tab.elem_bytes} bytes (their elements "
+                                   "are read as such)")
     if tab.lut.device != rows_u8.device:
-        raise ValueError(f"tables are on {tab.lut.device}, the rows on {rows_u8.device}")
+        raise InvalidArgumentError(f"tables are on {tab.lut.device}, the rows on {rows_u8.device}")
     return device_index(rows_u8)
 
 
@@ -108,8 +109,8 @@ def exp_encode(rows_u8: torch.Tensor, tab: ExponentTables, dst_ptrs: torch.Tenso
     n = rows_u8.shape[0]
     for name, t, dt in (("dst_ptrs", dst_ptrs, torch.int64), ("lengths", lengths, torch.int32)):
         if t.dtype != dt or t.shape != (n,) or not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
+            raise InvalidArgumentError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
+                                       f"{tuple(t.shape)} on {t.device}")
     if n:
         launch(_SRC, f"ibp_exp_encode_e{tab.elem_bytes}", dev, _grid(n, dev, _THREADS), _THREADS,
                (_p(rows_u8), np.int64(n), *_geometry(tab), _p(tab.code_len), _p(tab.code_rev), _p(dst_ptrs),
@@ -129,8 +130,9 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
     """
     if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
             or out_u8.shape[1] != tab.row_bytes or out_u8.data_ptr() % tab.elem_bytes):
-        raise ValueError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned to "
-                         f"{tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on {out_u8.device}")
+        raise InvalidArgumentError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned to "
+                                   f"{tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on "
+                                   f"{out_u8.device}")
     dev = device_index(out_u8)
     m = int(ids.numel()) if ids is not None else int(n_rows)
     checks = [("lengths", lengths, torch.int32, n_rows), ("err", err, torch.int64, 2)]
@@ -142,12 +144,12 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
         checks.append(("out_rows", out_rows, torch.int64, m))
     for name, t, dt, size in checks:
         if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != out_u8.device:
-            raise ValueError(f"{name}: expected a contiguous {dt} tensor of {size} elements on {out_u8.device}, got "
-                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+            raise InvalidArgumentError(f"{name}: expected a contiguous {dt} tensor of {size} elements on "
+                                       f"{out_u8.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
     if out_rows is None and out_u8.shape[0] != m:
-        raise ValueError(f"out_u8: expected {m} rows, got {out_u8.shape[0]}")
+        raise InvalidArgumentError(f"out_u8: expected {m} rows, got {out_u8.shape[0]}")
     if tab.lut.device != out_u8.device:
-        raise ValueError(f"tables are on {tab.lut.device}, the output on {out_u8.device}")
+        raise InvalidArgumentError(f"tables are on {tab.lut.device}, the output on {out_u8.device}")
     if m == 0:
         return
     args = (_p(ids), np.int64(m), np.uint64(base), _p(offsets), _p(lengths), np.int64(n_rows), _p(out_u8),

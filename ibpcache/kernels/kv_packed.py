@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import InvalidArgumentError
 from ._build import device_index, launch
 from .bitpack import sm_count
 
@@ -35,16 +36,16 @@ def _grid(rows: int, dev: int) -> int:
 def byte_strides(x: torch.Tensor, name: str) -> tuple[np.int64, np.int64, np.int64]:
     """Byte strides of dims 0..2 of a [B, H, n, D] tensor whose rows (dim 3) are contiguous."""
     if x.dim() != 4 or (x.stride(3) != 1 and x.shape[3] > 1):
-        raise ValueError(f"{name}: expected a [B, H, n, D] tensor with contiguous rows, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
+        raise InvalidArgumentError(f"{name}: expected a [B, H, n, D] tensor with contiguous rows, got shape "
+                                   f"{tuple(x.shape)} strides {x.stride()}")
     e = x.element_size()
     return np.int64(x.stride(0) * e), np.int64(x.stride(1) * e), np.int64(x.stride(2) * e)
 
 
 def _check_desc(desc: torch.Tensor, device: torch.device) -> None:
     if desc.dtype != torch.int64 or desc.device != device or not desc.is_contiguous():
-        raise ValueError(f"desc: expected the store's contiguous int64 descriptor on {device}, got {desc.dtype} on "
-                         f"{desc.device}")
+        raise InvalidArgumentError(f"desc: expected the store's contiguous int64 descriptor on {device}, got "
+                                   f"{desc.dtype} on {desc.device}")
 
 
 def kvp_append(desc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int, *,
@@ -60,10 +61,10 @@ def kvp_append(desc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     reads where a prompt-sized append went and gives it its chunk; the encode launch then writes it).
     """
     if keys.shape != values.shape or keys.dtype != values.dtype or keys.device != values.device:
-        raise ValueError(f"keys and values differ: {tuple(keys.shape)} {keys.dtype} {keys.device} vs "
-                         f"{tuple(values.shape)} {values.dtype} {values.device}")
+        raise InvalidArgumentError(f"keys and values differ: {tuple(keys.shape)} {keys.dtype} {keys.device} vs "
+                                   f"{tuple(values.shape)} {values.dtype} {values.device}")
     if not keys.is_cuda:
-        raise ValueError(f"keys/values: expected CUDA tensors, got {keys.device}")
+        raise InvalidArgumentError(f"keys/values: expected CUDA tensors, got {keys.device}")
     _check_desc(desc, keys.device)
     strides = (*byte_strides(keys, "keys"), *byte_strides(values, "values"))
     b, h, n, d = keys.shape
@@ -77,9 +78,9 @@ def kvp_append(desc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
                 or att_k.device != keys.device or att_v.device != keys.device
                 or not (att_k.is_contiguous() and att_v.is_contiguous())
                 or not (dyn or 0 <= att_pos0 <= width - n)):
-            raise ValueError(f"into: expected two contiguous {keys.dtype} [{b}, {h}, W, {d}] tensors on "
-                             f"{keys.device} with room for {n} tokens at {att_pos0}, got {tuple(att_k.shape)} and "
-                             f"{tuple(att_v.shape)}")
+            raise InvalidArgumentError(f"into: expected two contiguous {keys.dtype} [{b}, {h}, W, {d}] tensors on "
+                                       f"{keys.device} with room for {n} tokens at {att_pos0}, got "
+                                       f"{tuple(att_k.shape)} and {tuple(att_v.shape)}")
     m = b * h * n
     if m == 0:
         return
@@ -111,24 +112,25 @@ def kvp_fetch(desc: torch.Tensor, idx: "torch.Tensor | None", k: int, out_k: tor
     b, h, width, d = out_k.shape
     if (out_v.shape != out_k.shape or not (out_k.is_contiguous() and out_v.is_contiguous()) or k > width
             or not out_k.is_cuda or out_v.device != out_k.device or out_v.dtype != out_k.dtype):
-        raise ValueError(f"out_k/out_v: expected two contiguous CUDA [B, H, >= {k}, D] tensors, got "
-                         f"{tuple(out_k.shape)} on {out_k.device} and {tuple(out_v.shape)} on {out_v.device}")
+        raise InvalidArgumentError(f"out_k/out_v: expected two contiguous CUDA [B, H, >= {k}, D] tensors, got "
+                                   f"{tuple(out_k.shape)} on {out_k.device} and {tuple(out_v.shape)} on {out_v.device}")
     _check_desc(desc, out_k.device)
     if idx is not None and (k_dyn or idx.dtype != torch.int64 or tuple(idx.shape) != (b, h, k)
                             or not idx.is_contiguous() or idx.device != out_k.device):
-        raise ValueError(f"idx: expected a contiguous int64 tensor of shape {(b, h, k)} (and no k_dyn), got "
-                         f"{idx.dtype} {tuple(idx.shape)}")
+        raise InvalidArgumentError(f"idx: expected a contiguous int64 tensor of shape {(b, h, k)} (and no k_dyn), got "
+                                   f"{idx.dtype} {tuple(idx.shape)}")
     if row0 is not None and (row0.dtype != torch.int64 or row0.dim() != 2 or row0.shape[1] != b or heads != h
                              or not row0.is_contiguous() or row0.device != out_k.device):
-        raise ValueError(f"row0: expected a contiguous int64 [T, {b}] tensor on {out_k.device} and heads={h}, got "
-                         f"{row0.dtype} {tuple(row0.shape)} on {row0.device}, heads={heads}")
+        raise InvalidArgumentError(f"row0: expected a contiguous int64 [T, {b}] tensor on {out_k.device} and "
+                                   f"heads={h}, got {row0.dtype} {tuple(row0.shape)} on {row0.device}, heads={heads}")
     stage_buf = stage_off = None
     if stage is not None:
         stage_buf, stage_off = stage
         if (stage_buf.dtype != torch.uint8 or stage_off.dtype != torch.int64 or stage_buf.device != out_k.device
                 or stage_off.device != out_k.device or not stage_off.is_contiguous()):
-            raise ValueError(f"stage: expected a uint8 buffer and contiguous int64 offsets on {out_k.device}, got "
-                             f"{stage_buf.dtype} on {stage_buf.device} and {stage_off.dtype} on {stage_off.device}")
+            raise InvalidArgumentError("stage: expected a uint8 buffer and contiguous int64 offsets on "
+                                       f"{out_k.device}, got {stage_buf.dtype} on {stage_buf.device} and "
+                                       f"{stage_off.dtype} on {stage_off.device}")
     m = b * h * k
     if m == 0:
         return

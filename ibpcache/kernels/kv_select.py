@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import InvalidArgumentError
 from ._build import device_index, launch
 
 __all__ = ["partial_scores", "select_top", "MAX_QUERY_VALUES"]
@@ -21,7 +22,7 @@ _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def _check_count(n_dev: "torch.Tensor | None", like: torch.Tensor) -> None:
     if n_dev is not None and (n_dev.dtype != torch.int64 or n_dev.device != like.device or n_dev.numel() != 1):
-        raise ValueError("n_dev must be a one-element int64 tensor on the query's device")
+        raise InvalidArgumentError("n_dev must be a one-element int64 tensor on the query's device")
 
 
 def partial_scores(query: torch.Tensor, q_dims: torch.Tensor, keys: torch.Tensor, n_tokens: int, scale: float,
@@ -39,24 +40,25 @@ def partial_scores(query: torch.Tensor, q_dims: torch.Tensor, keys: torch.Tensor
     _, hkv, cap, r = keys.shape
     groups = hq // hkv
     if query.dtype != keys.dtype or query.dtype not in _DT or not keys.is_contiguous() or not q_dims.is_contiguous():
-        raise ValueError(f"partial_scores: query {query.dtype} and contiguous keys {keys.dtype} must share a float "
-                         "dtype; q_dims must be contiguous")
+        raise InvalidArgumentError(f"partial_scores: query {query.dtype} and contiguous keys {keys.dtype} must share a "
+                                   "float dtype; q_dims must be contiguous")
     if groups * r > MAX_QUERY_VALUES:
-        raise ValueError(f"partial_scores: {groups} query heads x {r} dims exceed {MAX_QUERY_VALUES}")
+        raise InvalidArgumentError(f"partial_scores: {groups} query heads x {r} dims exceed {MAX_QUERY_VALUES}")
     if not (query.is_cuda and keys.device == query.device and q_dims.device == query.device):
-        raise ValueError("partial_scores: query, q_dims and keys must be CUDA tensors on one device")
+        raise InvalidArgumentError("partial_scores: query, q_dims and keys must be CUDA tensors on one device")
     if query.stride(3) != 1:
-        raise ValueError("partial_scores: the query's head dimension must be contiguous")
+        raise InvalidArgumentError("partial_scores: the query's head dimension must be contiguous")
     if valid is not None and (valid.dtype != torch.bool or valid.stride(-1) != 1 or valid.device != query.device):
-        raise ValueError("partial_scores: valid must be a bool [B, T] tensor with contiguous rows, on the query's device")
+        raise InvalidArgumentError("partial_scores: valid must be a bool [B, T] tensor with contiguous rows, on the "
+                                   "query's device")
     if not 0 <= n_tokens <= cap:
-        raise ValueError(f"partial_scores: n_tokens {n_tokens} outside the partial key cache's [0, {cap}]")
+        raise InvalidArgumentError(f"partial_scores: n_tokens {n_tokens} outside the partial key cache's [0, {cap}]")
     _check_count(n_dev, query)
     if out is None:
         out = torch.empty((b, hkv, n_tokens), dtype=torch.float32, device=query.device)
     elif (out.dtype != torch.float32 or out.shape[:2] != (b, hkv) or out.shape[2] < n_tokens or out.stride(2) != 1
           or out.stride(0) != hkv * out.stride(1) or out.device != query.device):
-        raise ValueError(f"partial_scores: out must be fp32 [{b}, {hkv}, >= {n_tokens}] with contiguous rows")
+        raise InvalidArgumentError(f"partial_scores: out must be fp32 [{b}, {hkv}, >= {n_tokens}] with contiguous rows")
     if n_tokens == 0 or b * hkv == 0:
         return out[:, :, :n_tokens]
     launch(_SRC, "ibp_partial_scores", device_index(query), (b * hkv, -(-n_tokens // _TILE)), _THREADS, (
@@ -80,10 +82,10 @@ def select_top(scores: torch.Tensor, k: int, alpha: float, *, n_dev: "torch.Tens
     """
     if scores.dtype != torch.float32 or scores.dim() != 3 or not scores.is_cuda or scores.stride(2) != 1 \
             or scores.stride(0) != scores.shape[1] * scores.stride(1):
-        raise ValueError("select_top: scores must be a CUDA fp32 [B, H, T] tensor with contiguous rows")
+        raise InvalidArgumentError("select_top: scores must be a CUDA fp32 [B, H, T] tensor with contiguous rows")
     b, h, t = scores.shape
     if not 0 <= k <= t:
-        raise ValueError(f"select_top: k {k} outside [0, {t}] (the row length)")
+        raise InvalidArgumentError(f"select_top: k {k} outside [0, {t}] (the row length)")
     _check_count(n_dev, scores)
     if idx is None:
         idx = torch.empty((b, h, k), dtype=torch.int64, device=scores.device)
@@ -92,8 +94,8 @@ def select_top(scores: torch.Tensor, k: int, alpha: float, *, n_dev: "torch.Tens
     if idx.shape != (b, h, k) or idx.dtype != torch.int64 or not idx.is_contiguous() or idx.device != scores.device \
             or counts.shape != (b, h) or counts.dtype != torch.int32 or not counts.is_contiguous() \
             or counts.device != scores.device:
-        raise ValueError(f"select_top: idx must be int64 [{b}, {h}, {k}] and counts int32 [{b}, {h}], contiguous, "
-                         "on the scores' device")
+        raise InvalidArgumentError(f"select_top: idx must be int64 [{b}, {h}, {k}] and counts int32 [{b}, {h}], "
+                                   "contiguous, on the scores' device")
     if b * h == 0:
         return idx, counts
     launch(_SRC, "ibp_select_top", device_index(scores), b * h, _TOP_THREADS, (

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["KernelTables"]
 
 
@@ -32,15 +34,15 @@ class KernelTables:
         for name in ("mask", "bitval"):
             t = getattr(self, name)
             if t.dtype != torch.int64 or t.shape != (self.n_chunks,) or not t.is_contiguous():
-                raise ValueError(f"KernelTables.{name}: expected a contiguous int64 tensor of shape "
-                                 f"({self.n_chunks},), got {t.dtype} {tuple(t.shape)}")
+                raise InvalidArgumentError(f"KernelTables.{name}: expected a contiguous int64 tensor of shape "
+                                           f"({self.n_chunks},), got {t.dtype} {tuple(t.shape)}")
         if self.mask.device != self.bitval.device:
-            raise ValueError(f"KernelTables: mask on {self.mask.device} but bitval on {self.bitval.device}")
+            raise InvalidArgumentError(f"KernelTables: mask on {self.mask.device} but bitval on {self.bitval.device}")
         if self.chunk_bytes not in (1, 2, 4, 8):
-            raise ValueError(f"KernelTables.chunk_bytes: expected 1, 2, 4 or 8, got {self.chunk_bytes}")
+            raise InvalidArgumentError(f"KernelTables.chunk_bytes: expected 1, 2, 4 or 8, got {self.chunk_bytes}")
         if self.n_chunks * self.chunk_bytes < self.row_bytes or self.row_bytes < 1:
-            raise ValueError(f"KernelTables: {self.n_chunks} chunks of {self.chunk_bytes} B cannot hold "
-                             f"{self.row_bytes}-byte rows")
+            raise InvalidArgumentError(f"KernelTables: {self.n_chunks} chunks of {self.chunk_bytes} B cannot hold "
+                                       f"{self.row_bytes}-byte rows")
 
     @property
     def device(self) -> torch.device:

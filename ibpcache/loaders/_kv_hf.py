@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from ..cache.kv_graph import QueryProjection, SpeculationGraphs
 from ..cache.kv_manager import KVOffloadManager
 from ..cache.kv_select import PartialKeySelector, SelectionConfig
+from ..errors import InvalidArgumentError, InvalidTypeError, StateError, UnsupportedError
 from ._kv_model import decoder_geometry, decoder_layers, gather_mask, project_query, valid_from_mask
 
 __all__ = ["IBPOffloadedCache", "IBPOffloadedLayer"]
@@ -60,12 +61,13 @@ def crop_target(seq_length: int, arg: int) -> int:
     if isinstance(arg, torch.Tensor) and arg.dim() == 0 and not arg.is_floating_point() and arg.dtype != torch.bool:
         arg = int(arg)  # transformers 5.17's prompt-lookup decoding passes a 0-d tensor (reading it syncs once)
     if isinstance(arg, bool) or not isinstance(arg, int):
-        raise TypeError(f"crop: expected an int, got {arg!r}")
+        raise InvalidTypeError(f"crop: expected an int, got {arg!r}")
     if arg <= 0:
         return max(0, seq_length + arg)
     if _positive_crop_keeps():
         return min(seq_length, arg)
-    raise ValueError(f"Calling `crop` with a positive value (`{arg}`) is not supported: pass -n to remove n tokens")
+    raise InvalidArgumentError(f"Calling `crop` with a positive value (`{arg}`) is not supported: pass -n to remove n "
+                               "tokens")
 
 
 class IBPOffloadedLayer(CacheLayerMixin):
@@ -120,8 +122,8 @@ class IBPOffloadedLayer(CacheLayerMixin):
 
     def _whole_cache(self, what: str) -> None:
         if self.get_seq_length() > 0:
-            raise NotImplementedError(f"{what} changes the batch size of the store all layers share: call it on the "
-                                      "IBPOffloadedCache, not on one layer")
+            raise UnsupportedError(f"{what} changes the batch size of the store all layers share: call it on the "
+                                   "IBPOffloadedCache, not on one layer")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._whole_cache("batch_repeat_interleave")
@@ -171,9 +173,10 @@ class IBPOffloadedCache(Cache):
                  timing: bool = False, count_bytes: bool = True, defer_prompt_bytes: "int | None" = None,
                  codec: str = "auto", dense_fetch: str = "bulk", graphs: bool = True) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
-            raise ValueError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass compress=False")
+            raise InvalidArgumentError("transfer='cpu_gather' is InfiniGen's uncompressed baseline: pass "
+                                       "compress=False")
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = decoder_geometry(config, mode)
         super().__init__(layers=[IBPOffloadedLayer(self, i) for i in range(self.num_layers)])
         self.mode = mode
@@ -192,12 +195,14 @@ class IBPOffloadedCache(Cache):
         self._hooks: list = []
         if mode == "sparse":
             if model is None:
-                raise ValueError("mode='sparse' needs model=<the causal LM> to speculate the next layer's query")
+                raise InvalidArgumentError("mode='sparse' needs model=<the causal LM> to speculate the next layer's "
+                                           "query")
             self.selector = PartialKeySelector(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
                                                SelectionConfig(alpha, partial_ratio, max_num_kv))
             self._decoder = decoder_layers(model)
             if len(self._decoder) != self.num_layers:
-                raise ValueError(f"model has {len(self._decoder)} decoder layers, config says {self.num_layers}")
+                raise InvalidArgumentError(f"model has {len(self._decoder)} decoder layers, config says "
+                                           f"{self.num_layers}")
             self._install_hooks()
 
     # -- hooks (sparse mode) ----------------------------------------------------------------------
@@ -233,7 +238,7 @@ class IBPOffloadedCache(Cache):
         hidden = args[0] if args else kwargs.get("hidden_states")
         pos = kwargs.get("position_embeddings")
         if pos is None:
-            raise RuntimeError("sparse mode needs the decoder layers to receive position_embeddings (Llama-family)")
+            raise UnsupportedError("sparse mode needs the decoder layers to receive position_embeddings (Llama-family)")
         n_past = self._seq_length(i)
         if n_past == 0:
             self._prefill_q[i] = project_query(self._decoder[i], hidden, pos)
@@ -295,8 +300,8 @@ class IBPOffloadedCache(Cache):
             if self.selector is not None:
                 q = self._prefill_q.pop(i, None)
                 if q is None:
-                    raise RuntimeError("sparse mode: the decoder-layer hooks did not run; pass the same model to "
-                                       "IBPOffloadedCache(model=...) that generates")
+                    raise StateError("sparse mode: the decoder-layer hooks did not run; pass the same model to "
+                                     "IBPOffloadedCache(model=...) that generates")
                 self.selector.prefill(i, q, k, self._manager_kwargs["reserve_tokens"])
             self._prefetch_next(i)
             return k, v

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedModelError
+from ..errors import InvalidArgumentError, UnsupportedModelError
 
 __all__ = ["decoder_geometry", "project_query", "decoder_layers", "valid_from_mask", "gather_mask"]
 
@@ -144,8 +144,8 @@ def valid_from_mask(mask: "torch.Tensor | None", n_past: int) -> "torch.Tensor |
     if mask is None:
         return None
     if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] < n_past + 1:
-        raise ValueError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one decode "
-                         f"query, got shape {tuple(mask.shape)}")
+        raise InvalidArgumentError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one "
+                                   f"decode query, got shape {tuple(mask.shape)}")
     row = mask[:, 0, 0, :n_past]
     return row if row.dtype == torch.bool else row == 0
 
@@ -159,8 +159,8 @@ def gather_mask(mask: "torch.Tensor | None", idx: torch.Tensor, n_past: int, num
     if mask is None:
         return None
     if mask.dim() != 4 or mask.shape[-2] != 1 or mask.shape[-1] < n_past + 1:
-        raise ValueError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one decode "
-                         f"query, got shape {tuple(mask.shape)}")
+        raise InvalidArgumentError(f"sparse KV selection expects a [B, 1|H, 1, >= {n_past + 1}] attention mask for one "
+                                   f"decode query, got shape {tuple(mask.shape)}")
     b, hkv, k = idx.shape
     groups = num_heads // hkv
     cur = torch.full((b, hkv, 1), n_past, dtype=idx.dtype, device=idx.device)

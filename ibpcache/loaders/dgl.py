@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ibpcache._validation import check_rows
-from ibpcache.errors import IbpcacheError
+from ibpcache.errors import IbpcacheError, InvalidArgumentError, InvalidTypeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ibpcache.cache.feature_cache import FeatureCache
@@ -142,7 +142,7 @@ class FetchMode(str, enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             names = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown fetch mode {value!r}; expected one of: {names}") from None
+            raise InvalidArgumentError(f"unknown fetch mode {value!r}; expected one of: {names}") from None
 
     @property
     def label(self) -> str:
@@ -223,11 +223,11 @@ def _row_geometry(source: Any) -> tuple[int, tuple[int, ...], torch.dtype]:
     else:
         shape = getattr(source, "shape", None)
     if shape is None or not isinstance(dtype, torch.dtype):
-        raise TypeError(f"cannot tell the row shape and dtype of {type(source).__name__} "
-                        "(needs n_rows/row_shape or shape, and dtype)")
+        raise InvalidTypeError(f"cannot tell the row shape and dtype of {type(source).__name__} "
+                               "(needs n_rows/row_shape or shape, and dtype)")
     shape = tuple(int(s) for s in shape)
     if len(shape) < 1:
-        raise ValueError(f"feature source must have shape [N, ...], got {shape}")
+        raise InvalidArgumentError(f"feature source must have shape [N, ...], got {shape}")
     return shape[0], shape[1:], dtype
 
 
@@ -279,10 +279,10 @@ class _StorageImpl:
         """
         del device, pin_memory, kwargs
         if isinstance(indices, Mapping):
-            raise TypeError("IBPFeatureStorage holds one node/edge type; attach one storage per type "
-                            "(attach(g, {key: {ntype: rows}}))")
+            raise InvalidTypeError("IBPFeatureStorage holds one node/edge type; attach one storage per type "
+                                   "(attach(g, {key: {ntype: rows}}))")
         if not isinstance(indices, torch.Tensor):
-            raise TypeError(f"indices: expected an int64 torch.Tensor, got {type(indices).__name__}")
+            raise InvalidTypeError(f"indices: expected an int64 torch.Tensor, got {type(indices).__name__}")
         start = time.perf_counter()
         out = self.backend.fetch(indices, self.device)
         elapsed = time.perf_counter() - start
@@ -521,11 +521,11 @@ def make_storage(
     mode = FetchMode.from_str(mode)
     rows = check_rows(rows, "rows")
     if rows.device.type != "cpu":
-        raise ValueError(f"rows: expected a CPU tensor (features live in host memory), got {rows.device}")
+        raise InvalidArgumentError(f"rows: expected a CPU tensor (features live in host memory), got {rows.device}")
     dev = torch.device(device) if device is not None else default_device()
     n_rows, row_shape, dtype = _row_geometry(rows)
     if hotness is not None and int(hotness.shape[0]) != n_rows:
-        raise ValueError(f"hotness: expected {n_rows} scores (one per row), got {int(hotness.shape[0])}")
+        raise InvalidArgumentError(f"hotness: expected {n_rows} scores (one per row), got {int(hotness.shape[0])}")
     if not mode.uses_cache:
         backend: Any = _TensorBackend(rows, pinned=mode is FetchMode.DGL_PINNED)
         return _new_storage(backend, n_rows, row_shape, dtype, mode, dev, name)
@@ -546,8 +546,8 @@ def _storage_from_value(value: Any, n_rows: int, what: str, *, mode: FetchMode, 
         storage = value
     elif isinstance(value, torch.Tensor):
         if value.dim() < 1 or int(value.shape[0]) != n_rows:
-            raise ValueError(f"{what}: the graph has {n_rows} rows for it but the tensor has shape "
-                             f"{tuple(value.shape)}")
+            raise InvalidArgumentError(f"{what}: the graph has {n_rows} rows for it but the tensor has shape "
+                                       f"{tuple(value.shape)}")
         score = hotness() if mode.uses_cache and policy == "static" else None
         storage = make_storage(value, mode, device=device, budget=budget, hotness=score, policy=policy,
                                codec=codec, name=what)
@@ -555,10 +555,10 @@ def _storage_from_value(value: Any, n_rows: int, what: str, *, mode: FetchMode, 
         rows, row_shape, dtype = _row_geometry(value)
         storage = _new_storage(_CacheBackend(value), rows, row_shape, dtype, FetchMode.IBP_CM, device, what)
     else:
-        raise TypeError(f"{what}: expected a torch.Tensor, a FeatureCache or an IBPFeatureStorage, "
-                        f"got {type(value).__name__}")
+        raise InvalidTypeError(f"{what}: expected a torch.Tensor, a FeatureCache or an IBPFeatureStorage, "
+                               f"got {type(value).__name__}")
     if storage.n_rows != n_rows:
-        raise ValueError(f"{what}: the graph has {n_rows} rows for it but the features have {storage.n_rows}")
+        raise InvalidArgumentError(f"{what}: the graph has {n_rows} rows for it but the features have {storage.n_rows}")
     return storage
 
 
@@ -574,7 +574,7 @@ def degree_hotness(g: Any, ntype: str | None = None, edge_dir: str = "in") -> to
     in-degrees. One is added for being a seed itself. Returns float32 [num_nodes(ntype)].
     """
     if edge_dir not in ("in", "out"):
-        raise ValueError(f"edge_dir must be 'in' or 'out', got {edge_dir!r}")
+        raise InvalidArgumentError(f"edge_dir must be 'in' or 'out', got {edge_dir!r}")
     ntype = _resolve_type(g.ntypes, ntype, "ntype")
     score = torch.ones(g.num_nodes(ntype), dtype=torch.float32)
     for etype in g.canonical_etypes:
@@ -589,7 +589,8 @@ def degree_hotness(g: Any, ntype: str | None = None, edge_dir: str = "in") -> to
 def _resolve_type(types_: list[Any], given: Any, what: str) -> Any:
     if given is None:
         if len(types_) != 1:
-            raise ValueError(f"the graph has several {what}s {list(types_)}; pass {what}= or a dict per {what}")
+            raise InvalidArgumentError(f"the graph has several {what}s {list(types_)}; pass {what}= or a dict per "
+                                       f"{what}")
         return types_[0]
     return given
 
@@ -620,7 +621,7 @@ def attach(
         for nt, v in per_type.items():
             nt = _resolve_type(g.ntypes, nt, "ntype")
             if nt not in g.ntypes:
-                raise ValueError(f"unknown node type {nt!r}; the graph has {list(g.ntypes)}")
+                raise InvalidArgumentError(f"unknown node type {nt!r}; the graph has {list(g.ntypes)}")
             storage = _storage_from_value(
                 v, g.num_nodes(nt), f"node feature {key!r} ({nt})", mode=mode, device=device, budget=budget,
                 hotness=functools.partial(_hotness_for, g, nt, hotness), policy=policy, codec=codec)
@@ -658,7 +659,7 @@ def attach_edges(
 
 def _items(feats: Any, what: str) -> list[tuple[str, Any]]:
     if not isinstance(feats, Mapping) or not feats:
-        raise TypeError(f"{what}: expected a non-empty dict feature name -> rows, got {type(feats).__name__}")
+        raise InvalidTypeError(f"{what}: expected a non-empty dict feature name -> rows, got {type(feats).__name__}")
     return list(feats.items())
 
 
@@ -667,4 +668,4 @@ def _hotness_for(g: Any, ntype: Any, hotness: "str | torch.Tensor | None") -> to
         return hotness
     if hotness == "degree":
         return degree_hotness(g, ntype)
-    raise ValueError(f"hotness must be 'degree', a tensor of scores or None, got {hotness!r}")
+    raise InvalidArgumentError(f"hotness must be 'degree', a tensor of scores or None, got {hotness!r}")

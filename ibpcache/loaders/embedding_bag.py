@@ -63,7 +63,7 @@ from torch import nn
 
 from .._validation import check_fraction, resolve_device
 from ..compressed import CompressedRows
-from ..errors import FormatError, InvalidIdsError
+from ..errors import FormatError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, StateError, UnsupportedError
 from ..cache.host_store import FitOptions, HostStore, Transfer
 from ..cache.policy import EvictionStrategy
 from ..cache.row_cache import BagLayout, CachedRowManager, Prepared, check_adoptable_rows, pool_supported
@@ -94,7 +94,7 @@ class EmbeddingBagInputError(FormatError, RuntimeError):
 
 def _check_int_tensor(t: Any, name: str, arg: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int64, torch.int32):
         raise EmbeddingBagInputError(f"Expected tensor for argument {arg} '{name}' to have one of the following "
                                      f"scalar types: Long, Int; but got {t.dtype} instead")
@@ -159,7 +159,8 @@ def _as_freq(mapping: Any, n: int) -> Optional[torch.Tensor]:
         return None
     t = torch.as_tensor(mapping)
     if t.dim() != 1 or t.numel() != n or t.is_floating_point() and not torch.isfinite(t).all():
-        raise ValueError(f"ids_freq_mapping: expected {n} finite frequencies (one per row), got shape {tuple(t.shape)}")
+        raise InvalidArgumentError(f"ids_freq_mapping: expected {n} finite frequencies (one per row), got shape "
+                                   f"{tuple(t.shape)}")
     return t.to(torch.int64) if not t.is_floating_point() else t.round().to(torch.int64)
 
 
@@ -210,23 +211,24 @@ class _CachedBagBase(nn.Module):
         stage_bytes: int = 0,
     ) -> None:
         if validate not in ("eager", "lazy"):
-            raise ValueError(f"validate must be 'eager' or 'lazy', got {validate!r}")
+            raise InvalidArgumentError(f"validate must be 'eager' or 'lazy', got {validate!r}")
         if not isinstance(refresh_every, int) or refresh_every < 1:
-            raise ValueError(f"refresh_every must be a positive int, got {refresh_every!r}")
+            raise InvalidArgumentError(f"refresh_every must be a positive int, got {refresh_every!r}")
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
-            raise ValueError(f"num_embeddings: expected a positive int, got {num_embeddings!r}")
+            raise InvalidArgumentError(f"num_embeddings: expected a positive int, got {num_embeddings!r}")
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ValueError(f"embedding_dim: expected a positive int, got {embedding_dim!r}")
+            raise InvalidArgumentError(f"embedding_dim: expected a positive int, got {embedding_dim!r}")
         if mode not in _MODES:
-            raise ValueError(f"mode has to be one of sum, mean or max, got {mode!r}")
+            raise InvalidArgumentError(f"mode has to be one of sum, mean or max, got {mode!r}")
         check_fraction(cache_ratio, "cache_ratio")  # a fraction of the rows (Colossal-AI's), >= 1 row; never bytes
         if not 0.0 <= float(warmup_ratio) <= 1.0:
-            raise ValueError(f"warmup_ratio must be in [0, 1], got {warmup_ratio}")
+            raise InvalidArgumentError(f"warmup_ratio must be in [0, 1], got {warmup_ratio}")
         if refit_threshold is not None and not 0.0 < float(refit_threshold) <= 1.0:
-            raise ValueError(f"refit_threshold must be None or in (0, 1], got {refit_threshold}")
+            raise InvalidArgumentError(f"refit_threshold must be None or in (0, 1], got {refit_threshold}")
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx must be within num_embeddings ({num_embeddings}), got {padding_idx}")
+                raise InvalidArgumentError(f"padding_idx must be within num_embeddings ({num_embeddings}), got "
+                                           f"{padding_idx}")
             padding_idx = padding_idx % num_embeddings
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -277,12 +279,12 @@ class _CachedBagBase(nn.Module):
                 w[self.padding_idx].fill_(0)
             return w
         if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"_weight: expected a torch.Tensor, got {type(weight).__name__}")
+            raise InvalidTypeError(f"_weight: expected a torch.Tensor, got {type(weight).__name__}")
         if tuple(weight.shape) != shape:
-            raise ValueError(f"Shape of weight does not match num_embeddings and embedding_dim: expected {shape}, "
-                             f"got {tuple(weight.shape)}")
+            raise InvalidArgumentError("Shape of weight does not match num_embeddings and embedding_dim: expected "
+                                       f"{shape}, got {tuple(weight.shape)}")
         if not weight.is_floating_point():
-            raise TypeError(f"_weight: expected a floating-point tensor, got {weight.dtype}")
+            raise InvalidTypeError(f"_weight: expected a floating-point tensor, got {weight.dtype}")
         return weight.detach()
 
     # -- the cached lookup ------------------------------------------------------------------------
@@ -290,9 +292,9 @@ class _CachedBagBase(nn.Module):
         self.cache_weight_mgr.store.check_live()  # a replaced shared store: StaleStoreError, never mixed rows
         w = self.cached_weight
         if w.device != self.device or w.dtype != self.cache_weight_mgr.store.dtype:
-            raise RuntimeError(f"the cached rows were moved/cast to {w.device}/{w.dtype}; a cached embedding stays on "
-                               f"the device and dtype it was built with ({self.device}, "
-                               f"{self.cache_weight_mgr.store.dtype}): construct it with device=... instead")
+            raise StateError(f"the cached rows were moved/cast to {w.device}/{w.dtype}; a cached embedding stays on "
+                             f"the device and dtype it was built with ({self.device}, "
+                             f"{self.cache_weight_mgr.store.dtype}): construct it with device=... instead")
 
     def _direct(self, slots: torch.Tensor, offsets: Optional[torch.Tensor], psw: Optional[torch.Tensor],
                 max_norm: Optional[float]) -> torch.Tensor:
@@ -312,9 +314,9 @@ class _CachedBagBase(nn.Module):
         w = self.cached_weight
         training = torch.is_grad_enabled() and w.requires_grad
         if (training or self.max_norm is not None) and mgr.store.read_only:
-            raise RuntimeError("this embedding table serves adopted CompressedRows (read-only): use it for inference "
-                               "(torch.no_grad() or weight.requires_grad_(False)), or build it from the dense table "
-                               "to train")
+            raise StateError("this embedding table serves adopted CompressedRows (read-only): use it for inference "
+                             "(torch.no_grad() or weight.requires_grad_(False)), or build it from the dense table "
+                             "to train")
         prep = mgr.prepare_unique(ids, checks, verify)
         if training or self.max_norm is not None:
             mgr.dirty = True
@@ -397,14 +399,14 @@ class _CachedBagBase(nn.Module):
         """
         self._check_ready()
         if not self.cache_op:
-            raise RuntimeError("prefetch needs cache_op=True (with cache_op=False, forward takes cache slots)")
+            raise UnsupportedError("prefetch needs cache_op=True (with cache_op=False, forward takes cache slots)")
         if self._backward_pending:
-            raise RuntimeError("prefetch between a training forward and its backward would evict rows the backward "
-                               "writes: call it after backward() and optimizer.step()")
+            raise StateError("prefetch between a training forward and its backward would evict rows the backward "
+                             "writes: call it after backward() and optimizer.step()")
         if self.cached_weight.grad is not None:
-            raise RuntimeError("prefetch while the cached rows hold a gradient: call optimizer.zero_grad() (which sets "
-                               "it to None) after optimizer.step() and before prefetch; admitting rows may resize "
-                               "the cache, and resizing a held sparse gradient is not safe yet")
+            raise StateError("prefetch while the cached rows hold a gradient: call optimizer.zero_grad() (which sets "
+                             "it to None) after optimizer.step() and before prefetch; admitting rows may resize "
+                             "the cache, and resizing a held sparse gradient is not safe yet")
         _check_bag_shapes(input, offsets)
         ids = input.to(self.device, torch.int64, non_blocking=True)
         offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
@@ -434,7 +436,8 @@ class _CachedBagBase(nn.Module):
     def _global_ids(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, str]:
         """Cache-row ids of ``forward``'s input, a bad-id mask over it, and the valid range for messages."""
-        raise NotImplementedError
+        raise UnsupportedError(f"{type(self).__name__} does not map input ids to cache rows: use CachedEmbeddingBag or "
+                               "TableBatchedCachedEmbeddingBag")
 
     # -- Colossal-AI API --------------------------------------------------------------------------
     def set_cache_op(self, cache_op: bool = True) -> None:
@@ -666,17 +669,18 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         super().__init__()
         sizes = [int(n) for n in num_embeddings_per_table]
         if not sizes or any(n < 1 for n in sizes):
-            raise ValueError(f"num_embeddings_per_table: expected positive sizes, got {list(num_embeddings_per_table)}")
+            raise InvalidArgumentError("num_embeddings_per_table: expected positive sizes, got "
+                                       f"{list(num_embeddings_per_table)}")
         if padding_idx is not None:
-            raise NotImplementedError("padding_idx is not supported by TableBatchedCachedEmbeddingBag "
-                                      "(use one CachedEmbeddingBag per table that needs it)")
+            raise UnsupportedError("padding_idx is not supported by TableBatchedCachedEmbeddingBag "
+                                   "(use one CachedEmbeddingBag per table that needs it)")
         self.num_embeddings_per_table = sizes
         self.num_tables = len(sizes)
         self.buffer_size = buffer_size
         self.pin_weight = pin_weight
         if isinstance(_weight, (list, tuple)):
             if len(_weight) != len(sizes):
-                raise ValueError(f"_weight: expected {len(sizes)} tables, got {len(_weight)}")
+                raise InvalidArgumentError(f"_weight: expected {len(sizes)} tables, got {len(_weight)}")
             _weight = torch.cat([w.detach().cpu() for w in _weight], 0)
         per_table = isinstance(ids_freq_mapping, (list, tuple)) and len(ids_freq_mapping) > 0
         if per_table and not isinstance(ids_freq_mapping[0], (int, float)):
@@ -697,7 +701,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         """Look up every table at once; see the class docstring for the layouts."""
         self._check_ready()
         if not self.cache_op:
-            raise NotImplementedError("TableBatchedCachedEmbeddingBag has no cache_op=False mode: pass table-local ids")
+            raise UnsupportedError("TableBatchedCachedEmbeddingBag has no cache_op=False mode: pass table-local ids")
         _check_bag_shapes(input, offsets)
         n_tab = self.num_tables
         ids = input.to(self.device, torch.int64, non_blocking=True)

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import DeviceError, InvalidArgumentError, InvalidTypeError
+
 __all__ = [
     "summarize",
     "cuda_time",
@@ -42,7 +44,7 @@ _L2_FLUSH_BUFFERS: dict[int, torch.Tensor] = {}
 def summarize(times_ms: Sequence[float]) -> dict[str, Any]:
     """Median / p10 / p90 / min / mean of per-iteration times in milliseconds, plus the raw list (``all``)."""
     if len(times_ms) == 0:
-        raise ValueError("summarize needs at least one timing")
+        raise InvalidArgumentError("summarize needs at least one timing")
     arr = np.asarray(times_ms, dtype=np.float64)
     p10, med, p90 = np.percentile(arr, [10, 50, 90])
     return {
@@ -58,7 +60,7 @@ def summarize(times_ms: Sequence[float]) -> dict[str, Any]:
 
 def _check_iters(warmup: int, iters: int) -> None:
     if warmup < 0 or iters < 1:
-        raise ValueError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+        raise InvalidArgumentError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
 
 
 def _flush_l2() -> None:
@@ -80,7 +82,7 @@ def cuda_time(fn: Callable[[], Any], warmup: int = 5, iters: int = 20, *, flush_
     """
     _check_iters(warmup, iters)
     if not torch.cuda.is_available():
-        raise RuntimeError("cuda_time needs a CUDA device; use cpu_time on the host")
+        raise DeviceError("cuda_time needs a CUDA device; use cpu_time on the host")
     for _ in range(warmup):
         fn()
     stream = torch.cuda.current_stream()
@@ -175,7 +177,7 @@ def _to_json(obj: Any) -> Any:
         return obj.item() if obj.numel() == 1 else obj.tolist()
     if isinstance(obj, Path | torch.dtype | torch.device):
         return str(obj)
-    raise TypeError(f"cannot write {type(obj).__name__} to JSON")
+    raise InvalidTypeError(f"cannot write {type(obj).__name__} to JSON")
 
 
 def _clean_floats(obj: Any) -> Any:
@@ -205,7 +207,7 @@ def write_results(
     issue names, e.g. ``points``). Returns the paths written.
     """
     if not name or "/" in name or name.startswith("."):
-        raise ValueError(f"result name must be a plain file stem, got {name!r}")
+        raise InvalidArgumentError(f"result name must be a plain file stem, got {name!r}")
     folder = Path(out_dir) if out_dir is not None else default_out_dir()
     folder.mkdir(parents=True, exist_ok=True)
     payload = {
