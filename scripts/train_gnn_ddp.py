@@ -72,7 +72,7 @@ if str(ROOT) not in sys.path:  # examples.gnn and scripts.* live in the reposito
 from examples.gnn import pipeline as gnn  # noqa: E402
 from ibpcache import CompressedRows, FeatureCache  # noqa: E402
 from ibpcache.cache.partitioned import PartitionedFeatureCache  # noqa: E402
-from ibpcache.loaders.pipeline import PipelinedLoader  # noqa: E402
+from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight  # noqa: E402
 from ibpcache.loaders.sampling import NeighborSampler, batch_key  # noqa: E402
 from ibpcache.testing import add_out_argument, format_table, write_results  # noqa: E402
 
@@ -389,6 +389,7 @@ def train_ddp(job: Job, mode: str) -> Run:
     run.losses[r] = []
     timer = StageTimer(dev)
     src, loop = make_loop(job, [r], fetch, timer, collective=mode == "partitioned")
+    in_flight = StepsInFlight(dev, limit=2)
     job.verified = 0
     _reset(cache)
     for epoch in range(cfg.epochs):
@@ -408,6 +409,7 @@ def train_ddp(job: Job, mode: str) -> Run:
             opt.step()
             timer.add("train", a, timer.mark())
             losses.append(loss.detach())
+            in_flight.step_done()
         run.losses[r] += torch.stack(losses).tolist() if losses else []
         _sync(dev)
         run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
@@ -430,6 +432,7 @@ def train_reference(job: Job) -> Run:
     run.losses = {v: [] for v in range(w)}
     timer = StageTimer(dev)
     src, loop = make_loop(job, list(range(w)), fetch, timer, collective=False)
+    in_flight = StepsInFlight(dev, limit=2 * w)
     job.verified = 0
     _reset(cache)
     for epoch in range(cfg.epochs):
@@ -453,6 +456,7 @@ def train_reference(job: Job) -> Run:
                 acc[i] = g if acc[i] is None else acc[i] + g
             timer.add("train", a, timer.mark())
             losses[mb.rank].append(loss.detach())
+            in_flight.step_done()
             if mb.rank == w - 1:
                 a = timer.mark()
                 for p, g in zip(params, acc):

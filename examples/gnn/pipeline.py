@@ -35,7 +35,7 @@ from torch import nn
 
 from ibpcache.errors import IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
-from ibpcache.loaders.pipeline import PipelinedLoader
+from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight
 from ibpcache.loaders.sampling import Hop, NeighborSampler, batch_key, choose_sampler_device
 
 __all__ = [
@@ -596,8 +596,10 @@ def _step(model: GraphSAGE, opt: torch.optim.Optimizer, batch: _Batch) -> torch.
 
 def _train_epoch(model: GraphSAGE, opt: torch.optim.Optimizer, batches: Any, device: torch.device,
                  cfg: TrainConfig, threads: int, verify: GnnDataset | None = None) -> tuple[EpochTimes, list[float]]:
-    """One epoch; no host sync until its end, so a pipelined loader keeps running ahead."""
+    """One epoch; the host reads nothing back until its end (a pipelined loader keeps running ahead) and runs at
+    most two steps ahead of the GPU (StepsInFlight)."""
     times, losses = EpochTimes(), []
+    in_flight = StepsInFlight(device, limit=2)
     model.train()
     _sync(device)
     start = time.perf_counter()
@@ -612,6 +614,7 @@ def _train_epoch(model: GraphSAGE, opt: torch.optim.Optimizer, batches: Any, dev
             _verify(batch, verify)
         _pin_cpu_threads(device, threads)
         losses.append(_step(model, opt, batch))
+        in_flight.step_done()
         times.batches += 1
         times.input_rows += int(batch.x.shape[0])
     values = torch.stack(losses).tolist() if losses else []

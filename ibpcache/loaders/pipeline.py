@@ -41,7 +41,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["PipelinedLoader", "record_stream"]
+__all__ = ["PipelinedLoader", "StepsInFlight", "record_stream"]
 
 S = TypeVar("S")
 B = TypeVar("B")
@@ -154,11 +154,13 @@ class PipelinedLoader(Generic[S, B]):
         return len(self.batches)  # type: ignore[arg-type]
 
     def _stage_streams(self) -> "tuple[Any, Any]":
-        """(sampler stream, fetch stream): created once, reused every epoch."""
+        """(sampler stream, fetch stream): created once, reused every epoch, at high priority: their kernels are short
+        and the step waits for them, so the GPU should run them as soon as a training kernel leaves room."""
         if not self._cuda:
             return None, None
         if self._streams is None:
-            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            # a lower number is a higher priority; torch maps one outside the device's range to the nearest valid
+            self._streams = (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Stream(self.device, priority=-1))
         return self._streams
 
     def __iter__(self) -> Iterator[B]:
@@ -197,6 +199,7 @@ class PipelinedLoader(Generic[S, B]):
     def _sample_loop(self, batches: Iterator[Any], out: "queue.Queue[Any]", stop: threading.Event,
                      stream: Any) -> None:
         try:
+            self._use_device()
             with _on_stream(stream):
                 for item in batches:
                     if not _put(out, _Item(item, _record_event(stream)), stop):
@@ -204,6 +207,11 @@ class PipelinedLoader(Generic[S, B]):
             _put(out, _End, stop)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             _put(out, _Failure(exc), stop)
+
+    def _use_device(self) -> None:
+        """A new thread starts on CUDA device 0; a stage of a loader for another GPU (a DDP rank) must not."""
+        if self._cuda:
+            torch.cuda.set_device(self.device)
 
     def _fetch_one(self, item: _Item, stream: Any) -> _Item:
         with _on_stream(stream):
@@ -216,6 +224,7 @@ class PipelinedLoader(Generic[S, B]):
     def _fetch_loop(self, inp: "queue.Queue[Any]", out: "queue.Queue[Any]", stop: threading.Event,
                     stream: Any) -> None:
         try:
+            self._use_device()
             while True:
                 item = _get(inp, stop)
                 if item is _End or isinstance(item, _Failure):
@@ -265,6 +274,32 @@ class PipelinedLoader(Generic[S, B]):
             pending = ready
         if pending is not None:
             yield self._hand_over(pending)
+
+
+class StepsInFlight:
+    """Bound how far the training thread runs ahead of the GPU: ``step_done()`` after each step records an event and
+    waits for the one ``limit`` steps back.
+
+    Why: a pipelined loop never reads the GPU back, so with batches ready the host would enqueue step after step,
+    each holding its batch's device memory until the GPU reaches it (``record_stream``), and the caching allocator
+    could only reuse those blocks later, or sync to reclaim them. Waiting for step i - limit costs nothing while the
+    GPU is the bottleneck (step i - 1 is still queued) and caps the batches alive at ``limit`` + the prefetch.
+    A no-op on the CPU.
+    """
+
+    def __init__(self, device: "str | torch.device", limit: int = 2) -> None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise InvalidArgumentError(f"StepsInFlight: limit must be an int >= 1, got {limit!r}")
+        self.device = torch.device(device)
+        self.limit = limit
+        self._events: "list[Any]" = []
+
+    def step_done(self) -> None:
+        if self.device.type != "cuda":
+            return
+        self._events.append(torch.cuda.current_stream(self.device).record_event())
+        if len(self._events) > self.limit:
+            self._events.pop(0).synchronize()
 
 
 def _identity(x: Any) -> Any:

@@ -187,3 +187,27 @@ def test_gpu_side_stream_batches_are_complete_and_stay_intact(fetch_thread: bool
     got = torch.stack(sums).cpu()
     want = torch.tensor([[i * n, (2 * i + 1) * n] for i in range(40)])
     assert torch.equal(got, want)
+
+
+def test_steps_in_flight_checks_its_limit() -> None:
+    from ibpcache.loaders.pipeline import StepsInFlight
+
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        StepsInFlight("cpu", limit=0)
+    cpu = StepsInFlight("cpu", limit=1)
+    for _ in range(3):
+        cpu.step_done()  # nothing to wait for on the CPU
+
+
+@pytest.mark.gpu
+def test_gpu_steps_in_flight_waits_for_the_step_limit_back() -> None:
+    from ibpcache.loaders.pipeline import StepsInFlight
+
+    limit = StepsInFlight("cuda", limit=2)
+    mine = []
+    for _ in range(6):
+        torch.cuda._sleep(5_000_000)  # a few ms per "step"
+        mine.append(torch.cuda.current_stream().record_event())
+        limit.step_done()
+    assert mine[3].query()  # step_done after step 5 waited for step 3
+    torch.cuda.synchronize()
