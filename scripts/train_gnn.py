@@ -210,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. dataset.n_nodes=2000000 epochs=5")
     args = parser.parse_args(argv)
     overrides = [*(QUICK if args.quick else []), *args.overrides]
-    datasets = list(_compose(overrides).datasets)
+    cfg = _compose(overrides)
+    datasets = list(cfg.datasets)
+    bad = [str(s) for s in cfg.samplers if str(s) not in gnn.SAMPLERS] + [
+        f"pipeline={p!r}" for p in cfg.pipeline if not isinstance(p, bool)]
+    if bad or not cfg.samplers or not cfg.pipeline:
+        print(f"train_gnn: samplers must be a non-empty list of {list(gnn.SAMPLERS)} and pipeline a non-empty list of "
+              f"true/false; got {bad or 'an empty list'}", file=sys.stderr)
+        return 2
     print(f"train_gnn: data sets {datasets}; overrides {overrides or 'none'}; results -> {args.out}", flush=True)
 
     start = time.perf_counter()

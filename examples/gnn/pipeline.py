@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ibpcache.errors import IbpcacheError
+from ibpcache.errors import ConfigError, IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
 from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight
 from ibpcache.loaders.sampling import Hop, NeighborSampler, batch_key, choose_sampler_device
@@ -697,7 +697,9 @@ def _batches(ds: GnnDataset, g: Any, cfg: TrainConfig, device: torch.device, sam
 
 def _check_config(cfg: TrainConfig) -> None:
     if cfg.sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {cfg.sampler!r}; expected one of {list(SAMPLERS)}")
+        raise ConfigError(f"unknown sampler {cfg.sampler!r}; expected one of {list(SAMPLERS)}")
+    if cfg.sample_chunk < 1:
+        raise ConfigError(f"sample_chunk must be >= 1, got {cfg.sample_chunk}")
 
 
 def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence[TrainConfig], *,
