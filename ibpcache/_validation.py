@@ -47,9 +47,10 @@ def check_ids(ids: object, n_rows: int, device: torch.device, name: str = "ids",
               ) -> torch.Tensor:
     """Validate row ids: an integer tensor (int64, or int32 widened), 1-D, all in [0, n_rows).
 
-    The range check is one min/max reduction on the ids' device (a single device sync on CUDA), never a
-    host loop. Returns contiguous int64 ids on ``device``. ``check_range=False`` skips the range check (and so the
-    sync): for callers whose kernels check ids themselves and report bad ones lazily.
+    The range check is one min/max reduction, never a host loop: on the CPU when the ids are there (before they
+    move, so CPU ids bound for a GPU cost no device sync: a loader's fetch stage keeps running ahead), else on the
+    ids' device (one sync on CUDA). Returns contiguous int64 ids on ``device``. ``check_range=False`` skips the range
+    check (and so the sync): for callers whose kernels check ids themselves and report bad ones lazily.
     """
     if not isinstance(ids, torch.Tensor):
         raise InvalidTypeError(f"{name}: expected an int64 torch.Tensor, got {type(ids).__name__}")
@@ -57,15 +58,23 @@ def check_ids(ids: object, n_rows: int, device: torch.device, name: str = "ids",
         raise InvalidIdsError(f"{name}: expected dtype int64 (or int32), got {ids.dtype}")
     if ids.dim() != 1:
         raise InvalidIdsError(f"{name}: expected a 1-D tensor, got shape {tuple(ids.shape)}")
+    if check_range and ids.device.type == "cpu" and ids.numel():
+        _check_range(ids, n_rows, name)
+        check_range = False
     ids = ids.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
     if check_range and ids.numel():
-        lo, hi = torch.aminmax(ids)
-        lo_v, hi_v = int(lo), int(hi)
-        if lo_v < 0:
-            raise InvalidIdsError(f"{name}: negative id {lo_v} (ids must be in [0, {n_rows}))")
-        if hi_v >= n_rows:
-            raise InvalidIdsError(f"{name}: id {hi_v} is out of range for {n_rows} rows")
+        _check_range(ids, n_rows, name)
     return ids
+
+
+def _check_range(ids: torch.Tensor, n_rows: int, name: str) -> None:
+    """Raise unless every id is in ``[0, n_rows)`` (one min/max reduction where the ids are)."""
+    lo, hi = torch.aminmax(ids)
+    lo_v, hi_v = int(lo), int(hi)
+    if lo_v < 0:
+        raise InvalidIdsError(f"{name}: negative id {lo_v} (ids must be in [0, {n_rows}))")
+    if hi_v >= n_rows:
+        raise InvalidIdsError(f"{name}: id {hi_v} is out of range for {n_rows} rows")
 
 
 def resolve_device(device: "str | torch.device | None") -> torch.device:

@@ -21,8 +21,17 @@ after the other in the same processes, same seeds:
                scaled by 1/W and summed in rank order (what DDP's all-reduce computes), one optimizer step per
                global batch. It is the 1-GPU epoch time the DDP epochs are compared with, and the loss reference.
 
-What matches what. Batches, neighbour samples and dropout masks depend only on (seed, epoch, step, rank): every
-(virtual) rank draws them from its own generators, so each micro-batch is the same in DDP and in the reference.
+Pipelined (``model.pipelined``, default on; ``model.pipelined=false`` for the loop in turn): every process samples
+its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call), fetches the next one's features on
+a side stream and trains on the current one, with ``ibpcache.loaders.pipeline.PipelinedLoader``. The partitioned
+cache's fetch is a collective, so it is issued by the training thread itself, one micro-batch ahead: NCCL needs
+every rank to submit the operations of its two communicators (DDP's all-reduces, the cache's all-to-alls) in one
+order, which a fetch thread racing the backward pass would not guarantee.
+
+What matches what. Batches, neighbour samples and dropout masks depend only on (seed, epoch, step, rank): samples
+are hashed from that key (ibpcache's ``NeighborSampler``: the same on any device and in any chunk of micro-batches)
+and dropout masks come from per-rank generators, so each micro-batch is the same in DDP and in the reference, and
+pipelined or not.
 Features are bit-exact in every mode (checked: the first ``model.verify_batches`` batches of epoch 1 against the
 source rows, byte for byte). With deterministic kernels (``model.deterministic``) the forward and backward of a
 micro-batch are then bit-identical, DDP's gradient is ``g_0/W + g_1/W`` (the reducer multiplies by 1/W, NCCL sums
@@ -30,9 +39,10 @@ two values: commutative, exact), the reference computes the same sum, so for W =
 expected to be bit-identical (``identical_losses_vs_reference``). For W > 2 NCCL's ring sums in another order than
 rank order, so losses agree to rounding only (``max_abs_loss_diff`` says how far). Not expected to match: a
 single-GPU run with one batch of W x B seeds (one sample of the union, mean over all seeds: other rounding).
-Timings: epoch time = mean of epochs 2..N (slowest rank), per stage (sample on the GPU in plain torch, fetch,
-train step), measured with CUDA events; plus a probe of fetch throughput of batches that are all peer hits vs all
-host misses vs all local hits (CUDA events, medians). Rank 0 writes ``train_gnn_ddp.json`` and ``.png`` to ``--out``.
+Timings: epoch time = mean of epochs 2..N (slowest rank); per stage (sample on the GPU in plain torch, fetch, train
+step) the summed spans of CUDA events on each stage's own stream (no sync in the loop; pipelined, the spans overlap
+and their sum exceeds the epoch); plus a probe of fetch throughput of batches that are all peer hits vs all host
+misses vs all local hits (CUDA events, medians). Rank 0 writes ``train_gnn_ddp.json`` and ``.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 # cuBLAS reads this when it starts: deterministic GEMM workspaces (same rule as scripts/train_gnn.py).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -62,6 +72,8 @@ if str(ROOT) not in sys.path:  # examples.gnn and scripts.* live in the reposito
 from examples.gnn import pipeline as gnn  # noqa: E402
 from ibpcache import CompressedRows, FeatureCache  # noqa: E402
 from ibpcache.cache.partitioned import PartitionedFeatureCache  # noqa: E402
+from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight  # noqa: E402
+from ibpcache.loaders.sampling import NeighborSampler, batch_key  # noqa: E402
 from ibpcache.testing import add_out_argument, format_table, write_results  # noqa: E402
 
 CONF_DIR = ROOT / "configs"
@@ -125,70 +137,31 @@ def init_ranks(world: int, device: str) -> Ranks:
 
 
 class BlockSampler:
-    """DGL-style uniform neighbour sampling without replacement, in torch ops on ``device``.
-
-    Like ``dgl.dataloading.NeighborSampler(fanouts)``: starting from the seeds, layer ``L-1`` down to 0 each
-    destination node gets ``fanouts[layer]`` distinct in-neighbours (all of them when it has fewer); a block's source
-    nodes are its destination nodes first, then the new neighbours (sorted). The draws come only from the generator
-    passed in, so a (seed, epoch, step, rank) generator gives the same blocks in any process.
-    """
+    """DGL-style blocks (``fanouts`` in DGL's layer order, input layer first) from ibpcache's plain-torch
+    ``NeighborSampler`` on ``device``: up to ``fanouts[l]`` distinct uniform in-neighbours per destination node; a
+    block's source nodes are its destination nodes first, then the new neighbours (ascending). A sample depends only
+    on its seeds and key (seed, epoch, step, rank), so every process, device and chunk of micro-batches draws the
+    same blocks."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, n_nodes: int, fanouts: "tuple[int, ...]",
                  device: torch.device) -> None:
-        src, dst = src.to(device), dst.to(device)
-        order = torch.argsort(dst, stable=True)
-        self.row = src[order]  # in-neighbours grouped by destination (CSC)
-        deg = torch.bincount(dst, minlength=n_nodes)
-        self.colptr = torch.zeros(n_nodes + 1, dtype=torch.int64, device=device)
-        self.colptr[1:] = torch.cumsum(deg, 0)
-        self.in_degree = deg
+        self.core = NeighborSampler(src, dst, n_nodes, list(reversed(fanouts)), device=device, edge_ids=False)
         self.fanouts = tuple(int(f) for f in fanouts)
         self.device = device
-        self._local = torch.full((n_nodes,), -1, dtype=torch.int64, device=device)  # reset after every block
 
-    def _hop(self, nodes: torch.Tensor, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(neighbour id, destination position) of up to ``k`` distinct in-edges per node (Floyd's algorithm)."""
-        start = self.colptr[nodes]
-        deg = self.colptr[nodes + 1] - start
-        counts = deg.clamp(max=k)
-        total = int(counts.sum())
-        n = nodes.numel()
-        seg = torch.repeat_interleave(torch.arange(n, device=self.device), counts, output_size=total)
-        first = torch.cumsum(counts, 0) - counts
-        offset = torch.arange(total, device=self.device) - torch.repeat_interleave(first, counts, output_size=total)
-        big = torch.nonzero(deg > k).reshape(-1)
-        if big.numel():  # a uniform k-subset of [0, deg) per node: for hi = deg-k .. deg-1, take t~U[0, hi] or hi
-            hi0 = deg[big] - k
-            chosen = torch.empty((big.numel(), k), dtype=torch.int64, device=self.device)
-            for j in range(k):
-                hi = hi0 + j
-                t = (torch.rand(big.numel(), generator=gen, device=self.device, dtype=torch.float64)
-                     * (hi + 1).to(torch.float64)).to(torch.int64).clamp_(max=hi)
-                taken = (chosen[:, :j] == t.unsqueeze(1)).any(1)
-                chosen[:, j] = torch.where(taken, hi, t)
-            slots = first[big].unsqueeze(1) + torch.arange(k, device=self.device)
-            offset[slots.reshape(-1)] = chosen.reshape(-1)
-        edge = torch.repeat_interleave(start, counts, output_size=total) + offset
-        return self.row[edge], seg
+    @property
+    def in_degree(self) -> torch.Tensor:
+        return self.core.in_degree
 
-    def sample(self, seeds: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, list[gnn.Block]]:
+    def sample(self, seeds: torch.Tensor, key: int) -> tuple[torch.Tensor, list[gnn.Block]]:
         """(input node ids, blocks input layer first) for distinct ``seeds``."""
-        blocks: list[gnn.Block] = []
-        dst_nodes = seeds
-        for k in reversed(self.fanouts):
-            n_dst = dst_nodes.numel()
-            nbr, seg = self._hop(dst_nodes, k, gen)
-            self._local[dst_nodes] = torch.arange(n_dst, device=self.device)
-            new = torch.unique(nbr[self._local[nbr] < 0])
-            self._local[new] = torch.arange(n_dst, n_dst + new.numel(), device=self.device)
-            src_local = self._local[nbr]
-            src_nodes = torch.cat([dst_nodes, new])
-            self._local[src_nodes] = -1
-            deg = torch.bincount(seg, minlength=n_dst).to(torch.float32)
-            inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
-            blocks.insert(0, gnn.Block(src_local, seg, int(src_nodes.numel()), n_dst, inv))
-            dst_nodes = src_nodes
-        return dst_nodes, blocks
+        return self.sample_many([seeds], [key])[0]
+
+    def sample_many(self, seeds: "list[torch.Tensor]", keys: "list[int]"
+                    ) -> list[tuple[torch.Tensor, list[gnn.Block]]]:
+        """Several micro-batches in one call (each exactly as if sampled alone)."""
+        return [(s.nodes, [gnn.Block.from_hop(h, self.device) for h in reversed(s.hops)])
+                for s in self.core.sample(seeds, keys)]
 
 
 def generator(device: torch.device, *key: int) -> torch.Generator:
@@ -257,6 +230,7 @@ class Run:
     cache: dict[str, Any] = field(default_factory=dict)
     probe: dict[str, Any] = field(default_factory=dict)
     setup_s: float = 0.0
+    pipelined: bool = True
 
 
 @dataclass
@@ -279,10 +253,14 @@ class Job:
     def steps_per_epoch(self) -> int:
         return int(self.ds.train_nids.numel()) // (self.world * self.cfg.batch_size)
 
-    def seeds(self, epoch: int, step: int, rank: int) -> torch.Tensor:
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The seeded permutation of the training nodes that epoch ``epoch``'s global batches are cut from."""
+        return torch.randperm(self.ds.train_nids.numel(), generator=generator(torch.device("cpu"), self.cfg.seed, 1,
+                                                                              epoch))
+
+    def seeds(self, epoch: int, step: int, rank: int, order: "torch.Tensor | None" = None) -> torch.Tensor:
         """Rank ``rank``'s slice of global batch ``step`` (W x B seeds of one seeded permutation per epoch)."""
-        perm = torch.randperm(self.ds.train_nids.numel(), generator=generator(torch.device("cpu"),
-                                                                              self.cfg.seed, 1, epoch))
+        perm = self.epoch_order(epoch) if order is None else order
         b = self.cfg.batch_size
         lo = (step * self.world + rank) * b
         return self.ds.train_nids[perm[lo:lo + b]]
@@ -294,23 +272,86 @@ class Job:
         n = max(math.ceil(s.numel() / eb) for s in shards)
         return [shards[rank][i * eb:(i + 1) * eb] for i in range(n)]
 
-    def micro_batch(self, model: torch.nn.Module, fetch: Callable[[torch.Tensor], torch.Tensor],
-                    seeds: torch.Tensor, gen: torch.Generator, timer: StageTimer) -> torch.Tensor:
-        """Sample, fetch, forward: the loss of one (virtual) rank's batch."""
-        _pin_threads(self.ranks.device)
-        t0 = timer.mark()
-        input_nodes, blocks = self.sampler.sample(seeds.to(self.ranks.device), gen)
-        t1 = timer.mark()
-        x = fetch(input_nodes)
-        t2 = timer.mark()
-        timer.add("sample", t0, t1)
-        timer.add("fetch", t1, t2)
-        if self.verified < self.cfg.verify_batches:
-            want = self.ds.node_rows(input_nodes)
-            if not torch.equal(x.view(torch.uint8), want.contiguous().view(torch.uint8)):
-                raise AssertionError("fetched features differ from the source rows (the lossless path is broken)")
-            self.verified += 1
-        return gnn.cross_entropy(model(blocks, x), self.labels[seeds.to(self.ranks.device)])
+    def check(self, mb: MicroBatch) -> None:
+        """The first ``cfg.verify_batches`` micro-batches' features against the source rows, byte for byte."""
+        if self.verified >= self.cfg.verify_batches:
+            return
+        want = self.ds.node_rows(mb.input_nodes)
+        if not torch.equal(mb.x.view(torch.uint8), want.contiguous().view(torch.uint8)):
+            raise AssertionError("fetched features differ from the source rows (the lossless path is broken)")
+        self.verified += 1
+
+
+@dataclass
+class MicroBatch:
+    """One (virtual) rank's share of a global batch: its seeds, sampled blocks and (once fetched) features."""
+
+    step: int
+    rank: int
+    seeds: torch.Tensor  # on the device
+    input_nodes: torch.Tensor
+    blocks: list[gnn.Block]
+    x: "torch.Tensor | None" = None
+
+
+class MicroBatches:
+    """The sampling stage: micro-batches of (virtual) ranks ``vranks`` for every step of epoch ``epoch`` (set it
+    before iterating), in (step, rank) order, ``cfg.sample_chunk`` of them sampled per call. Spans go to ``timer``
+    as "sample" (CUDA events on the sampling stream when pipelined)."""
+
+    def __init__(self, job: "Job", vranks: list[int], timer: StageTimer) -> None:
+        self.job, self.vranks, self.timer = job, vranks, timer
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.job.steps_per_epoch() * len(self.vranks)
+
+    def __iter__(self) -> "Iterator[MicroBatch]":
+        return self._sample(self.epoch)
+
+    def _sample(self, epoch: int) -> "Iterator[MicroBatch]":
+        job, dev = self.job, self.job.ranks.device
+        order = job.epoch_order(epoch)
+        plan = [(step, v) for step in range(job.steps_per_epoch()) for v in self.vranks]
+        chunk = max(1, job.cfg.sample_chunk)
+        for first in range(0, len(plan), chunk):
+            part = plan[first:first + chunk]
+            seeds = [job.seeds(epoch, step, v, order).to(dev) for step, v in part]
+            a = self.timer.mark()
+            sampled = job.sampler.sample_many(seeds, [batch_key(job.cfg.seed, 2, epoch, step, v) for step, v in part])
+            self.timer.add("sample", a, self.timer.mark())
+            for (step, v), s, (nodes, blocks) in zip(part, seeds, sampled):
+                yield MicroBatch(step, v, s, nodes, blocks)
+
+
+class _InTurn:
+    """The unpipelined loop: sample, fetch, train, one after the other."""
+
+    def __init__(self, batches: MicroBatches, fetch: Callable[[MicroBatch], MicroBatch]) -> None:
+        self.batches, self.fetch = batches, fetch
+
+    def __iter__(self) -> "Iterator[MicroBatch]":
+        for mb in self.batches:
+            yield self.fetch(mb)
+
+
+def make_loop(job: "Job", vranks: list[int], cache_fetch: Callable[[torch.Tensor], torch.Tensor], timer: StageTimer,
+              collective: bool) -> tuple[MicroBatches, Any]:
+    """(the sampling stage, the loop a trainer iterates): pipelined with ibpcache's ``PipelinedLoader`` (sampling
+    in a thread, the fetch on a side stream: in a thread, or, for a collective fetch, in the trainer's thread one
+    micro-batch ahead so every rank issues its collectives in the same order) unless ``job.cfg.pipelined`` is off."""
+    src = MicroBatches(job, vranks, timer)
+
+    def fetch(mb: MicroBatch) -> MicroBatch:
+        a = timer.mark()
+        mb.x = cache_fetch(mb.input_nodes)
+        timer.add("fetch", a, timer.mark())
+        return mb
+
+    if not job.cfg.pipelined:
+        return src, _InTurn(src, fetch)
+    return src, PipelinedLoader(src, fetch, device=job.ranks.device, prefetch=job.cfg.prefetch,
+                                sample_ahead=job.cfg.sample_ahead, fetch_thread=not collective)
 
 
 def make_fetch(job: Job, mode: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
@@ -340,30 +381,35 @@ def train_ddp(job: Job, mode: str) -> Run:
     r, dev, cfg = job.ranks.rank, job.ranks.device, job.cfg
     t0 = time.perf_counter()
     fetch, cache = make_fetch(job, mode)
-    run = Run(mode, r, setup_s=time.perf_counter() - t0)
+    run = Run(mode, r, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined)
     model = new_model(job)
     model.use_rank(r, dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None) if job.ranks.distributed else model
     opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
     run.losses[r] = []
     timer = StageTimer(dev)
+    src, loop = make_loop(job, [r], fetch, timer, collective=mode == "partitioned")
+    in_flight = StepsInFlight(dev, limit=2)
     job.verified = 0
     _reset(cache)
     for epoch in range(cfg.epochs):
         model.train()
         _sync(dev)
         start = time.perf_counter()
+        src.epoch = epoch
         losses = []
-        for step in range(job.steps_per_epoch()):
-            loss = job.micro_batch(ddp, fetch, job.seeds(epoch, step, r), generator(dev, cfg.seed, 2, epoch, step, r),
-                                   timer)
+        for mb in loop:
+            _pin_threads(dev)
+            job.check(mb)
             a = timer.mark()
+            loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             _pin_threads(dev)
             opt.step()
             timer.add("train", a, timer.mark())
             losses.append(loss.detach())
+            in_flight.step_done()
         run.losses[r] += torch.stack(losses).tolist() if losses else []
         _sync(dev)
         run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
@@ -379,40 +425,46 @@ def train_reference(job: Job) -> Run:
     dev, cfg, w = job.ranks.device, job.cfg, job.world
     t0 = time.perf_counter()
     fetch, cache = make_fetch(job, "reference")
-    run = Run("reference", job.ranks.rank, setup_s=time.perf_counter() - t0)
+    run = Run("reference", job.ranks.rank, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined)
     model = new_model(job)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     params = list(model.parameters())
     run.losses = {v: [] for v in range(w)}
     timer = StageTimer(dev)
+    src, loop = make_loop(job, list(range(w)), fetch, timer, collective=False)
+    in_flight = StepsInFlight(dev, limit=2 * w)
     job.verified = 0
     _reset(cache)
     for epoch in range(cfg.epochs):
         model.train()
         _sync(dev)
         start = time.perf_counter()
+        src.epoch = epoch
         losses: dict[int, list[torch.Tensor]] = {v: [] for v in range(w)}
-        for step in range(job.steps_per_epoch()):
-            acc: list[torch.Tensor | None] = [None] * len(params)
-            for v in range(w):
-                model.use_rank(v, dev)
-                loss = job.micro_batch(model, fetch, job.seeds(epoch, step, v),
-                                       generator(dev, cfg.seed, 2, epoch, step, v), timer)
-                a = timer.mark()
-                for p in params:
-                    p.grad = None
-                loss.backward()
-                for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
-                    g = p.grad * (1.0 / w)
-                    acc[i] = g if acc[i] is None else acc[i] + g
-                timer.add("train", a, timer.mark())
-                losses[v].append(loss.detach())
-            a = timer.mark()
-            for p, g in zip(params, acc):
-                p.grad = g
+        acc: list[torch.Tensor | None] = [None] * len(params)
+        for mb in loop:  # the W micro-batches of each global batch in rank order
             _pin_threads(dev)
-            opt.step()
+            job.check(mb)
+            model.use_rank(mb.rank, dev)
+            a = timer.mark()
+            loss = gnn.cross_entropy(model(mb.blocks, mb.x), job.labels[mb.seeds])
+            for p in params:
+                p.grad = None
+            loss.backward()
+            for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
+                g = p.grad * (1.0 / w)
+                acc[i] = g if acc[i] is None else acc[i] + g
             timer.add("train", a, timer.mark())
+            losses[mb.rank].append(loss.detach())
+            in_flight.step_done()
+            if mb.rank == w - 1:
+                a = timer.mark()
+                for p, g in zip(params, acc):
+                    p.grad = g
+                _pin_threads(dev)
+                opt.step()
+                timer.add("train", a, timer.mark())
+                acc = [None] * len(params)
         for v in range(w):
             run.losses[v] += torch.stack(losses[v]).tolist() if losses[v] else []
         _sync(dev)
@@ -434,7 +486,7 @@ def _evaluate(job: Job, model: RankedSAGE, fetch: Callable[[torch.Tensor], torch
             if seeds.numel() == 0:
                 fetch(torch.empty(0, dtype=torch.int64, device=dev))
                 continue
-            input_nodes, blocks = job.sampler.sample(seeds.to(dev), generator(dev, job.cfg.seed, 4, i, v))
+            input_nodes, blocks = job.sampler.sample(seeds.to(dev), batch_key(job.cfg.seed, 4, i, v))
             logits = model(blocks, fetch(input_nodes))
             p = logits.argmax(1)
             run.correct += int((p == job.labels[seeds.to(dev)]).sum())
@@ -528,7 +580,8 @@ def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, An
         req = sum(r.cache.get("requests", 0) for r in per_rank)
         hits = sum(r.cache.get("hit_rate", 0.0) * r.cache.get("requests", 0) for r in per_rank)
         rec: dict[str, Any] = {
-            "mode": mode, "processes": len(per_rank), "world": world, "epoch_ms": 1e3 * max(epoch_s),
+            "mode": mode, "processes": len(per_rank), "world": world, "pipelined": per_rank[0].pipelined,
+            "epoch_ms": 1e3 * max(epoch_s),
             "epoch_ms_per_rank": [1e3 * s for s in epoch_s], **{f"{k}_ms": 1e3 * v for k, v in stages.items()},
             "hit_rate": hits / req if req else None, "rows_cached_on_node": per_rank[0].cache["rows_cached_on_node"],
             "rows_cached_per_gpu": [r.cache["rows_cached_here"] for r in per_rank],
@@ -681,7 +734,7 @@ def main(argv: "list[str] | None" = None) -> int:
             _free(ranks.device)
         if ranks.rank == 0:
             records, summary = summarize(runs, ranks.world)
-            cols = ["mode", "processes", "epoch_ms", "sample_ms", "fetch_ms", "train_ms", "hit_rate",
+            cols = ["mode", "processes", "pipelined", "epoch_ms", "sample_ms", "fetch_ms", "train_ms", "hit_rate",
                     "rows_cached_on_node", "accuracy", "identical_losses_vs_reference", "max_abs_loss_diff"]
             print(format_table(records, cols))
             print(summary)

@@ -1,9 +1,10 @@
 """scripts/train_gnn_ddp.py: GraphSAGE DDP over one shared store and the partitioned cache.
 
-CPU (in CI): 2 gloo ranks under torchrun on a tiny Cora-SU graph must give the single-process reference's losses
-and test predictions bit for bit (both DDP modes), the node cache 2x one GPU's, a higher hit rate than one GPU's
-cache, stats that add up; the reference alone runs without torchrun; the plain-torch sampler draws real, distinct
-in-neighbours. GPU: the same run on 2 GPUs over NCCL (marked multi_gpu).
+CPU (in CI): 2 gloo ranks under torchrun on a tiny Cora-SU graph (pipelined: sampling, fetch and step overlapped)
+must give the single-process reference's losses and test predictions bit for bit (both DDP modes), the node cache 2x
+one GPU's, a higher hit rate than one GPU's cache, stats that add up; the reference alone runs without torchrun and
+gives the same losses pipelined or not (and sampling one micro-batch per call or several); the plain-torch sampler
+draws real, distinct in-neighbours. GPU: the same run on 2 GPUs over NCCL (marked multi_gpu).
 """
 
 from __future__ import annotations
@@ -67,20 +68,29 @@ def test_two_gloo_ranks_match_the_single_process_reference(tmp_path: Path, free_
     _check(_torchrun(tmp_path, free_port, "--device", "cpu"), tmp_path)
 
 
-def test_reference_alone_without_torchrun(tmp_path: Path) -> None:
+def _reference(out: Path, *extra: str) -> dict[str, Any]:
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--world", "2", "--out",
-                          str(tmp_path), "epochs=2"], env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          str(out), "epochs=2", *extra], env=_env(), capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
-    doc = json.loads((tmp_path / "train_gnn_ddp.json").read_text())
+    doc = json.loads((out / "train_gnn_ddp.json").read_text())
     assert [r["mode"] for r in doc["records"]] == ["reference"]
-    rec = doc["records"][0]
+    return doc["records"][0]
+
+
+def test_reference_alone_without_torchrun_pipelined_or_not(tmp_path: Path) -> None:
+    rec = _reference(tmp_path / "piped")
+    assert rec["pipelined"] is True
     assert len(rec["losses"]) == 2 and all(len(l) == len(rec["losses"][0]) > 0 for l in rec["losses"])
     assert 0.0 <= rec["accuracy"] <= 1.0 and rec["hit_rate"] > 0
+    plain = _reference(tmp_path / "plain", "model.pipelined=false", "model.sample_chunk=1")
+    assert plain["pipelined"] is False
+    assert plain["losses"] == rec["losses"] and plain["predictions_sha1"] == rec["predictions_sha1"]
 
 
 def test_sampler_draws_distinct_real_in_neighbours() -> None:
     sys.path.insert(0, str(ROOT))
-    from scripts.train_gnn_ddp import BlockSampler, generator
+    from scripts.train_gnn_ddp import BlockSampler
 
     gen = torch.Generator().manual_seed(0)
     n = 300
@@ -91,9 +101,11 @@ def test_sampler_draws_distinct_real_in_neighbours() -> None:
     src, dst = code // n, code % n
     s = BlockSampler(src, dst, n, (7, 3), torch.device("cpu"))
     seeds = torch.tensor([0, 5, 17, 299])
-    inputs, blocks = s.sample(seeds, generator(torch.device("cpu"), 1, 2, 3))
-    again, _ = s.sample(seeds, generator(torch.device("cpu"), 1, 2, 3))
-    assert torch.equal(inputs, again)  # the generator alone decides the sample
+    inputs, blocks = s.sample(seeds, 123)
+    again, _ = s.sample(seeds, 123)
+    assert torch.equal(inputs, again)  # the key alone decides the sample
+    together = s.sample_many([torch.tensor([1, 2]), seeds], [9, 123])[1]
+    assert torch.equal(together[0], inputs)  # in any chunk of micro-batches
     assert len(blocks) == 2 and torch.equal(inputs[:seeds.numel()], seeds)
     edges = set(zip(src.tolist(), dst.tolist()))
     deg = torch.bincount(dst, minlength=n)

@@ -1,4 +1,4 @@
-"""GraphSAGE training on DGL-sampled blocks, timed stage by stage; shared by ``examples/train_sage.py`` and
+"""GraphSAGE training on sampled blocks, timed stage by stage; shared by ``examples/train_sage.py`` and
 ``scripts/train_gnn.py`` (example code, not installed; needs ``pip install -e ".[dgl]"``).
 
 Why the model is plain PyTorch rather than ``dgl.nn.SAGEConv``: DGL from PyPI has no CUDA kernels, so a DGL
@@ -7,10 +7,12 @@ with ``index_add_``; on CUDA the training loop turns on ``torch.use_deterministi
 same seeds and batch order, every feature path gives bit-identical losses (the codec is lossless, so any
 difference would be a bug).
 
-The loop overlaps the three stages the way DGL's own prefetching does: DGL ``DataLoader`` worker processes
-sample, a background thread pulls their batches and fetches features (on a side CUDA stream), and the main
-thread trains. Per epoch it records sampling, feature fetching, training and the time the trainer sat idle
-waiting for the next batch; the paper reports the mean of epochs 2..N.
+Batches come from DGL's ``NeighborSampler`` (CPU, in ``DataLoader`` worker processes) or from ibpcache's
+plain-torch ``NeighborSampler`` (on the GPU when the graph fits; the same samples on any device). A run is
+pipelined -- ``ibpcache.loaders.pipeline.PipelinedLoader`` samples batch i+2, fetches the features of batch i+1 on
+a side stream and hands batch i to the training step, all at once -- or not (sample, fetch, train in turn). Each
+epoch records its wall time; each stage's own time comes from a separate pass after training (stages timed inside
+an overlapped loop would need syncs that serialize it). The paper reports the mean of epochs 2..N.
 """
 
 from __future__ import annotations
@@ -21,20 +23,20 @@ import gc
 import hashlib
 import math
 import os
-import queue
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from ibpcache.errors import IbpcacheError
+from ibpcache.errors import ConfigError, IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
+from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight
+from ibpcache.loaders.sampling import Hop, NeighborSampler, batch_key, choose_sampler_device
 
 __all__ = [
     "run",
@@ -47,6 +49,10 @@ __all__ = [
     "EpochTimes",
     "RunResult",
     "run_mode",
+    "run_variants",
+    "build_torch_sampler",
+    "variant_label",
+    "SAMPLERS",
     "deterministic_cuda",
     "compare_modes",
     "fit_codec",
@@ -219,9 +225,18 @@ class Block:
         return cls(src.to(torch.int64).to(**move), dst.to(torch.int64).to(**move), int(block.num_src_nodes()),
                    n_dst, inv.to(**move))
 
+    @classmethod
+    def from_hop(cls, hop: Hop, device: torch.device) -> "Block":
+        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL)."""
+        deg = torch.bincount(hop.dst, minlength=hop.n_dst).to(torch.float32)
+        inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
+        move = {"device": device, "non_blocking": True}
+        return cls(hop.src.to(**move), hop.dst.to(**move), hop.n_src, hop.n_dst, inv.to(**move))
+
     def record_stream(self, stream: Any) -> None:
         for t in (self.src, self.dst, self.inv_deg):
-            t.record_stream(stream)
+            if t.is_cuda:
+                t.record_stream(stream)
 
 
 class SAGEConv(nn.Module):
@@ -298,9 +313,18 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 # Training loop
 
 
+#: the samplers a run can use: DGL's NeighborSampler (CPU, in DataLoader worker processes) or ibpcache's
+#: NeighborSampler (plain torch; on the GPU when the graph fits there, see choose_sampler_device)
+SAMPLERS = ("dgl", "torch")
+
+
 @dataclass
 class TrainConfig:
-    """Everything that decides a run; identical configs give identical batches, masks and losses."""
+    """Everything that decides a run; identical configs give identical batches, masks and losses.
+
+    ``sampler`` decides the batches (``dgl`` and ``torch`` draw different ones); ``pipelined``, ``sampler_device``,
+    ``sample_chunk``, ``prefetch`` and ``sample_ahead`` only decide how fast they arrive.
+    """
 
     fanouts: tuple[int, ...] = (25, 10)
     batch_size: int = 512
@@ -315,18 +339,25 @@ class TrainConfig:
     eval_batch_size: int = 1024
     tf32: bool = True  # TF32 matmuls on CUDA (deterministic too)
     verify_batches: int = 0  # first-epoch batches whose features are checked against the rows, bit for bit
+    sampler: str = "dgl"  # one of SAMPLERS
+    sampler_device: str = "auto"  # torch sampler: auto (the GPU when the graph fits) | cpu | cuda
+    sample_chunk: int = 4  # torch sampler: batches sampled per call (a hop's launches are paid once per call)
+    pipelined: bool = True  # sampling, feature fetch and training overlapped (PipelinedLoader) or in turn
+    sample_ahead: int = 2  # sampled batches waiting for the fetch stage
+    stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
 
 
 @dataclass
 class EpochTimes:
-    """Seconds per stage in one epoch.
+    """Seconds of one epoch.
 
-    ``sample``: time the fetch thread waited for sampled batches from DGL's worker processes (sampling not
-    hidden by the workers); ``fetch``: feature fetch until the rows are on the device (host time in the
-    storage + waiting for the side stream). Both run in the background, overlapped with training.
-    ``train``: forward/backward/step until the loss is on the host; ``wait``: the trainer idle, waiting for
-    the next batch (the part of sampling + fetching that training did not hide). ``epoch`` is about
-    ``train + wait``.
+    ``epoch``: wall time of the training loop (sampling, fetching and training, overlapped when pipelined);
+    ``wait``: host time the trainer waited for its next batch. ``sample`` / ``fetch`` / ``train``: each stage ALONE
+    for an epoch's batches, from a separate pass after training (sampling an epoch with the sampler's own workers;
+    then per batch the fetch and the training step, each timed between device syncs). Timing stages inside the
+    pipelined loop would need syncs that serialize it, so the stage times of a mode come from that pass and are the
+    same in its pipelined and unpipelined records; a pipelined epoch near ``max(sample, fetch, train)`` means the
+    overlap works, one near their sum that it does not.
     """
 
     epoch: float = 0.0
@@ -348,13 +379,20 @@ class RunResult:
     predictions_sha1: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
     setup_seconds: float = 0.0
+    sampler: str = "dgl"
+    sampler_device: str = "cpu"
+    pipelined: bool = True
+    stages: dict[str, float] = field(default_factory=dict)  # sample / fetch / train seconds per epoch (stage pass)
 
     def mean_epoch(self) -> EpochTimes:
-        """Mean over epochs 2..N (the first pays warm-up), or epoch 1 if there is only one."""
+        """Mean over epochs 2..N (the first pays warm-up), or epoch 1 if there is only one; the stage times of the
+        separate pass."""
         timed = self.epochs[1:] or self.epochs
         out = EpochTimes()
-        for name in ("epoch", "sample", "fetch", "train", "wait"):
+        for name in ("epoch", "wait"):
             setattr(out, name, sum(getattr(e, name) for e in timed) / len(timed))
+        for name in ("sample", "fetch", "train"):
+            setattr(out, name, float(self.stages.get(name, math.nan)))
         out.batches = round(sum(e.batches for e in timed) / len(timed))
         out.input_rows = round(sum(e.input_rows for e in timed) / len(timed))
         return out
@@ -362,8 +400,9 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "label": self.label, "accuracy": self.accuracy,
                 "predictions_sha1": self.predictions_sha1, "setup_seconds": self.setup_seconds,
-                "mean_epoch": asdict(self.mean_epoch()), "epochs": [asdict(e) for e in self.epochs],
-                "losses": self.losses, "stats": self.stats}
+                "sampler": self.sampler, "sampler_device": self.sampler_device, "pipelined": self.pipelined,
+                "stages": self.stages, "mean_epoch": asdict(self.mean_epoch()),
+                "epochs": [asdict(e) for e in self.epochs], "losses": self.losses, "stats": self.stats}
 
 
 @contextlib.contextmanager
@@ -399,7 +438,7 @@ def deterministic_cuda(enabled: bool, tf32: bool = False) -> Iterator[None]:
 def _quiet_loader_warnings() -> None:
     """DGL suggests CPU affinity and torch counts workers against cores on every epoch; neither is news.
 
-    Installed once, process-wide: the warnings fire in the background thread, and ``catch_warnings`` is not
+    Installed once, process-wide: the warnings fire in the sampler thread, and ``catch_warnings`` is not
     thread-safe.
     """
     warnings.filterwarnings("ignore", message=".*CPU affinity opt is not enabled.*")
@@ -417,21 +456,30 @@ class _WorkerSeed:
 
 
 @dataclass
+class _Sampled:
+    """What the sampling stage hands over: input node ids (CPU or the sampler's device), blocks and labels on the
+    training device."""
+
+    input_nodes: torch.Tensor
+    blocks: list[Block]
+    y: torch.Tensor
+
+
+@dataclass
 class _Batch:
+    """A batch ready to train on: the sampled batch plus its features on the training device."""
+
     input_nodes: torch.Tensor
     blocks: list[Block]
     x: torch.Tensor
     y: torch.Tensor
-    event: Any
-    sample: float
-    fetch: float
 
 
 def _make_loader(g: Any, nids: torch.Tensor, cfg: TrainConfig, batch_size: int, shuffle: bool,
                  seed: int) -> Any:
+    """DGL's DataLoader with labels prefetched by DGL; features are the fetch stage's."""
     dgl = import_dgl()
-    sampler = dgl.dataloading.NeighborSampler(list(cfg.fanouts), prefetch_node_feats=["feat"],
-                                              prefetch_labels=["label"])
+    sampler = dgl.dataloading.NeighborSampler(list(cfg.fanouts), prefetch_labels=["label"])
     extra: dict[str, Any] = {}
     if cfg.num_workers > 0:
         extra = {"persistent_workers": True, "worker_init_fn": _WorkerSeed(seed)}
@@ -440,63 +488,80 @@ def _make_loader(g: Any, nids: torch.Tensor, cfg: TrainConfig, batch_size: int, 
                                       drop_last=False, num_workers=cfg.num_workers, **extra)
 
 
-def _producer(loader: Any, storage: Any, device: torch.device, stream: Any, out: "queue.Queue[Any]",
-              stop: threading.Event) -> None:
-    """Background stage: take sampled batches from DGL (workers), fetch features, stage block indices."""
-    try:
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            it = iter(loader)
-            while not stop.is_set():
-                t0, h0 = time.perf_counter(), storage.host_seconds
-                try:
-                    input_nodes, _, blocks = next(it)
-                except StopIteration:
-                    break
-                t1, fetch_host = time.perf_counter(), storage.host_seconds - h0
-                x = blocks[0].srcdata["feat"]
-                y = blocks[-1].dstdata["label"].to(device, non_blocking=True)
-                staged = [Block.from_dgl(b, device) for b in blocks]
-                event = None
-                if stream is not None:
-                    event = stream.record_event()
-                    event.synchronize()  # only this thread waits: it times the fetch, the trainer keeps going
-                t2 = time.perf_counter()
-                out.put(_Batch(input_nodes, staged, x, y, event, sample=(t1 - t0) - fetch_host,
-                               fetch=fetch_host + (t2 - t1)))
-        out.put(None)
-    except BaseException as exc:  # noqa: BLE001 - handed to the trainer, which re-raises it
-        out.put(exc)
+class _DGLBatches:
+    """DGL's sampler: its DataLoader (worker processes sample), each batch's blocks and labels moved to the device
+    in the sampling stage."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.loader = loader
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[_Sampled]:
+        return self._convert(iter(self.loader))  # iter() here: in the caller's thread (see PipelinedLoader)
+
+    def _convert(self, batches: Iterator[Any]) -> Iterator[_Sampled]:
+        for input_nodes, _, blocks in batches:
+            y = blocks[-1].dstdata["label"].to(self.device, non_blocking=True)
+            yield _Sampled(input_nodes, [Block.from_dgl(b, self.device) for b in blocks], y)
 
 
-def _batches(loader: Any, storage: Any, device: torch.device, prefetch: int) -> Iterator[_Batch]:
-    """Yield staged batches while the next ones are sampled and fetched in the background."""
-    stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-    q: "queue.Queue[Any]" = queue.Queue(maxsize=max(1, prefetch))
-    stop = threading.Event()
-    thread = threading.Thread(target=_producer, args=(loader, storage, device, stream, q, stop), daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            if item.event is not None:
-                current = torch.cuda.current_stream(device)
-                current.wait_event(item.event)
-                item.x.record_stream(current)
-                item.y.record_stream(current)
-                for b in item.blocks:
-                    b.record_stream(current)
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():
-            with contextlib.suppress(queue.Empty):
-                q.get(timeout=0.1)
-        thread.join()
+class _TorchBatches:
+    """ibpcache's sampler: a seeded shuffle per epoch, ``chunk`` batches sampled per call on the sampler's device;
+    a batch's sample depends only on (seed, phase, epoch, batch index), never on the device or the chunk size."""
+
+    def __init__(self, sampler: NeighborSampler, nids: torch.Tensor, labels: torch.Tensor, batch_size: int,
+                 shuffle: bool, key: tuple[int, ...], chunk: int, device: torch.device) -> None:
+        self.sampler, self.nids, self.labels = sampler, nids, labels
+        self.batch_size, self.shuffle, self.key = batch_size, shuffle, key
+        self.chunk, self.device = max(1, chunk), device
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return math.ceil(self.nids.numel() / self.batch_size)
+
+    def __iter__(self) -> Iterator[_Sampled]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        n = self.nids.numel()
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(batch_key(*self.key, epoch)))
+                 if self.shuffle else torch.arange(n))
+        seeds = [self.nids[order[i:i + self.batch_size]] for i in range(0, n, self.batch_size)]
+        for first in range(0, len(seeds), self.chunk):
+            group = seeds[first:first + self.chunk]
+            keys = [batch_key(*self.key, epoch, first + j) for j in range(len(group))]
+            for s in self.sampler.sample(group, keys):
+                blocks = [Block.from_hop(h, self.device) for h in reversed(s.hops)]
+                yield _Sampled(s.nodes, blocks, self.labels[s.nodes[:s.num_seeds]].to(self.device, non_blocking=True))
+
+
+class _Fetch:
+    """The feature-fetch stage: the rows of a batch's input nodes from the attached storage (cache or DGL's)."""
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+
+    def __call__(self, s: _Sampled) -> _Batch:
+        return _Batch(s.input_nodes, s.blocks, self.storage.fetch(s.input_nodes), s.y)
+
+
+class _InTurn:
+    """The unpipelined loop: sample, fetch, hand over, one after the other in the caller's thread."""
+
+    def __init__(self, batches: Any, fetch: _Fetch) -> None:
+        self.batches, self.fetch = batches, fetch
+
+    def __iter__(self) -> Iterator[_Batch]:
+        for s in self.batches:
+            yield self.fetch(s)
+
+
+def _epochs(batches: Any, fetch: _Fetch, cfg: TrainConfig, device: torch.device) -> Any:
+    """Re-iterable batches of a run: pipelined (library's PipelinedLoader) or in turn."""
+    if cfg.pipelined:
+        return PipelinedLoader(batches, fetch, device=device, prefetch=cfg.prefetch, sample_ahead=cfg.sample_ahead)
+    return _InTurn(batches, fetch)
 
 
 def _sync(device: torch.device) -> None:
@@ -504,53 +569,212 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _verify(batch: _Batch, rows: torch.Tensor) -> None:
+def _verify(batch: _Batch, ds: GnnDataset) -> None:
     """The fetched features must equal the host rows of the batch's input nodes, byte for byte."""
     got = batch.x.detach().to("cpu").contiguous().view(torch.uint8)
-    want = rows[batch.input_nodes].contiguous().view(torch.uint8)
+    want = ds.node_rows(batch.input_nodes.to("cpu")).contiguous().view(torch.uint8)
     if not torch.equal(got, want):
         raise IbpcacheError("fetched features differ from the original rows (lossless path is broken)")
 
 
-def _train_epoch(model: GraphSAGE, opt: torch.optim.Optimizer, loader: Any, storage: Any, device: torch.device,
-                 cfg: TrainConfig, verify_rows: torch.Tensor | None = None) -> tuple[EpochTimes, list[float]]:
+def _pin_cpu_threads(device: torch.device, threads: int) -> None:
+    """CPU training: the same intra-op thread count at every step. Numba's OpenMP layer (the CPU cache's decoder)
+    resets the count of the thread that calls it, which is the trainer's own when unpipelined and the fetch
+    thread's when pipelined, and Adam rounds differently when a tensor is split over another number of threads."""
+    if device.type == "cpu" and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def _step(model: GraphSAGE, opt: torch.optim.Optimizer, batch: _Batch) -> torch.Tensor:
+    """One training step; the loss stays on the device (reading it would sync every step)."""
+    loss = cross_entropy(model(batch.blocks, batch.x), batch.y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _train_epoch(model: GraphSAGE, opt: torch.optim.Optimizer, batches: Any, device: torch.device,
+                 cfg: TrainConfig, threads: int, verify: GnnDataset | None = None) -> tuple[EpochTimes, list[float]]:
+    """One epoch; the host reads nothing back until its end (a pipelined loader keeps running ahead) and runs at
+    most two steps ahead of the GPU (StepsInFlight)."""
     times, losses = EpochTimes(), []
+    in_flight = StepsInFlight(device, limit=2)
     model.train()
     _sync(device)
     start = time.perf_counter()
-    t_wait = start
-    for batch in _batches(loader, storage, device, cfg.prefetch):
-        if verify_rows is not None and times.batches < cfg.verify_batches:
-            _verify(batch, verify_rows)
-        t_got = time.perf_counter()
-        times.wait += t_got - t_wait
-        loss = cross_entropy(model(batch.blocks, batch.x), batch.y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())  # syncs: "train" is the step's real duration
-        t_wait = time.perf_counter()
-        times.train += t_wait - t_got
-        times.sample += batch.sample
-        times.fetch += batch.fetch
+    it = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        batch = next(it, None)
+        times.wait += time.perf_counter() - t0
+        if batch is None:
+            break
+        if verify is not None and times.batches < cfg.verify_batches:
+            _verify(batch, verify)
+        _pin_cpu_threads(device, threads)
+        losses.append(_step(model, opt, batch))
+        in_flight.step_done()
         times.batches += 1
         times.input_rows += int(batch.x.shape[0])
+    values = torch.stack(losses).tolist() if losses else []
+    _sync(device)
     times.epoch = time.perf_counter() - start
-    return times, losses
+    return times, values
 
 
 @torch.no_grad()
-def _evaluate(model: GraphSAGE, loader: Any, storage: Any, device: torch.device,
-              cfg: TrainConfig) -> tuple[float, str]:
+def _evaluate(model: GraphSAGE, batches: Any) -> tuple[float, str]:
     model.eval()
     preds, labels = [], []
-    for batch in _batches(loader, storage, device, cfg.prefetch):
+    for batch in batches:
         preds.append(model(batch.blocks, batch.x).argmax(1))
         labels.append(batch.y)
     if not preds:
         return float("nan"), ""
     p, y = torch.cat(preds), torch.cat(labels)
     return float((p == y).float().mean()), hashlib.sha1(p.cpu().numpy().tobytes()).hexdigest()
+
+
+def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[GraphSAGE, Any]],
+                 device: torch.device, cfg: TrainConfig, threads: int) -> dict[str, float]:
+    """Each stage alone, seconds per epoch: sampling an epoch's batches (with the sampler's own workers or chunks,
+    as in training), then per batch the fetch and one training step (of a throwaway model), each between device
+    syncs. ``cfg.stage_batches`` > 0 times that many batches and scales to an epoch."""
+    per_epoch = len(batches)
+    limit = cfg.stage_batches if cfg.stage_batches > 0 else per_epoch
+    _sync(device)
+    t0 = time.perf_counter()
+    items: list[_Sampled] = []
+    for s in batches:
+        items.append(s)
+        if len(items) >= limit:
+            break
+    _sync(device)
+    sample_s = time.perf_counter() - t0
+    if not items:
+        return {"sample": 0.0, "fetch": 0.0, "train": 0.0, "batches": 0}
+    model, opt = new_model()
+    model.train()
+    _pin_cpu_threads(device, threads)
+    _step(model, opt, fetch(items[0]))  # warm-up: optimizer state, allocator
+    fetch_s = train_s = 0.0
+    for s in items:
+        _sync(device)
+        t0 = time.perf_counter()
+        batch = fetch(s)
+        _sync(device)
+        t1 = time.perf_counter()
+        _pin_cpu_threads(device, threads)
+        _step(model, opt, batch)
+        _sync(device)
+        fetch_s += t1 - t0
+        train_s += time.perf_counter() - t1
+    scale = per_epoch / len(items)
+    return {"sample": sample_s * scale, "fetch": fetch_s * scale, "train": train_s * scale, "batches": len(items)}
+
+
+def build_torch_sampler(ds: GnnDataset, cfg: TrainConfig, device: torch.device) -> NeighborSampler:
+    """ibpcache's sampler for ``ds`` (DGL's fanout order reversed into hops): on the GPU when training there and
+    the graph fits (``cfg.sampler_device``, see choose_sampler_device), else on the CPU."""
+    want = cfg.sampler_device if device.type == "cuda" else "cpu"
+    where = choose_sampler_device(ds.num_nodes, ds.num_edges, want, edge_ids=False)
+    return NeighborSampler(ds.src, ds.dst, ds.num_nodes, list(reversed(cfg.fanouts)), device=where, edge_ids=False)
+
+
+def _batches(ds: GnnDataset, g: Any, cfg: TrainConfig, device: torch.device, sampler: "NeighborSampler | None",
+             train: bool) -> Any:
+    """The sampling stage of a run: training batches (shuffled) or test batches."""
+    nids = ds.train_nids if train else ds.test_nids
+    size = cfg.batch_size if train else cfg.eval_batch_size
+    seed = cfg.seed * 7919 + (0 if train else 1)
+    if cfg.sampler == "dgl":
+        return _DGLBatches(_make_loader(g, nids, cfg, size, shuffle=train, seed=seed), device)
+    assert sampler is not None
+    return _TorchBatches(sampler, nids.to(sampler.device), ds.labels.to(sampler.device), size, train,
+                         (cfg.seed, 0 if train else 1), cfg.sample_chunk, device)
+
+
+def _check_config(cfg: TrainConfig) -> None:
+    if cfg.sampler not in SAMPLERS:
+        raise ConfigError(f"unknown sampler {cfg.sampler!r}; expected one of {list(SAMPLERS)}")
+    if cfg.sample_chunk < 1:
+        raise ConfigError(f"sample_chunk must be >= 1, got {cfg.sample_chunk}")
+
+
+def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence[TrainConfig], *,
+                 device: torch.device, budget: float | int = 0.01, policy: str = "static", codec: Any = "auto",
+                 progress: "Callable[[TrainConfig], Callable[[int], None]] | None" = None,
+                 torch_sampler: "NeighborSampler | None" = None) -> list[RunResult]:
+    """Attach ``ds.features`` to ``g`` in ``mode`` once, then train once per config (sampler x pipelining).
+
+    Seeds (model init, shuffling, sampling, dropout) are reset per run, so runs that differ only in the fetch
+    mode or in pipelining see the same batches and must produce the same losses; the stage-timing pass runs once
+    per sampler (after training and evaluation, on a throwaway model) and is shared by that sampler's runs.
+    ``progress(cfg)`` returns the per-epoch callback of a run.
+    """
+    mode = FetchMode.from_str(mode)
+    for cfg in cfgs:
+        _check_config(cfg)
+    t0 = time.perf_counter()
+    storage = make_storage(ds.features, mode, device=device, budget=budget, policy=policy, codec=codec,
+                           hotness=_degree_scores(g) if mode.uses_cache and policy == "static" else None,
+                           name=ds.name)
+    attach(g, {"feat": storage})
+    _sync(device)
+    setup_s = time.perf_counter() - t0
+    if torch_sampler is None and any(c.sampler == "torch" for c in cfgs):
+        torch_sampler = build_torch_sampler(ds, cfgs[0], device)
+    stage_cache: dict[str, dict[str, float]] = {}
+    results = []
+    for cfg in cfgs:
+        results.append(_run_one(ds, g, storage, mode, cfg, device=device, sampler=torch_sampler,
+                                stage_cache=stage_cache, progress=progress(cfg) if progress is not None else None))
+        results[-1].setup_seconds = setup_s
+    return results
+
+
+def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainConfig, *, device: torch.device,
+             sampler: "NeighborSampler | None", stage_cache: dict[str, dict[str, float]],
+             progress: "Callable[[int], None] | None") -> RunResult:
+    dgl = import_dgl()
+    fetch = _Fetch(storage)
+    where = str(sampler.device) if cfg.sampler == "torch" and sampler is not None else "cpu"
+    result = RunResult(mode.value, mode.label, sampler=cfg.sampler, sampler_device=where, pipelined=cfg.pipelined)
+    threads = torch.get_num_threads()
+    in_dim = int(np.prod(ds.row_shape))
+
+    def new_model() -> tuple[GraphSAGE, torch.optim.Optimizer]:
+        model = GraphSAGE(in_dim, cfg.hidden, ds.num_classes, len(cfg.fanouts), cfg.dropout)
+        model.seed_dropout(cfg.seed)
+        model = model.to(device)
+        return model, torch.optim.Adam(model.parameters(), lr=cfg.lr)
+
+    with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
+        torch.manual_seed(cfg.seed)
+        dgl.seed(cfg.seed)
+        model, opt = new_model()
+        train_batches = _batches(ds, g, cfg, device, sampler, train=True)
+        loop = _epochs(train_batches, fetch, cfg, device)
+        storage.reset_stats()
+        for epoch in range(cfg.epochs):
+            np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
+            times, losses = _train_epoch(model, opt, loop, device, cfg, threads,
+                                         verify=ds if epoch == 0 else None)
+            result.epochs.append(times)
+            result.losses.append(losses)
+            if progress is not None:
+                progress(1)
+        result.stats = storage.stats()
+        test_batches = _batches(ds, g, cfg, device, sampler, train=False)
+        result.accuracy, result.predictions_sha1 = _evaluate(model, _epochs(test_batches, fetch, cfg, device))
+        if cfg.stage_batches != 0:
+            if cfg.sampler not in stage_cache:
+                np.random.seed((cfg.seed * 1000 + cfg.epochs) % 2**32)
+                stage_cache[cfg.sampler] = _stage_times(train_batches, fetch, new_model, device, cfg, threads)
+            result.stages = dict(stage_cache[cfg.sampler])
+        del loop, train_batches, test_batches
+    return result
 
 
 def run_mode(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfg: TrainConfig, *, device: torch.device,
@@ -562,39 +786,8 @@ def run_mode(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfg: TrainConfig, 
     but different modes see the same batches and must produce the same losses. ``progress(1)`` is called
     after every epoch.
     """
-    mode = FetchMode.from_str(mode)
-    dgl = import_dgl()
-    t0 = time.perf_counter()
-    storage = make_storage(ds.features, mode, device=device, budget=budget, policy=policy, codec=codec,
-                           hotness=_degree_scores(g) if mode.uses_cache and policy == "static" else None,
-                           name=ds.name)
-    attach(g, {"feat": storage})
-    _sync(device)
-    result = RunResult(mode.value, mode.label, setup_seconds=time.perf_counter() - t0)
-
-    with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
-        torch.manual_seed(cfg.seed)
-        dgl.seed(cfg.seed)
-        model = GraphSAGE(ds.features[0].numel(), cfg.hidden, ds.num_classes, len(cfg.fanouts), cfg.dropout)
-        model.seed_dropout(cfg.seed)
-        model = model.to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        train_loader = _make_loader(g, ds.train_nids, cfg, cfg.batch_size, shuffle=True, seed=cfg.seed * 7919)
-        storage.reset_stats()
-        for epoch in range(cfg.epochs):
-            np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
-            times, losses = _train_epoch(model, opt, train_loader, storage, device, cfg,
-                                         verify_rows=ds.features if epoch == 0 else None)
-            result.epochs.append(times)
-            result.losses.append(losses)
-            if progress is not None:
-                progress(1)
-        result.stats = storage.stats()
-        test_loader = _make_loader(g, ds.test_nids, cfg, cfg.eval_batch_size, shuffle=False,
-                                   seed=cfg.seed * 7919 + 1)
-        result.accuracy, result.predictions_sha1 = _evaluate(model, test_loader, storage, device, cfg)
-        del train_loader, test_loader
-    return result
+    return run_variants(ds, g, mode, [cfg], device=device, budget=budget, policy=policy, codec=codec,
+                        progress=(lambda _cfg: progress) if progress is not None else None)[0]
 
 
 def _degree_scores(g: Any) -> torch.Tensor:
@@ -627,17 +820,27 @@ def stats_summary(result: RunResult, ds: GnnDataset) -> dict[str, Any]:
     return out
 
 
+def variant_label(cfg: TrainConfig) -> str:
+    """How a run's batches arrive, for tables and progress bars: sampler and pipelining."""
+    return f"{cfg.sampler}{' pipelined' if cfg.pipelined else ''}"
+
+
 def compare_modes(ds: GnnDataset, modes: Sequence["str | FetchMode"], cfg: TrainConfig, *, device: torch.device,
                   budget: float | int = 0.01, policy: str = "static",
-                  progress: Callable[[str], Callable[[int], None]] | None = None) -> list[dict[str, Any]]:
-    """Train once per mode on one graph with the same seeds and batch order; one record per mode.
+                  progress: Callable[[str], Callable[[int], None]] | None = None,
+                  variants: "Sequence[tuple[str, bool]] | None" = None) -> list[dict[str, Any]]:
+    """Train once per mode and variant (``(sampler, pipelined)``; default: ``cfg``'s) on one graph with the same
+    seeds; one record per run.
 
     One codec is fitted up front and shared by every compressing mode (the cache would fit the same one
-    each time). Records carry the mean epoch breakdown (epochs 2..N), accuracy, cache numbers, speedups over
-    modes (1) and (3) where those ran, and whether losses and test predictions equal the first mode's bit for
-    bit. ``progress(label)`` returns the per-epoch callback for that mode.
+    each time); one torch sampler serves every mode. Records carry the mean epoch (epochs 2..N), the stage times,
+    accuracy, cache numbers, speedups (:func:`_records`) and whether losses and test predictions equal those of the
+    first run with the same sampler, bit for bit. ``progress(label)`` returns the per-epoch callback for a run.
     """
     modes = [FetchMode.from_str(m) for m in modes]
+    cfgs = [replace(cfg, sampler=s, pipelined=bool(p)) for s, p in (variants or [(cfg.sampler, cfg.pipelined)])]
+    for c in cfgs:
+        _check_config(c)
     g = build_graph(ds)
     codec: Any = "auto"
     fit_s = 0.0
@@ -645,10 +848,13 @@ def compare_modes(ds: GnnDataset, modes: Sequence["str | FetchMode"], cfg: Train
         t0 = time.perf_counter()
         codec = fit_codec(ds.features, device)
         fit_s = time.perf_counter() - t0
+    sampler = build_torch_sampler(ds, cfgs[0], device) if any(c.sampler == "torch" for c in cfgs) else None
     results = []
     for m in modes:
-        results.append(run_mode(ds, g, m, cfg, device=device, budget=budget, policy=policy, codec=codec,
-                                progress=progress(m.label) if progress is not None else None))
+        results += run_variants(ds, g, m, cfgs, device=device, budget=budget, policy=policy, codec=codec,
+                                torch_sampler=sampler,
+                                progress=(lambda c, m=m: progress(f"{m.label} {variant_label(c)}"))
+                                if progress is not None else None)
         _release_memory()  # the previous mode's cache (GPU slab, pinned host store) goes before the next
     return _records(ds, results, fit_s)
 
@@ -675,21 +881,45 @@ def _release_memory() -> None:
 
 
 def _records(ds: GnnDataset, results: list[RunResult], fit_s: float) -> list[dict[str, Any]]:
-    by_mode = {r.mode: r.mean_epoch().epoch for r in results}
-    first = results[0]
+    """One record per run. Speedups (epoch time of the baseline / this run's):
+
+    * ``speedup_vs_dgl`` / ``speedup_vs_dgl_pinned`` / ``speedup_vs_raw``: over mode (1) / (2) / (3) with the same
+      sampler and pipelining, so only the feature path differs;
+    * ``speedup_vs_dgl_pinned_unpipelined``: over (2) as DGL users run it (DGL's sampler, no pipelining);
+    * ``epoch_vs_slowest_stage``: epoch time / the slowest stage alone (1.0 = perfect overlap).
+
+    ``identical_losses`` / ``identical_predictions`` compare with the first run of the same sampler (DGL's and
+    ibpcache's samplers draw different batches).
+    """
+    epoch = {(r.mode, r.sampler, r.pipelined): r.mean_epoch().epoch for r in results}
+    first: dict[str, RunResult] = {}
+    for r in results:
+        first.setdefault(r.sampler, r)
+
+    def over(mode: FetchMode, sampler: str, pipelined: bool, mine: float) -> float | None:
+        base = epoch.get((mode.value, sampler, pipelined))
+        return base / mine if base is not None and mine > 0 else None
+
     records = []
     for r in results:
         mean = r.mean_epoch()
+        slowest = max(mean.sample, mean.fetch, mean.train) if r.stages else math.nan
+        ref = first[r.sampler]
         rec: dict[str, Any] = {
-            "dataset": ds.name, "mode": r.mode, "label": r.label,
+            "dataset": ds.name, "mode": r.mode, "label": r.label, "sampler": r.sampler,
+            "sampler_device": r.sampler_device, "pipelined": r.pipelined,
             "epoch_ms": mean.epoch * 1e3, "sample_ms": mean.sample * 1e3, "fetch_ms": mean.fetch * 1e3,
-            "train_ms": mean.train * 1e3, "wait_ms": mean.wait * 1e3, "batches": mean.batches,
+            "train_ms": mean.train * 1e3, "wait_ms": mean.wait * 1e3, "slowest_stage_ms": slowest * 1e3,
+            "epoch_vs_slowest_stage": mean.epoch / slowest if slowest > 0 else None,
+            "batches": mean.batches,
             "input_rows_per_batch": mean.input_rows / max(mean.batches, 1), "accuracy": r.accuracy,
             **stats_summary(r, ds),
-            "speedup_vs_dgl": by_mode[FetchMode.DGL.value] / mean.epoch if FetchMode.DGL.value in by_mode else None,
-            "speedup_vs_raw": by_mode[FetchMode.RAW.value] / mean.epoch if FetchMode.RAW.value in by_mode else None,
-            "identical_losses": r.losses == first.losses,
-            "identical_predictions": r.predictions_sha1 == first.predictions_sha1,
+            "speedup_vs_dgl": over(FetchMode.DGL, r.sampler, r.pipelined, mean.epoch),
+            "speedup_vs_dgl_pinned": over(FetchMode.DGL_PINNED, r.sampler, r.pipelined, mean.epoch),
+            "speedup_vs_dgl_pinned_unpipelined": over(FetchMode.DGL_PINNED, "dgl", False, mean.epoch),
+            "speedup_vs_raw": over(FetchMode.RAW, r.sampler, r.pipelined, mean.epoch),
+            "identical_losses": r.losses == ref.losses,
+            "identical_predictions": r.predictions_sha1 == ref.predictions_sha1,
             "setup_s": r.setup_seconds, "codec_fit_s": fit_s if FetchMode(r.mode).compress_host
             or FetchMode(r.mode).compress_cache else 0.0,
             "run": r.to_dict(),
@@ -700,12 +930,19 @@ def _records(ds: GnnDataset, results: list[RunResult], fit_s: float) -> list[dic
 
 def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainConfig:
     """A TrainConfig from the ``model`` and ``dataset`` config groups (plain mappings or OmegaConf nodes)."""
+    base = TrainConfig()
     return TrainConfig(fanouts=tuple(int(f) for f in model["fanouts"]), batch_size=int(dataset["batch_size"]),
                        epochs=int(epochs), hidden=int(model["hidden"]), dropout=float(model["dropout"]),
                        lr=float(model["lr"]), num_workers=int(model["num_workers"]), prefetch=int(model["prefetch"]),
                        seed=int(seed), deterministic=bool(model["deterministic"]),
                        eval_batch_size=int(model["eval_batch_size"]),
-                       verify_batches=int(model.get("verify_batches", 0)), tf32=bool(model.get("tf32", True)))
+                       verify_batches=int(model.get("verify_batches", 0)), tf32=bool(model.get("tf32", True)),
+                       sampler=str(model.get("sampler", base.sampler)),
+                       sampler_device=str(model.get("sampler_device", base.sampler_device)),
+                       sample_chunk=int(model.get("sample_chunk", base.sample_chunk)),
+                       pipelined=bool(model.get("pipelined", base.pipelined)),
+                       sample_ahead=int(model.get("sample_ahead", base.sample_ahead)),
+                       stage_batches=int(model.get("stage_batches", base.stage_batches)))
 
 
 def dataset_from_config(dataset: Any) -> GnnDataset:

@@ -7,6 +7,10 @@ participation bit per chunk, followed by each chunk's kept bits (LSB-first bit s
 
 All uint64 arithmetic is kept explicitly unsigned: Numba turns mixed signed/unsigned integer math into
 float64, which would silently corrupt bits.
+
+The functions a fetch runs (``decode_rows_cpu`` and the three ``stage_*`` passes of the cpu-gather transfer) release
+the GIL (``nogil=True``): a loader fetches in a side thread while the training thread launches its step, and a
+Numba call holding the GIL for milliseconds would stall that thread.
 """
 
 from __future__ import annotations
@@ -231,7 +235,7 @@ def _store_chunk(out, row: int, j: int, c: int, row_bytes: int, v: np.uint64) ->
             out[row, p] = np.uint8((v >> np.uint64(8 * b)) & np.uint64(0xFF))
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
 def decode_rows_cpu(buf, offsets, lengths, compressed, mask, bitval, c: int, out, out_rows) -> None:
     """Decode row m (stored at ``buf[offsets[m]:]``, ``lengths[m]`` bytes) into ``out[out_rows[m]]``.
 
@@ -273,7 +277,7 @@ def decode_rows_cpu(buf, offsets, lengths, compressed, mask, bitval, c: int, out
                 _store_chunk(out, dst, j, c, row_bytes, v)
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
 def stage_lengths_cpu(ids, hit_pos, hit_len, lengths, row_bytes: int, out_len, out_miss) -> None:
     """Pass 1 of the engine's ``cpu_gather`` transfer: per id, its stored length and whether it is staged.
 
@@ -293,7 +297,7 @@ def stage_lengths_cpu(ids, hit_pos, hit_len, lengths, row_bytes: int, out_len, o
             out_miss[i] = 1
 
 
-@nb.njit(cache=True)
+@nb.njit(cache=True, nogil=True)
 def stage_scan_cpu(out_len, out_miss, starts):
     """Pass 2 (serial): byte offset of each staged row in the staging area; returns (hits, staged bytes, hit
     bytes)."""
@@ -310,7 +314,7 @@ def stage_scan_cpu(out_len, out_miss, starts):
     return hits, acc, hit_bytes
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(parallel=True, cache=True, nogil=True)
 def stage_rows_cpu(ids, hit_pos, hit_src, offsets, stride: int, data, out_len, out_miss, starts, row_bytes: int,
                    staged_base: int, src_out, len_out, comp_out, staged, copy_bytes: bool) -> None:
     """Pass 3: every id's decode descriptor (absolute device address, stored length, compressed flag) and the

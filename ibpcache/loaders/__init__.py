@@ -5,7 +5,9 @@ from __future__ import annotations
 from .dgl import FetchMode, attach, attach_edges, degree_hotness, import_dgl, make_storage
 from .embedding_bag import CachedEmbeddingBag, EvictionStrategy, TableBatchedCachedEmbeddingBag
 from .kv import KVOffloadManager
+from .pipeline import PipelinedLoader
 from .pyg import IBPFeatureStore, TorchNeighborSampler
+from .sampling import NeighborSampler
 
 __all__ = [
     "FetchMode",
@@ -20,6 +22,8 @@ __all__ = [
     "KVOffloadManager",
     "IBPFeatureStore",
     "TorchNeighborSampler",
+    "PipelinedLoader",
+    "NeighborSampler",
     "IBPOffloadedCache",
     "IBPOffloadedLayer",
 ]

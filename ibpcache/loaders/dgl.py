@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import functools
 import importlib.util
+import itertools
 import os
 import sys
 import threading
@@ -39,7 +40,7 @@ import time
 import types
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,8 @@ import torch
 
 from ibpcache._validation import check_rows
 from ibpcache.errors import IbpcacheError, InvalidArgumentError, InvalidTypeError
+
+from .pipeline import PipelinedLoader, record_stream
 
 if TYPE_CHECKING:  # pragma: no cover
     from ibpcache.cache.feature_cache import FeatureCache
@@ -60,6 +63,9 @@ __all__ = [
     "attach_edges",
     "degree_hotness",
     "default_device",
+    "FeatureFetch",
+    "pipelined",
+    "record_dgl_batch",
 ]
 
 _DGL_MISSING = 'DGL is needed for ibpcache.loaders.dgl: pip install "ibpcache[dgl]"'
@@ -102,6 +108,19 @@ def import_dgl() -> types.ModuleType:
     except ImportError as exc:
         raise ImportError(f"{_DGL_MISSING} (import failed: {exc})") from exc
     return dgl
+
+
+@functools.cache
+def _dgl_has_cuda() -> bool:
+    """Whether this DGL build runs on CUDA (PyPI's 2.1.0 does not: moving a graph to the GPU raises)."""
+    if not torch.cuda.is_available():
+        return False
+    dgl = import_dgl()
+    try:
+        dgl.graph(([0], [0])).to("cuda")
+    except Exception:  # noqa: BLE001 - DGLError "Device API cuda is not enabled" and the like
+        return False
+    return True
 
 
 def default_device() -> torch.device:
@@ -190,6 +209,10 @@ class _TensorBackend:
 
     def fetch(self, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         # pin_memory=True is DGL's pin_prefetcher: index_select into a pinned buffer, non_blocking copy.
+        if ids.is_cuda and not (self.pinned and _dgl_has_cuda()):
+            # ids from a GPU sampler: DGL gathers pinned rows by UVA only in its CUDA builds (PyPI's has none) and
+            # refuses GPU ids for pageable rows, so its CPU gather runs on ids read back (what its users do)
+            ids = ids.cpu()
         return self._dgl_storage.fetch(ids, device, pin_memory=self.pinned)
 
     def stats(self) -> dict[str, Any]:
@@ -669,3 +692,118 @@ def _hotness_for(g: Any, ntype: Any, hotness: "str | torch.Tensor | None") -> to
     if hotness == "degree":
         return degree_hotness(g, ntype)
     raise InvalidArgumentError(f"hotness must be 'degree', a tensor of scores or None, got {hotness!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pipelined loading: sampling, feature fetch and the training step overlapped
+
+
+class FeatureFetch:
+    """Fetch the node features (and labels) of one DGL ``DataLoader`` batch and put them where DGL's own
+    prefetching would: ``blocks[0].srcdata[key]`` for ``input_nodes``, ``blocks[-1].dstdata[key]`` for labels of
+    ``output_nodes``. Rows come from the graph's storage for ``key`` (an attached ibpcache storage or DGL's own
+    ``TensorStorage``, pinned staging when ``device`` is a GPU), on the current stream.
+
+    Why a separate stage rather than the sampler's ``prefetch_node_feats``: DGL resolves those inside the
+    ``DataLoader``'s iterator, i.e. in whatever thread samples; as its own stage the fetch of batch i+1 runs beside
+    the sampling of batch i+2 (:func:`pipelined`). ``then(batch)`` runs right after, in the same stage (e.g. to move
+    block indices to the device).
+    """
+
+    def __init__(self, g: Any, node_feats: Sequence[str] = ("feat",), labels: Sequence[str] = (), *,
+                 device: "str | torch.device | None" = None, then: "Callable[[Any], Any] | None" = None) -> None:
+        for what, keys in (("node_feats", node_feats), ("labels", labels)):
+            if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+                raise InvalidArgumentError(f"FeatureFetch: {what} must be a list of feature names, got {keys!r}")
+        self.g = g
+        self.node_feats = list(node_feats)
+        self.labels = list(labels)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.then = then
+
+    def __call__(self, batch: Any) -> Any:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 3:
+            raise InvalidArgumentError("FeatureFetch: expected a node-classification batch (input_nodes, output_nodes, "
+                                       f"blocks), got {type(batch).__name__}")
+        input_nodes, output_nodes, blocks = batch
+        for key in self.node_feats:
+            self._put(blocks[0], True, key, input_nodes)
+        for key in self.labels:
+            self._put(blocks[-1], False, key, output_nodes)
+        return self.then(batch) if self.then is not None else batch
+
+    def _put(self, block: Any, src: bool, key: str, ids: Any) -> None:
+        types_ = block.srctypes if src else block.dsttypes
+        per_type = ids if isinstance(ids, Mapping) else {_resolve_type(types_, None, "ntype"): ids}
+        pin = self.device.type == "cuda"
+        for nt, idx in per_type.items():
+            value = self.g.get_node_storage(key, nt).fetch(idx, self.device, pin_memory=pin)
+            tid = block.get_ntype_id_from_src(nt) if src else block.get_ntype_id_from_dst(nt)
+            # the frame itself, as DGL's prefetcher assigns: a block on the CPU may hold rows on the GPU
+            block._node_frames[tid][key] = value
+
+
+def _record_dgl(obj: Any, stream: Any) -> bool:
+    """record_stream hook for DGL graphs: a graph on the CPU may hold CUDA feature columns, and DGL's own
+    ``DGLGraph.record_stream`` refuses any graph not on the GPU."""
+    dgl = import_dgl()
+    if not isinstance(obj, dgl.DGLGraph):
+        return False
+    if obj.device.type == "cuda":
+        obj.record_stream(stream)
+        return True
+    for frame in itertools.chain(obj._node_frames, obj._edge_frames):
+        for col in frame._columns.values():
+            t = getattr(col, "storage", None)
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(stream)
+    return True
+
+
+def record_dgl_batch(batch: Any, stream: Any) -> None:
+    """``record_stream`` on every CUDA tensor of a DGL batch (graphs, their frames, tensors, containers)."""
+    record_stream(batch, stream, _record_dgl)
+
+
+def pipelined(loader: Any, node_feats: Sequence[str] = ("feat",), labels: Sequence[str] = (), *,
+              device: "str | torch.device | None" = None, then: "Callable[[Any], Any] | None" = None,
+              prefetch: int = 2, sample_ahead: int = 2, fetch_thread: bool = True) -> PipelinedLoader:
+    """A DGL ``DataLoader`` with sampling, feature fetch and training overlapped; yields what it yields::
+
+        loader = dgl.dataloading.DataLoader(g, nids, NeighborSampler([25, 10]), device="cpu", num_workers=4, ...)
+        for input_nodes, output_nodes, blocks in ibpcache.loaders.dgl.pipelined(loader, ["feat"], ["label"]):
+            x = blocks[0].srcdata["feat"]          # on the GPU, == features[input_nodes] bit for bit
+
+    The loader samples (in its worker processes, or in the sampler thread), :class:`FeatureFetch` fetches batch
+    i+1 on a side stream while the caller trains on batch i (:class:`~ibpcache.loaders.pipeline.PipelinedLoader`).
+    Same batches in the same order as iterating ``loader`` and fetching inline. Features listed here must not also
+    be in the sampler's ``prefetch_node_feats`` / ``prefetch_labels`` (DGL would fetch them a second time, in the
+    sampling stage).
+
+    Reproducible sampling needs DGL's worker processes (``num_workers >= 1``, seeded in ``worker_init_fn``): the
+    loader's ``iter()`` runs in the caller's thread, so its workers are forked from the same thread as in an
+    unpipelined loop and draw the same samples. Without workers DGL samples in the sampler thread, with that
+    thread's own random engine (and, multithreaded, not reproducibly even in the caller's thread).
+    """
+    import_dgl()
+    sampler = getattr(loader, "graph_sampler", None)
+    if sampler is None or not hasattr(loader, "graph"):
+        raise InvalidArgumentError(f"pipelined: expected a dgl.dataloading.DataLoader, got {type(loader).__name__}")
+    prefetched = set(_names(getattr(sampler, "prefetch_node_feats", None))) | set(
+        _names(getattr(sampler, "prefetch_labels", None)))
+    twice = sorted(prefetched & (set(node_feats) | set(labels)))
+    if twice:
+        raise InvalidArgumentError(f"pipelined: {twice} are prefetched by the sampler too; list them in one place "
+                                   "(here, so they are fetched in the fetch stage)")
+    fetch = FeatureFetch(loader.graph, node_feats, labels, device=device, then=then)
+    return PipelinedLoader(loader, fetch, device=fetch.device, prefetch=prefetch, sample_ahead=sample_ahead,
+                           fetch_thread=fetch_thread, record=record_dgl_batch)
+
+
+def _names(spec: Any) -> list[str]:
+    """Feature names in a sampler's prefetch spec (a list of names, or a dict node type -> names)."""
+    if spec is None:
+        return []
+    if isinstance(spec, Mapping):
+        return [n for names in spec.values() for n in names]
+    return list(spec)

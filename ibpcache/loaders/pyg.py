@@ -41,8 +41,10 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, InvalidIdsError, InvalidTypeError, UnsupportedError
+from .pipeline import PipelinedLoader, record_stream
+from .sampling import NeighborSampler, batch_key, seeds_key
 
-__all__ = ["IBPFeatureStore", "TorchNeighborSampler", "import_pyg", "row_ids"]
+__all__ = ["IBPFeatureStore", "TorchNeighborSampler", "import_pyg", "row_ids", "pipelined"]
 
 
 def import_pyg() -> Any:
@@ -158,75 +160,51 @@ def _classes() -> tuple[type, type]:
             return f"IBPFeatureStore(device={self.device}, attrs={attrs})"
 
     class TorchNeighborSampler(BaseSampler):
-        """Uniform neighbour sampling without replacement over a CSC graph, in torch ops only."""
+        """Uniform neighbour sampling without replacement (PyG hops: each hop samples the nodes the previous one
+        added), on the CPU or the GPU, in torch ops only; the sampling itself is
+        :class:`~ibpcache.loaders.sampling.NeighborSampler`'s."""
 
         def __init__(self, edge_index: torch.Tensor, num_nodes: int, num_neighbors: "list[int]",
-                     seed: int = 0) -> None:
+                     seed: int = 0, device: "str | torch.device" = "cpu") -> None:
             edge_index = torch.as_tensor(edge_index)
             if edge_index.dtype == torch.bool or edge_index.is_floating_point() or edge_index.is_complex():
                 raise InvalidIdsError(f"TorchNeighborSampler: edge_index must hold integer node ids, got dtype "
                                       f"{edge_index.dtype}")
-            edge_index = edge_index.to(torch.int64).cpu()
             if edge_index.dim() != 2 or edge_index.shape[0] != 2:
                 raise InvalidArgumentError(f"TorchNeighborSampler: edge_index: expected shape [2, E], got "
                                            f"{tuple(edge_index.shape)}")
-            if edge_index.numel() and (int(edge_index.min()) < 0 or int(edge_index.max()) >= num_nodes):
-                raise InvalidIdsError(f"TorchNeighborSampler: edge_index holds node ids outside [0, {num_nodes})")
             if (not num_neighbors or not all(_is_int(k) for k in num_neighbors)
                     or any(int(k) < -1 for k in num_neighbors)):
                 raise InvalidArgumentError(f"TorchNeighborSampler: num_neighbors: expected a list of int counts "
                                            f"(-1 means all), got {num_neighbors}")
-            src, dst = edge_index
-            order = torch.argsort(dst, stable=True)
-            self.row = src[order]  # in-neighbours, grouped by destination (CSC)
-            self.eid = order
-            self.colptr = torch.zeros(num_nodes + 1, dtype=torch.int64)
-            self.colptr[1:] = torch.cumsum(torch.bincount(dst, minlength=num_nodes), 0)
+            try:
+                self.sampler = NeighborSampler(edge_index[0], edge_index[1], int(num_nodes),
+                                               [int(k) for k in num_neighbors], device=device, frontier=True)
+            except InvalidIdsError as exc:
+                raise InvalidIdsError(f"TorchNeighborSampler: {exc}".replace("NeighborSampler: ", "")) from None
             self.num_nodes = int(num_nodes)
             self.num_neighbors = [int(k) for k in num_neighbors]
-            self.generator = torch.Generator().manual_seed(seed)
+            self.seed = int(seed)
+            self.epoch = 0
 
-        def _hop(self, frontier: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            """(neighbour global id, destination position in frontier, edge id) of <= k in-edges per node."""
-            start, end = self.colptr[frontier], self.colptr[frontier + 1]
-            deg = end - start
-            total = int(deg.sum())
-            seg = torch.repeat_interleave(torch.arange(frontier.numel()), deg, output_size=total)
-            excl = torch.cumsum(deg, 0) - deg
-            pos = torch.repeat_interleave(start - excl, deg, output_size=total) + torch.arange(total)
-            if k >= 0:
-                keys = torch.rand(total, generator=self.generator)
-                by_key = torch.argsort(keys)
-                by_seg = by_key[torch.argsort(seg[by_key], stable=True)]  # random order within each node
-                rank = torch.arange(total) - torch.repeat_interleave(excl, deg, output_size=total)
-                keep = by_seg[rank < k]
-                keep = keep.sort().values
-                seg, pos = seg[keep], pos[keep]
-            return self.row[pos], seg, self.eid[pos]
+        @property
+        def device(self) -> torch.device:
+            return self.sampler.device
+
+        def set_epoch(self, epoch: int) -> None:
+            """Part of every batch's key (as ``DistributedSampler.set_epoch``): without it, a batch of the same seeds
+            gets the same sample in every epoch (a shuffled loader rarely repeats one)."""
+            self.epoch = int(epoch)
 
         def sample_from_nodes(self, index: Any, **kwargs: Any) -> Any:
-            seeds = index.node.to(torch.int64).cpu()
-            nodes = seeds
-            if torch.unique(seeds).numel() != seeds.numel():
-                raise InvalidArgumentError("TorchNeighborSampler: seed nodes of one batch must be distinct")
-            local_of = torch.full((self.num_nodes,), -1, dtype=torch.int64)
-            local_of[nodes] = torch.arange(nodes.numel())
-            frontier_local = torch.arange(nodes.numel())
-            rows, cols, edges = [], [], []
-            n_nodes, n_edges = [int(nodes.numel())], []
-            for k in self.num_neighbors:
-                nbr, seg, eid = self._hop(nodes[frontier_local], k)
-                new = _first_occurrence(nbr[local_of[nbr] < 0])
-                local_of[new] = torch.arange(nodes.numel(), nodes.numel() + new.numel())
-                nodes = torch.cat([nodes, new])
-                rows.append(local_of[nbr])
-                cols.append(frontier_local[seg])
-                edges.append(eid)
-                n_nodes.append(int(new.numel()))
-                n_edges.append(int(nbr.numel()))
-                frontier_local = local_of[new]
-            return SamplerOutput(node=nodes, row=torch.cat(rows), col=torch.cat(cols), edge=torch.cat(edges),
-                                 batch=None, num_sampled_nodes=n_nodes, num_sampled_edges=n_edges,
+            seeds = index.node.to(torch.int64)
+            key = batch_key(self.seed, self.epoch, seeds_key(seeds))
+            out = self.sampler.sample(seeds, key)
+            hops = out.hops
+            return SamplerOutput(node=out.nodes, row=torch.cat([h.src for h in hops]),
+                                 col=torch.cat([h.dst for h in hops]), edge=torch.cat([h.eid for h in hops]),
+                                 batch=None, num_sampled_nodes=[out.num_seeds] + [h.n_src - h.n_dst for h in hops],
+                                 num_sampled_edges=[int(h.src.numel()) for h in hops],
                                  metadata=(index.input_id, None))
 
         def sample_from_edges(self, index: Any, neg_sampling: Any = None) -> Any:
@@ -318,16 +296,6 @@ def _int_ids(index: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tuple[int,
     return ids.contiguous(), lead
 
 
-def _first_occurrence(ids: torch.Tensor) -> torch.Tensor:
-    """Distinct values of ``ids`` in order of first appearance (PyG puts seeds first, then new nodes)."""
-    if ids.numel() == 0:
-        return ids
-    uniq, inverse = torch.unique(ids, return_inverse=True)
-    first = torch.full((uniq.numel(),), ids.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(ids.numel()), reduce="amin")
-    return uniq[torch.argsort(first)]
-
-
 def IBPFeatureStore(device: "str | torch.device" = "cpu", **cache_kwargs: Any) -> Any:  # noqa: N802 - a class
     """A ``torch_geometric.data.FeatureStore`` backed by FeatureCache (``cache_kwargs`` go to each cache; the default
     ``budget_bytes`` is 0.05, a fraction of each attribute's raw bytes; ``put_tensor(..., compress=False)`` keeps
@@ -336,6 +304,75 @@ def IBPFeatureStore(device: "str | torch.device" = "cpu", **cache_kwargs: Any) -
 
 
 def TorchNeighborSampler(edge_index: torch.Tensor, num_nodes: int, num_neighbors: "list[int]",  # noqa: N802
-                         seed: int = 0) -> Any:
-    """A PyG ``BaseSampler``: ``num_neighbors[h]`` uniform in-neighbours per node at hop h (-1 = all)."""
-    return _classes()[1](edge_index, num_nodes, num_neighbors, seed)
+                         seed: int = 0, device: "str | torch.device" = "cpu") -> Any:
+    """A PyG ``BaseSampler``: ``num_neighbors[h]`` uniform in-neighbours per node at hop h (-1 = all), sampled on
+    ``device`` (the graph is kept there; "cuda" when it fits, see
+    :func:`~ibpcache.loaders.sampling.choose_sampler_device`). A batch's sample depends only on ``seed``, the
+    sampler's epoch (:meth:`set_epoch`) and the batch's seed nodes in order: the same on the CPU and the GPU, in a
+    worker or a thread, in any batch order."""
+    return _classes()[1](edge_index, num_nodes, num_neighbors, seed, device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pipelined loading
+
+
+def _record_pyg(obj: Any, stream: Any) -> bool:
+    """record_stream hook for PyG ``Data`` / ``HeteroData``: their own ``record_stream`` also visits CPU tensors,
+    which torch refuses."""
+    from torch_geometric.data.data import BaseData
+
+    if not isinstance(obj, BaseData):
+        return False
+    record_stream(obj.to_dict(), stream)
+    return True
+
+
+def record_pyg_batch(batch: Any, stream: Any) -> None:
+    """``record_stream`` on every CUDA tensor of a PyG batch (``Data``, ``HeteroData``, sampler outputs)."""
+    record_stream(batch, stream, _record_pyg)
+
+
+def pipelined(loader: Any, *, device: "str | torch.device | None" = None, prefetch: int = 2, sample_ahead: int = 2,
+              fetch_thread: bool = True) -> PipelinedLoader:
+    """A PyG ``NodeLoader`` (``NeighborLoader``...) with sampling, feature fetch and training overlapped; yields the
+    same ``Data`` batches in the same order::
+
+        store = IBPFeatureStore(device="cuda"); store.put_tensor(x, attr_name="x", index=None)
+        sampler = TorchNeighborSampler(edge_index, n, [10, 5], device="cuda")
+        loader = NodeLoader((store, graph), sampler, input_nodes=train_idx, batch_size=512, shuffle=True)
+        for batch in ibpcache.loaders.pyg.pipelined(loader, device="cuda"):
+            out = model(batch.x, batch.edge_index)
+
+    PyG's loader does its work in two steps: ``collate_fn`` samples (in worker processes if it has any) and
+    ``filter_fn`` fetches the features from the feature store and builds the batch. Here the first runs in the
+    sampler thread, the second in the fetch stage on a side stream
+    (:class:`~ibpcache.loaders.pipeline.PipelinedLoader`). A loader that filters in its workers
+    (``filter_per_worker=True``) is only read ahead. ``device``: the training device (default: the feature
+    store's).
+    """
+    import_pyg()
+    if not callable(getattr(loader, "filter_fn", None)) or not hasattr(loader, "filter_per_worker"):
+        raise InvalidArgumentError(f"pyg.pipelined: expected a torch_geometric NodeLoader, got {type(loader).__name__}")
+    data = getattr(loader, "data", None)
+    if device is None:
+        store = data[0] if isinstance(data, tuple) else None
+        device = getattr(store, "device", None) or "cpu"
+    return PipelinedLoader(_Sampled(loader), None if loader.filter_per_worker else loader.filter_fn,
+                           device=device, prefetch=prefetch, sample_ahead=sample_ahead, fetch_thread=fetch_thread,
+                           record=record_pyg_batch)
+
+
+class _Sampled:
+    """The sampling half of a PyG loader: the ``DataLoader`` iterator PyG's own iterator wraps (``collate_fn``
+    only), without the ``filter_fn`` that PyG applies to each batch in the caller's process."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Any:
+        it = iter(self.loader)  # PyG's DataLoaderIterator (filter in the caller) or torch's (filter per worker)
+        return it if self.loader.filter_per_worker else it.iterator

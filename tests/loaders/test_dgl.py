@@ -243,6 +243,82 @@ def test_import_error_names_the_extra(mod: Any, monkeypatch: pytest.MonkeyPatch)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Pipelined loading: sampling, fetch and training overlapped, the same batches
+
+
+class _Seed:
+    """worker_init_fn seeding DGL in each worker (picklable)."""
+
+    def __init__(self, dgl: Any) -> None:
+        self.seed = dgl.seed
+
+    def __call__(self, worker_id: int) -> None:
+        self.seed(100 + worker_id)
+
+
+def _seeded_loader(dgl: Any, g: Any, n: int, workers: int) -> Any:
+    sampler = dgl.dataloading.NeighborSampler([25, 10])
+    return dgl.dataloading.DataLoader(g, torch.arange(n), sampler, device="cpu", batch_size=256, shuffle=True,
+                                      num_workers=workers, worker_init_fn=_Seed(dgl))
+
+
+@pytest.mark.parametrize("mode", ["dgl", "dgl_pinned", "ibp_c", "ibp_cm"])
+def test_pipelined_dataloader_same_batches(dgl: Any, mod: Any, cora: Any, mode: str) -> None:
+    import numpy as np
+
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
+    mod.attach(g, {"feat": cora.features}, mode=mode, device="cpu", budget=0.02)
+    fetch = mod.FeatureFetch(g, ["feat"], ["label"], device="cpu")
+    np.random.seed(0)
+    plain = [fetch(b) for b in _seeded_loader(dgl, g, cora.num_nodes, 1)]
+    np.random.seed(0)
+    piped = list(mod.pipelined(_seeded_loader(dgl, g, cora.num_nodes, 1), ["feat"], ["label"], device="cpu"))
+    assert len(plain) == len(piped) == -(-cora.num_nodes // 256)
+    for (in_a, out_a, blocks_a), (in_b, out_b, blocks_b) in zip(plain, piped):
+        assert torch.equal(in_a, in_b) and torch.equal(out_a, out_b)
+        assert all(torch.equal(torch.stack(a.edges()), torch.stack(b.edges())) for a, b in zip(blocks_a, blocks_b))
+        x = blocks_b[0].srcdata["feat"]
+        assert torch.equal(_bytes(x), _bytes(blocks_a[0].srcdata["feat"]))
+        assert torch.equal(_bytes(x), _bytes(cora.features[in_b]))
+        assert torch.equal(blocks_b[-1].dstdata["label"], cora.labels[out_b])
+
+
+def test_pipelined_refuses_features_fetched_twice(dgl: Any, mod: Any, cora: Any) -> None:
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
+    loader = _loader(dgl, g, torch.arange(100), 50, prefetch_node_feats=["feat"])
+    with pytest.raises(ValueError, match="prefetched by the sampler"):
+        mod.pipelined(loader, ["feat"], device="cpu")
+    with pytest.raises(ValueError, match="DataLoader"):
+        mod.pipelined([1, 2], device="cpu")
+    with pytest.raises(ValueError, match="feature names"):
+        mod.FeatureFetch(g, "feat", device="cpu")
+
+
+def test_pipelined_training_same_losses_per_sampler(dgl: Any, cora: Any) -> None:
+    """Both samplers, pipelined or not, two fetch modes: losses and predictions equal within a sampler (DGL's and
+    ibpcache's samplers draw different batches); the stage pass times every stage."""
+    from examples.gnn import pipeline as gnn
+
+    ds = gnn.load_gnn_dataset("cora")
+    cfg = gnn.TrainConfig(batch_size=32, epochs=2, hidden=32, lr=0.01, num_workers=1, verify_batches=2,
+                          sample_chunk=2)
+    variants = [("dgl", False), ("dgl", True), ("torch", False), ("torch", True)]
+    recs = gnn.compare_modes(ds, ["dgl", "ibp_cm"], cfg, device=torch.device("cpu"), variants=variants)
+    assert [(r["mode"], r["sampler"], r["pipelined"]) for r in recs] == [
+        (m, s, p) for m in ("dgl", "ibp_cm") for s, p in variants]
+    for r in recs:
+        assert r["identical_losses"] and r["identical_predictions"], (r["mode"], r["sampler"], r["pipelined"])
+        assert r["batches"] == 5 and r["sampler_device"] == "cpu"
+        assert min(r["sample_ms"], r["fetch_ms"], r["train_ms"]) > 0 and r["epoch_vs_slowest_stage"] > 0
+        assert r["speedup_vs_dgl"] is not None and r["speedup_vs_dgl_pinned"] is None
+    by = {(r["mode"], r["sampler"], r["pipelined"]): r for r in recs}
+    dgl_losses = by[("dgl", "dgl", False)]["run"]["losses"]
+    torch_losses = by[("dgl", "torch", False)]["run"]["losses"]
+    assert dgl_losses != torch_losses  # different samplers, different batches
+    assert by[("ibp_cm", "torch", True)]["run"]["losses"] == torch_losses
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Training: the lossless path changes nothing
 
 
@@ -300,3 +376,37 @@ def test_gpu_storage_reads_and_errors(dgl: Any, mod: Any, cora: Any) -> None:
     assert full.device.type == "cpu" and torch.equal(_bytes(full), _bytes(cora.features))
     with pytest.raises(InvalidIdsError):
         storage.fetch(torch.tensor([cora.num_nodes]), "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_pipelined_samplers_and_modes_same_losses(dgl: Any, cora: Any) -> None:
+    """On the GPU: every mode, both samplers, pipelined or not; and ibpcache's sampler on the GPU gives the CPU
+    sampler's batches, so its runs give the same losses."""
+    from dataclasses import replace
+
+    from examples.gnn import pipeline as gnn
+
+    ds = gnn.load_gnn_dataset("cora")
+    cfg = gnn.TrainConfig(batch_size=64, epochs=2, hidden=64, lr=0.01, num_workers=1, verify_batches=3,
+                          sampler_device="cuda")
+    variants = [("dgl", False), ("dgl", True), ("torch", False), ("torch", True)]
+    recs = gnn.compare_modes(ds, ALL_MODES, cfg, device=torch.device("cuda"), variants=variants)
+    assert len(recs) == len(ALL_MODES) * len(variants)
+    for r in recs:
+        assert r["identical_losses"] and r["identical_predictions"], (r["mode"], r["sampler"], r["pipelined"])
+        if r["sampler"] == "torch":
+            assert r["sampler_device"].startswith("cuda")
+    g = gnn.build_graph(ds)
+    on_cpu = gnn.run_variants(ds, g, "ibp_cm", [replace(cfg, sampler="torch", sampler_device="cpu")],
+                              device=torch.device("cuda"))[0]
+    on_gpu = next(r for r in recs if r["mode"] == "ibp_cm" and r["sampler"] == "torch" and not r["pipelined"])
+    assert on_cpu.sampler_device == "cpu" and on_cpu.losses == on_gpu["run"]["losses"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_gpu_storage_takes_ids_from_a_gpu_sampler(dgl: Any, mod: Any, cora: Any, mode: str) -> None:
+    storage = mod.make_storage(cora.features, mode, device="cuda", budget=0.01)
+    ids = torch.tensor([2707, 0, 0, 5, 1000], device="cuda")
+    got = storage.fetch(ids, "cuda")
+    assert got.device.type == "cuda" and torch.equal(_bytes(got.cpu()), _bytes(cora.features[ids.cpu()]))

@@ -32,7 +32,8 @@ def _loader(data: Any, source: Any, seed: int) -> Any:
     return NodeLoader(source, sampler, input_nodes=train, batch_size=128, shuffle=True)
 
 
-def _train(data: Any, source: Any, seed: int = 0, epochs: int = 2) -> tuple[list[float], list[torch.Tensor]]:
+def _train(data: Any, source: Any, seed: int = 0, epochs: int = 2, pipelined: bool = False
+           ) -> tuple[list[float], list[torch.Tensor]]:
     from torch_geometric.nn import SAGEConv
 
     class Sage(torch.nn.Module):
@@ -48,7 +49,12 @@ def _train(data: Any, source: Any, seed: int = 0, epochs: int = 2) -> tuple[list
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     losses, feats = [], []
     for epoch in range(epochs):
-        for batch in _loader(data, source, seed + epoch):
+        loader = _loader(data, source, seed + epoch)
+        if pipelined:
+            from ibpcache.loaders.pyg import pipelined as pipe
+
+            loader = pipe(loader)
+        for batch in loader:
             opt.zero_grad()
             out = model(batch.x, batch.edge_index)[: batch.batch_size]
             loss = torch.nn.functional.cross_entropy(out, batch.y[: batch.batch_size])
@@ -267,3 +273,74 @@ def test_sampler_takes_at_most_k_distinct_in_neighbours(cora: Any) -> None:
     per_seed = torch.bincount(out.col, minlength=200)
     assert torch.equal(per_seed, indeg.clamp(max=3))  # min(k, degree) each, no repeats
     assert len(set(zip(src.tolist(), dst.tolist()))) == out.row.numel()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pipelined loading and the sampler's keys
+
+
+def test_pipelined_loader_same_batches_and_training(cora: Any) -> None:
+    from ibpcache.loaders.pyg import pipelined
+
+    data = _data(cora)
+    store = _store(cora, cora.features)
+    plain, piped = list(_loader(data, (store, data), 5)), list(pipelined(_loader(data, (store, data), 5)))
+    assert len(plain) == len(piped) == 8
+    for a, b in zip(plain, piped):
+        assert torch.equal(a.n_id, b.n_id) and torch.equal(a.edge_index, b.edge_index)
+        assert torch.equal(a.x.view(torch.uint8), b.x.view(torch.uint8)) and torch.equal(a.y, b.y)
+        assert torch.equal(b.x, cora.features[b.n_id]) and a.batch_size == b.batch_size
+    ref_losses, ref_feats = _train(data, (store, data))
+    losses, feats = _train(data, (store, data), pipelined=True)
+    assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(ref_feats, feats))
+    in_memory = list(pipelined(_loader(data, data, 5)))  # PyG's own Data as the source works the same
+    assert all(torch.equal(a.x, b.x) and torch.equal(a.edge_index, b.edge_index) for a, b in zip(plain, in_memory))
+
+
+def test_a_batch_sample_depends_on_its_seeds_not_on_the_batches_before(cora: Any) -> None:
+    from torch_geometric.sampler import NodeSamplerInput
+
+    from ibpcache.loaders.pyg import TorchNeighborSampler
+
+    ei = torch.stack([cora.src, cora.dst])
+    a, b = torch.arange(0, 100), torch.arange(500, 700)
+    s1, s2 = TorchNeighborSampler(ei, cora.num_nodes, [5, 3], seed=4), TorchNeighborSampler(ei, cora.num_nodes,
+                                                                                                [5, 3], seed=4)
+    first = [s1.sample_from_nodes(NodeSamplerInput(input_id=None, node=x)) for x in (a, b)]
+    second = [s2.sample_from_nodes(NodeSamplerInput(input_id=None, node=x)) for x in (b, a)][::-1]
+    for x, y in zip(first, second):
+        assert torch.equal(x.node, y.node) and torch.equal(x.row, y.row) and torch.equal(x.col, y.col)
+        assert torch.equal(x.edge, y.edge) and x.num_sampled_nodes == y.num_sampled_nodes
+    s2.set_epoch(1)
+    other = s2.sample_from_nodes(NodeSamplerInput(input_id=None, node=a))
+    assert not torch.equal(other.node, first[0].node)  # the epoch is part of the key
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        s1.sample_from_nodes(NodeSamplerInput(input_id=None, node=torch.tensor([3, 3])))
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_and_pipelined_store(cora: Any) -> None:
+    from torch_geometric.loader import NodeLoader
+    from torch_geometric.sampler import NodeSamplerInput
+
+    from ibpcache.loaders.pyg import IBPFeatureStore, TorchNeighborSampler, pipelined
+
+    ei = torch.stack([cora.src, cora.dst])
+    cpu = TorchNeighborSampler(ei, cora.num_nodes, [10, 5], seed=2)
+    gpu = TorchNeighborSampler(ei, cora.num_nodes, [10, 5], seed=2, device="cuda")
+    seeds = torch.randperm(cora.num_nodes, generator=torch.Generator().manual_seed(0))[:512]
+    x = cpu.sample_from_nodes(NodeSamplerInput(input_id=None, node=seeds))
+    y = gpu.sample_from_nodes(NodeSamplerInput(input_id=None, node=seeds.cuda()))
+    assert y.node.is_cuda
+    for a, b in ((x.node, y.node), (x.row, y.row), (x.col, y.col), (x.edge, y.edge)):
+        assert torch.equal(a, b.cpu())
+    data = _data(cora)
+    store = IBPFeatureStore(device="cuda", budget_bytes=0.05)
+    store.put_tensor(cora.features, attr_name="x", index=None)
+    store.put_tensor(cora.labels, attr_name="y", index=None, compress=False)
+    loader = NodeLoader((store, data), gpu, input_nodes=torch.arange(2048), batch_size=256, shuffle=False)
+    batches = list(pipelined(loader))
+    assert len(batches) == 8
+    for batch in batches:
+        assert batch.x.is_cuda and torch.equal(batch.x.cpu(), cora.features[batch.n_id.cpu()])
+        assert torch.equal(batch.y.cpu(), cora.labels[batch.n_id.cpu()])

@@ -1,0 +1,314 @@
+"""Sample ahead, fetch ahead, train now: the prefetching iterator a DGL or PyG loader is wrapped in.
+
+A GNN epoch has three stages per batch: sampling (CPU workers or a GPU sampler), the feature fetch (the cache) and
+the training step. Run one after the other, the epoch is their sum; :class:`PipelinedLoader` runs them at the same
+time -- the sampling of batch i+2, the fetch of batch i+1 and the training step of batch i -- so the epoch
+approaches the slowest stage alone:
+
+* a **sampler thread** iterates the wrapped loader (which may itself sample in worker processes) on its own CUDA
+  stream and records an event per batch;
+* a **fetch thread** (or, with ``fetch_thread=False``, the caller's thread, one batch ahead) makes its CUDA stream
+  wait for that event, runs ``fetch(batch)`` there and records a second event;
+* the **caller** gets batches in the loader's order; before a batch is handed over its current stream waits for
+  the fetch event (a device-side wait: the host never blocks on the GPU here) and every CUDA tensor of the batch is
+  ``record_stream``-ed on it, so the caching allocator cannot hand a side stream's memory to a new tensor while the
+  training step still reads it.
+
+Nothing in the pipeline synchronizes the host with the device, so a timer that syncs between stages would measure
+a serialized loop instead: time stages in a separate pass, or with CUDA events on each stage's stream.
+
+Exactness: one sampler thread and FIFO queues keep the loader's order, and the fetch is the same call on the same
+batch, so batches, features and losses equal an unpipelined loop's (given a loader whose batches do not depend on
+timing: DGL's and PyG's loaders with seeded workers, :class:`~ibpcache.loaders.sampling.NeighborSampler`). Without
+CUDA the stages still overlap in threads (torch's CPU ops and the cache's Numba passes release the GIL).
+
+Why ``fetch_thread=False`` exists: a fetch that is a collective (``PartitionedFeatureCache``) must be issued in
+the same order as the training step's own collectives on every rank (NCCL requires operations on different
+communicators to be submitted in one order across ranks); the caller's thread issues fetch i+1 before it returns
+batch i, so fetch and step still overlap on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["PipelinedLoader", "StepsInFlight", "record_stream"]
+
+S = TypeVar("S")
+B = TypeVar("B")
+
+_POLL_S = 0.05  # how often a blocked stage looks at the stop flag
+
+
+def record_stream(obj: Any, stream: Any, leaf: "Callable[[Any, Any], bool] | None" = None) -> None:
+    """``record_stream(stream)`` on every CUDA tensor reachable from ``obj``: tensors, mappings, lists, tuples,
+    dataclasses, and objects with their own ``record_stream`` (never CPU tensors: torch refuses those).
+
+    ``leaf(obj, stream)`` handles framework objects first (returns True when it did): an adapter's hook for types
+    whose own ``record_stream`` would refuse CPU parts (a DGL graph on the CPU holding CUDA features, a PyG
+    ``Data`` with CPU attributes).
+    """
+    if leaf is not None and leaf(obj, stream):
+        return
+    if isinstance(obj, torch.Tensor):
+        if obj.is_cuda:
+            obj.record_stream(stream)
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            record_stream(value, stream, leaf)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            record_stream(value, stream, leaf)
+    elif callable(getattr(obj, "record_stream", None)) and not isinstance(obj, type):
+        obj.record_stream(stream)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            record_stream(getattr(obj, f.name), stream, leaf)
+
+
+class _End:
+    """End of a stage's output (the loader is exhausted)."""
+
+
+@dataclasses.dataclass
+class _Failure:
+    """An exception raised in a stage, re-raised in the caller at the batch where it happened."""
+
+    exc: BaseException
+
+
+@dataclasses.dataclass
+class _Item:
+    value: Any
+    event: Any  # torch.cuda.Event or None
+
+
+def _put(q: "queue.Queue[Any]", item: Any, stop: threading.Event) -> bool:
+    """Put unless the consumer has stopped; False when it has."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _get(q: "queue.Queue[Any]", stop: threading.Event) -> Any:
+    """Get, or ``_End`` once the consumer has stopped."""
+    while not stop.is_set():
+        try:
+            return q.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+    return _End
+
+
+class PipelinedLoader(Generic[S, B]):
+    """Iterate ``batches`` with sampling, fetching and the caller's training step overlapped (module docstring).
+
+    Args:
+        batches: what yields sampled batches: a DGL/PyG loader, a :class:`~ibpcache.loaders.sampling`-based
+            iterable, any re-iterable (``iter()`` once per epoch, in the caller's thread; ``next()`` in the sampler
+            thread).
+        fetch: ``fetch(sampled) -> batch``: the feature fetch (and anything else that should run ahead of the
+            step); ``None`` hands sampled batches over as they are.
+        device: the training device; streams and events are used when it is a CUDA device.
+        prefetch: fetched batches waiting for the caller (>= 1).
+        sample_ahead: sampled batches waiting for the fetch (>= 1).
+        fetch_thread: fetch in a thread (default) or in the caller's thread, one batch ahead (collective fetches).
+        record: ``record(obj, stream)`` marks a batch's CUDA tensors as used on ``stream``; the default walks
+            tensors, containers, dataclasses and ``record_stream`` methods (:func:`record_stream`).
+    """
+
+    def __init__(self, batches: Iterable[S], fetch: "Callable[[S], B] | None" = None, *,
+                 device: "str | torch.device | None" = None, prefetch: int = 2, sample_ahead: int = 2,
+                 fetch_thread: bool = True, record: "Callable[[Any, Any], None] | None" = None) -> None:
+        if not hasattr(batches, "__iter__"):
+            raise InvalidArgumentError(f"PipelinedLoader: batches must be iterable, got {type(batches).__name__}")
+        for name, value in (("prefetch", prefetch), ("sample_ahead", sample_ahead)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"PipelinedLoader: {name} must be an int >= 1, got {value!r}")
+        self.batches = batches
+        self.fetch = fetch if fetch is not None else _identity
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.prefetch = prefetch
+        self.sample_ahead = sample_ahead
+        self.fetch_thread = bool(fetch_thread)
+        self.record = record if record is not None else record_stream
+        self._cuda = self.device.type == "cuda"
+        self._streams: "tuple[Any, Any] | None" = None
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
+
+    def _stage_streams(self) -> "tuple[Any, Any]":
+        """(sampler stream, fetch stream): created once, reused every epoch, at high priority: their kernels are short
+        and the step waits for them, so the GPU should run them as soon as a training kernel leaves room."""
+        if not self._cuda:
+            return None, None
+        if self._streams is None:
+            # a lower number is a higher priority; torch maps one outside the device's range to the nearest valid
+            self._streams = (torch.cuda.Stream(self.device, priority=-1), torch.cuda.Stream(self.device, priority=-1))
+        return self._streams
+
+    def __iter__(self) -> Iterator[B]:
+        sample_stream, fetch_stream = self._stage_streams()
+        stop = threading.Event()
+        sampled: "queue.Queue[Any]" = queue.Queue(maxsize=self.sample_ahead)
+        # iter() in the caller's thread, only next() in the sampler thread: a loader's set-up (the epoch's shuffle,
+        # forking its worker processes) happens where an unpipelined loop has it. DGL's workers draw from random
+        # state inherited from the thread that forks them, so forking from another thread changes the batches.
+        batches = iter(self.batches)
+        threads = [threading.Thread(target=self._sample_loop, args=(batches, sampled, stop, sample_stream),
+                                    name="ibpcache-sample", daemon=True)]
+        if self.fetch_thread:
+            fetched: "queue.Queue[Any]" = queue.Queue(maxsize=self.prefetch)
+            threads.append(threading.Thread(target=self._fetch_loop, args=(sampled, fetched, stop, fetch_stream),
+                                            name="ibpcache-fetch", daemon=True))
+            source = self._from_thread(fetched, stop)
+        else:
+            source = self._fetch_here(sampled, stop, fetch_stream)
+        for t in threads:
+            t.start()
+        try:
+            yield from source
+        finally:
+            stop.set()
+            queues = [sampled] + ([fetched] if self.fetch_thread else [])
+            for t in threads:
+                while t.is_alive():  # a stage blocked on put() sees the stop flag within _POLL_S
+                    for q in queues:
+                        with contextlib.suppress(queue.Empty):
+                            q.get_nowait()
+                    t.join(timeout=_POLL_S)
+
+    # -- stages ---------------------------------------------------------------------------------------------------
+
+    def _sample_loop(self, batches: Iterator[Any], out: "queue.Queue[Any]", stop: threading.Event,
+                     stream: Any) -> None:
+        try:
+            self._use_device()
+            with _on_stream(stream):
+                for item in batches:
+                    if not _put(out, _Item(item, _record_event(stream)), stop):
+                        return
+            _put(out, _End, stop)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            _put(out, _Failure(exc), stop)
+
+    def _use_device(self) -> None:
+        """A new thread starts on CUDA device 0; a stage of a loader for another GPU (a DDP rank) must not."""
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+
+    def _fetch_one(self, item: _Item, stream: Any) -> _Item:
+        with _on_stream(stream):
+            if item.event is not None:
+                stream.wait_event(item.event)
+                self.record(item.value, stream)  # made on the sampler's stream, read on this one
+            value = self.fetch(item.value)
+            return _Item(value, _record_event(stream))
+
+    def _fetch_loop(self, inp: "queue.Queue[Any]", out: "queue.Queue[Any]", stop: threading.Event,
+                    stream: Any) -> None:
+        try:
+            self._use_device()
+            while True:
+                item = _get(inp, stop)
+                if item is _End or isinstance(item, _Failure):
+                    _put(out, item, stop)
+                    return
+                if not _put(out, self._fetch_one(item, stream), stop):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            _put(out, _Failure(exc), stop)
+
+    def _hand_over(self, item: _Item) -> Any:
+        """Make the caller's stream wait for the batch and own its tensors."""
+        if item.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(item.event)
+            self.record(item.value, current)
+        return item.value
+
+    def _from_thread(self, fetched: "queue.Queue[Any]", stop: threading.Event) -> Iterator[Any]:
+        while True:
+            item = _get(fetched, stop)
+            if item is _End:
+                return
+            if isinstance(item, _Failure):
+                raise item.exc
+            yield self._hand_over(item)
+
+    def _fetch_here(self, sampled: "queue.Queue[Any]", stop: threading.Event, stream: Any) -> Iterator[Any]:
+        """The caller's thread fetches batch i+1 before it returns batch i (collective fetches). A failure is
+        raised after the batches before it were handed over, as in the threaded path."""
+        pending: "_Item | None" = None
+        while True:
+            item = _get(sampled, stop)
+            if item is _End:
+                break
+            failure: "BaseException | None" = item.exc if isinstance(item, _Failure) else None
+            if failure is None:
+                try:
+                    ready = self._fetch_one(item, stream)
+                except BaseException as exc:  # noqa: BLE001 - raised below, after the batch before it
+                    failure = exc
+            if pending is not None:
+                yield self._hand_over(pending)
+                pending = None
+            if failure is not None:
+                raise failure
+            pending = ready
+        if pending is not None:
+            yield self._hand_over(pending)
+
+
+class StepsInFlight:
+    """Bound how far the training thread runs ahead of the GPU: ``step_done()`` after each step records an event and
+    waits for the one ``limit`` steps back.
+
+    Why: a pipelined loop never reads the GPU back, so with batches ready the host would enqueue step after step,
+    each holding its batch's device memory until the GPU reaches it (``record_stream``), and the caching allocator
+    could only reuse those blocks later, or sync to reclaim them. Waiting for step i - limit costs nothing while the
+    GPU is the bottleneck (step i - 1 is still queued) and caps the batches alive at ``limit`` + the prefetch.
+    A no-op on the CPU.
+    """
+
+    def __init__(self, device: "str | torch.device", limit: int = 2) -> None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise InvalidArgumentError(f"StepsInFlight: limit must be an int >= 1, got {limit!r}")
+        self.device = torch.device(device)
+        self.limit = limit
+        self._events: "list[Any]" = []
+
+    def step_done(self) -> None:
+        if self.device.type != "cuda":
+            return
+        self._events.append(torch.cuda.current_stream(self.device).record_event())
+        if len(self._events) > self.limit:
+            self._events.pop(0).synchronize()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _on_stream(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _record_event(stream: Any) -> Any:
+    return stream.record_event() if stream is not None else None

@@ -1,0 +1,375 @@
+"""Uniform neighbour sampling in plain torch: the same samples on the CPU and on the GPU, many batches per call.
+
+Why plain torch: PyPI's DGL has no CUDA and PyG's ``NeighborSampler`` needs pyg-lib or torch-sparse, yet a graph
+of a few hundred million edges fits in GPU memory, where sampling costs a fraction of a CPU sampler's time.
+:class:`NeighborSampler` keeps the graph as CSC (in-neighbours grouped by destination) on its device and draws, per
+hop, up to ``k`` distinct in-neighbours of each node, uniformly (Floyd's algorithm; all of them when a node has
+fewer).
+
+Why the samples are the same on every device: the random numbers are not drawn from a generator but computed, as
+a 32-bit integer hash of (batch key, hop, node id, draw index). Integer arithmetic, stable sorts, ``unique`` and
+``searchsorted`` give the same result on the CPU and on CUDA, so a batch's sample depends only on its key and its
+seed nodes: not on the device, on which thread or worker sampled it, on the batches sampled before it, or on how
+many batches were sampled in one call. That is what lets a loader sample ahead in a thread (or on a side stream)
+and still give the batches of an unpipelined run bit for bit. (``rand_below`` maps a 32-bit hash to ``[0, n)`` by
+multiply-shift; its bias is below ``n / 2**32``, under 1e-4 for a node of 400k neighbours.)
+
+Why several batches per call: on the GPU a hop is a few dozen small kernels whatever the batch size, so the host's
+launch work, not the GPU, bounds a per-batch sampler. :meth:`NeighborSampler.sample` takes a list of seed batches
+and samples them together (node ids are made unique per batch by keying them ``batch * num_nodes + node``); each
+batch comes out exactly as if it had been sampled alone.
+
+Two layouts of the result, one algorithm:
+
+* ``frontier=False`` (DGL's message-flow blocks): hop ``h`` samples every node known so far, so hop ``h``'s
+  destination nodes are the first ``n_dst`` nodes and a block per hop is ``(src, dst, n_src, n_dst)``.
+* ``frontier=True`` (PyG's ``NeighborSampler``): hop ``h`` samples only the nodes the previous hop added.
+
+In both, ``Sample.nodes`` lists the seeds first, then each hop's new nodes in ascending id order, and every
+position in ``Hop.src`` / ``Hop.dst`` indexes ``Sample.nodes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError, InvalidIdsError, InvalidTypeError
+
+__all__ = ["NeighborSampler", "Sample", "Hop", "batch_key", "seeds_key", "mix32", "graph_bytes",
+           "choose_sampler_device"]
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive integers over the 32-bit range
+_FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35  # MurmurHash3's 32-bit finalizer constants (public domain)
+_MAX_NODES = 1 << 31  # node ids must fit the 32-bit hash input
+_SEED_KEY = 0x5EED
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """``(x * c) mod 2**32`` for ``x`` in ``[0, 2**32)``, in 16-bit halves so no int64 product overflows (a signed
+    overflow in torch's C++ kernels is undefined behaviour, not a wrap we may rely on). Works on ints and tensors."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x: Any) -> Any:
+    """MurmurHash3's 32-bit finalizer: a bijection of ``[0, 2**32)`` whose every output bit depends on every input
+    bit. ``x`` is a Python int or an int64 tensor of values in ``[0, 2**32)``; the same arithmetic on both."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _FMIX1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, _FMIX2)
+    return x ^ (x >> 16)
+
+
+def batch_key(*parts: int) -> int:
+    """A 32-bit key from integers (seed, epoch, batch index, ...): what a batch's sample is drawn from."""
+    h = _SEED_KEY
+    for p in parts:
+        p = int(p)
+        for word in (p & _M32, (p >> 32) & _M32):
+            h = mix32((h + _GOLDEN + mix32(word)) & _M32)
+    return int(h)
+
+
+def seeds_key(seeds: torch.Tensor) -> int:
+    """A 32-bit key of a batch's seed nodes in order (hashed where they are; one host read): for loaders that hand a
+    sampler seed nodes but no batch index (PyG's)."""
+    ids = seeds.reshape(-1).to(torch.int64)
+    pos = torch.arange(ids.numel(), device=ids.device)
+    h = mix32((mix32(ids & _M32) + ((pos * _GOLDEN) & _M32)) & _M32)
+    return batch_key(int(h.sum()), ids.numel())
+
+
+def _rand_below(h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Map 32-bit hashes ``h`` to ``[0, n)`` (multiply-shift; ``n < 2**31`` so the product stays below 2**63)."""
+    return (h * n) >> 32
+
+
+def graph_bytes(num_nodes: int, num_edges: int, edge_ids: bool = True) -> int:
+    """Device memory a :class:`NeighborSampler` keeps for a graph: CSC pointers, neighbours (and edge ids), int64."""
+    return 8 * (int(num_nodes) + 1) + 8 * int(num_edges) * (2 if edge_ids else 1)
+
+
+def choose_sampler_device(num_nodes: int, num_edges: int, device: "str | torch.device" = "auto", *,
+                          edge_ids: bool = False, max_fraction: float = 0.25) -> torch.device:
+    """Where to sample: ``device`` when given (``"cpu"`` / ``"cuda"``); for ``"auto"`` the GPU when the sampler's
+    graph (:func:`graph_bytes`) takes at most ``max_fraction`` of the GPU's free memory, else the CPU.
+
+    Why a fraction, not "whatever fits": the GPU also holds the feature cache, the model and the batches in flight;
+    a sampler that crowds them out costs more than it saves.
+    """
+    if str(device) != "auto":
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            from ..errors import DeviceError
+
+            raise DeviceError("sampler device 'cuda' was requested but torch sees no GPU (use 'auto' or 'cpu')")
+        return dev
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    free, _ = torch.cuda.mem_get_info()
+    fits = graph_bytes(num_nodes, num_edges, edge_ids) <= max_fraction * free
+    return torch.device("cuda", torch.cuda.current_device()) if fits else torch.device("cpu")
+
+
+@dataclass
+class Hop:
+    """The edges one hop sampled, as positions in :attr:`Sample.nodes` (neighbour ``src`` -> sampled node ``dst``).
+
+    Edges are ordered by ``dst`` position, then by CSC position. Nodes at positions ``< n_dst`` were known before
+    the hop (with ``frontier=False`` each of them was sampled), ``< n_src`` after it.
+    """
+
+    src: torch.Tensor  # int64 [E]
+    dst: torch.Tensor  # int64 [E]
+    n_src: int
+    n_dst: int
+    eid: "torch.Tensor | None" = None  # int64 [E], ids in the input edge order (when the sampler keeps them)
+
+    def record_stream(self, stream: Any) -> None:
+        for t in (self.src, self.dst, self.eid):
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
+
+
+@dataclass
+class Sample:
+    """One batch's sample: ``nodes`` (seeds first, then each hop's new nodes in ascending id order) and its hops."""
+
+    nodes: torch.Tensor  # int64 [n]
+    hops: list[Hop] = field(default_factory=list)
+
+    @property
+    def num_seeds(self) -> int:
+        return self.hops[0].n_dst if self.hops else int(self.nodes.numel())
+
+    def record_stream(self, stream: Any) -> None:
+        if self.nodes.is_cuda:
+            self.nodes.record_stream(stream)
+        for hop in self.hops:
+            hop.record_stream(stream)
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+class NeighborSampler:
+    """Up to ``fanouts[h]`` distinct uniform in-neighbours per node at hop ``h`` (``-1``: all), in torch ops on
+    ``device``; identical samples on every device (module docstring).
+
+    Args:
+        src, dst: int64 [E] edges ``src -> dst`` (a node's in-neighbours are the ``src`` of its in-edges).
+        num_nodes: node count (ids in ``[0, num_nodes)``, fewer than 2**31).
+        fanouts: in hop order, from the seeds outwards (PyG's ``num_neighbors``; DGL's
+            ``NeighborSampler([f_input, ..., f_output])`` lists them the other way round).
+        device: where the graph lives and sampling runs.
+        frontier: ``True`` samples only the nodes the previous hop added (PyG), ``False`` every node known (DGL
+            blocks).
+        edge_ids: keep the CSC -> input edge permutation and report ``Hop.eid`` (8 bytes per edge more).
+    """
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, num_nodes: int, fanouts: Sequence[int], *,
+                 device: "str | torch.device" = "cpu", frontier: bool = False, edge_ids: bool = True) -> None:
+        for name, t in (("src", src), ("dst", dst)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTypeError(f"NeighborSampler: {name}: expected an integer torch.Tensor, got "
+                                       f"{type(t).__name__}")
+            if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+                raise InvalidIdsError(f"NeighborSampler: {name} must hold integer node ids, got dtype {t.dtype}")
+        if src.dim() != 1 or src.shape != dst.shape:
+            raise InvalidArgumentError(f"NeighborSampler: src and dst must be 1-D of one length, got shapes "
+                                       f"{tuple(src.shape)} and {tuple(dst.shape)}")
+        if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or not 0 < num_nodes < _MAX_NODES:
+            raise InvalidArgumentError(f"NeighborSampler: num_nodes must be an int in [1, 2**31), got {num_nodes!r}")
+        if (not isinstance(fanouts, Sequence) or isinstance(fanouts, str)
+                or not all(isinstance(k, int) and not isinstance(k, bool) and k >= -1 for k in fanouts)):
+            raise InvalidArgumentError(f"NeighborSampler: fanouts: expected a list of ints >= -1 (-1: all), got "
+                                       f"{fanouts!r}")
+        self.device = torch.device(device)
+        src = src.to(self.device, torch.int64)
+        dst = dst.to(self.device, torch.int64)
+        if src.numel():
+            lo = torch.minimum(src.min(), dst.min())
+            hi = torch.maximum(src.max(), dst.max())
+            if int(lo) < 0 or int(hi) >= num_nodes:
+                raise InvalidIdsError(f"NeighborSampler: edges hold node ids outside [0, {num_nodes})")
+        order = torch.argsort(dst, stable=True)  # stable: the same CSC on every device
+        self.row = src[order]
+        self.eid: torch.Tensor | None = order if edge_ids else None
+        self.colptr = torch.zeros(num_nodes + 1, dtype=torch.int64, device=self.device)
+        self.colptr[1:] = torch.cumsum(torch.bincount(dst, minlength=num_nodes), 0)
+        del order
+        self.num_nodes = num_nodes
+        self.fanouts = [int(k) for k in fanouts]
+        self.frontier = bool(frontier)
+
+    @property
+    def in_degree(self) -> torch.Tensor:
+        """int64 [num_nodes] on the sampler's device."""
+        return self.colptr[1:] - self.colptr[:-1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.row, self.colptr, self.eid) if t is not None)
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    def sample(self, seeds: "torch.Tensor | Sequence[torch.Tensor]", keys: "int | Sequence[int]"
+               ) -> "Sample | list[Sample]":
+        """Sample one batch (``seeds`` a tensor, ``keys`` an int) or several at once (lists of both, one key per
+        batch); a batch's sample depends only on its seeds and key. Seeds: distinct int64 node ids (any device)."""
+        single = isinstance(seeds, torch.Tensor)
+        batches = [seeds] if single else list(seeds)
+        key_list = [keys] if single else list(keys)
+        if len(key_list) != len(batches):
+            raise InvalidArgumentError(f"NeighborSampler.sample: {len(batches)} seed batches but {len(key_list)} keys")
+        out = self._sample_many(batches, [int(k) & _M32 for k in key_list])
+        return out[0] if single else out
+
+    def _check_seeds(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        checked = []
+        for s in batches:
+            if not isinstance(s, torch.Tensor) or s.dtype == torch.bool or s.is_floating_point() or s.is_complex():
+                raise InvalidIdsError(f"NeighborSampler: seeds must be integer tensors, got "
+                                      f"{getattr(s, 'dtype', type(s).__name__)}")
+            checked.append(s.reshape(-1).to(self.device, torch.int64))
+        return checked
+
+    def _sample_many(self, batches: list[torch.Tensor], keys: list[int]) -> list[Sample]:
+        dev, n_graph = self.device, self.num_nodes
+        batches = self._check_seeds(batches)
+        n_batch = len(batches)
+        if n_batch == 0:
+            return []
+        counts = [int(s.numel()) for s in batches]
+        nodes = torch.cat(batches)
+        count = torch.tensor(counts, dtype=torch.int64, device=dev)  # nodes known per batch
+        total = sum(counts)
+        bid = torch.repeat_interleave(torch.arange(n_batch, device=dev), count, output_size=total)
+        self._check_distinct(nodes, bid)
+        lo = torch.zeros(n_batch, dtype=torch.int64, device=dev)  # first position of each batch's frontier
+        per_hop: list[tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor,
+                            torch.Tensor]] = []
+        for h, k in enumerate(self.fanouts):
+            ptr = _exclusive_cumsum(count)
+            pos = torch.arange(total, device=dev) - ptr[bid]  # each node's position in its batch
+            sampled = torch.nonzero(pos >= lo[bid]).reshape(-1) if self.frontier else None
+            s_nodes = nodes if sampled is None else nodes[sampled]
+            s_bid = bid if sampled is None else bid[sampled]
+            s_pos = pos if sampled is None else pos[sampled]
+            hop_keys = torch.tensor([batch_key(key, h) for key in keys], dtype=torch.int64, device=dev)
+            nbr, seg, eid = self._hop(s_nodes, hop_keys[s_bid], k)
+            e_bid = s_bid[seg]
+            dst_pos = s_pos[seg]
+            src_pos, new_nodes, new_bid, n_new = self._relabel(nodes, bid, ptr, count, nbr, e_bid, n_batch)
+            new_count = count + n_new
+            new_ptr = _exclusive_cumsum(new_count)
+            grown = torch.empty(total + int(new_nodes.numel()), dtype=torch.int64, device=dev)
+            grown[new_ptr[bid] + pos] = nodes
+            new_rank = torch.arange(new_nodes.numel(), device=dev) - _exclusive_cumsum(n_new)[new_bid]
+            grown[new_ptr[new_bid] + count[new_bid] + new_rank] = new_nodes
+            edges_per_batch = torch.bincount(e_bid, minlength=n_batch)
+            per_hop.append((src_pos, dst_pos, eid, edges_per_batch, count, new_count))
+            lo = count
+            nodes, count, total = grown, new_count, int(grown.numel())
+            bid = torch.repeat_interleave(torch.arange(n_batch, device=dev), count, output_size=total)
+        return self._split(nodes, count, per_hop, n_batch)
+
+    def _check_distinct(self, nodes: torch.Tensor, bid: torch.Tensor) -> None:
+        """Seeds in range and distinct within their batch (one host read of two flags)."""
+        if nodes.numel() == 0:
+            return
+        keyed = torch.sort(bid * self.num_nodes + nodes).values
+        flags = torch.stack([(nodes < 0).any() | (nodes >= self.num_nodes).any(),
+                             (keyed[1:] == keyed[:-1]).any()]).tolist()
+        if flags[0]:
+            raise InvalidIdsError(f"NeighborSampler: seed ids outside [0, {self.num_nodes})")
+        if flags[1]:
+            raise InvalidArgumentError("NeighborSampler: the seed nodes of one batch must be distinct")
+
+    def _hop(self, nodes: torch.Tensor, node_batch_keys: torch.Tensor, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]:
+        """(neighbour id, index into ``nodes``, edge id) of up to ``k`` distinct in-edges per node, ordered by node
+        then CSC position."""
+        dev = self.device
+        start = self.colptr[nodes]
+        deg = self.colptr[nodes + 1] - start
+        counts = deg if k < 0 else deg.clamp(max=k)
+        total = int(counts.sum())
+        seg = torch.repeat_interleave(torch.arange(nodes.numel(), device=dev), counts, output_size=total)
+        first = _exclusive_cumsum(counts)
+        offset = torch.arange(total, device=dev) - torch.repeat_interleave(first, counts, output_size=total)
+        if k > 0 and total:
+            big = torch.nonzero(deg > k).reshape(-1)
+            if big.numel():
+                node_keys = mix32((mix32(nodes[big]) + node_batch_keys[big]) & _M32)
+                chosen = self._floyd(deg[big], node_keys, k)
+                slots = first[big].unsqueeze(1) + torch.arange(k, device=dev)
+                offset[slots.reshape(-1)] = chosen.reshape(-1)
+        pos = torch.repeat_interleave(start, counts, output_size=total) + offset
+        return self.row[pos], seg, (self.eid[pos] if self.eid is not None else None)
+
+    def _floyd(self, deg: torch.Tensor, node_keys: torch.Tensor, k: int) -> torch.Tensor:
+        """A uniform k-subset of ``[0, deg)`` per row (Floyd: for ``hi = deg-k .. deg-1`` take ``t ~ U[0, hi]``, or
+        ``hi`` when ``t`` is taken already), sorted ascending. All k draws are hashed at once; only the
+        dedup step runs per draw."""
+        dev = self.device
+        steps = torch.arange(k, device=dev)
+        salt = torch.tensor([(j * _GOLDEN) & _M32 for j in range(k)], dtype=torch.int64, device=dev)
+        draws = mix32((node_keys.unsqueeze(1) + salt) & _M32)
+        hi = (deg - k).unsqueeze(1) + steps  # [n, k]
+        t = _rand_below(draws, hi + 1)
+        chosen = torch.empty_like(t)
+        chosen[:, 0] = t[:, 0]
+        for j in range(1, k):
+            taken = (chosen[:, :j] == t[:, j:j + 1]).any(1)
+            chosen[:, j] = torch.where(taken, hi[:, j], t[:, j])
+        return chosen.sort(dim=1).values
+
+    def _relabel(self, nodes: torch.Tensor, bid: torch.Tensor, ptr: torch.Tensor, count: torch.Tensor,
+                 nbr: torch.Tensor, e_bid: torch.Tensor, n_batch: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions of the neighbours in their batch's node list once it has grown by the new ones.
+
+        Returns (position of each neighbour, new node ids, their batch, new nodes per batch); a batch's new nodes
+        are its neighbours not yet in its list, ascending. Keys ``batch * num_nodes + node`` keep batches apart.
+        """
+        dev, n = self.device, self.num_nodes
+        keyed = e_bid * n + nbr
+        if nodes.numel():
+            known_sorted, known_order = torch.sort(bid * n + nodes)
+            at = torch.searchsorted(known_sorted, keyed).clamp_(max=nodes.numel() - 1)
+            known = known_sorted[at] == keyed
+        else:
+            known_order = at = torch.zeros_like(keyed)
+            known = torch.zeros_like(keyed, dtype=torch.bool)
+        new_keys = torch.unique(keyed[~known])  # sorted: batch-major, ascending ids
+        new_bid = torch.div(new_keys, n, rounding_mode="floor")
+        new_nodes = new_keys - new_bid * n
+        n_new = torch.bincount(new_bid, minlength=n_batch)
+        rank = torch.searchsorted(new_keys, keyed)
+        src_pos = torch.where(known, known_order[at] - ptr[e_bid],
+                              count[e_bid] + rank - _exclusive_cumsum(n_new)[e_bid])
+        return src_pos, new_nodes, new_bid, n_new
+
+    @staticmethod
+    def _split(nodes: torch.Tensor, count: torch.Tensor, per_hop: list, n_batch: int) -> list[Sample]:
+        """Per-batch views of the chunk's tensors (one host read of every size)."""
+        sizes = torch.stack([count] + [t for hop in per_hop for t in hop[3:]]).tolist()
+        node_count, hop_sizes = sizes[0], sizes[1:]
+        out = [Sample(nodes=t) for t in torch.split(nodes, node_count)]
+        for h, (src, dst, eid, *_rest) in enumerate(per_hop):
+            edges, before, after = hop_sizes[3 * h], hop_sizes[3 * h + 1], hop_sizes[3 * h + 2]
+            srcs, dsts = torch.split(src, edges), torch.split(dst, edges)
+            eids = torch.split(eid, edges) if eid is not None else [None] * n_batch
+            for b in range(n_batch):
+                out[b].hops.append(Hop(srcs[b], dsts[b], after[b], before[b], eids[b]))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"NeighborSampler(num_nodes={self.num_nodes}, edges={int(self.row.numel())}, fanouts={self.fanouts}, "
+                f"device={self.device}, frontier={self.frontier})")

@@ -1,0 +1,213 @@
+"""PipelinedLoader: the loader's batches in the loader's order, stages overlapped, errors where they happened, threads
+gone when the caller stops; on a GPU, batches fetched on a side stream are complete and stay intact while in use.
+
+(The DGL and PyG adapters' pipelined loaders on real Cora are tested in test_dgl.py and test_pyg.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from ibpcache.errors import InvalidArgumentError
+
+
+class _Epochs:
+    """A re-iterable loader that records the thread each iter() and next() ran in."""
+
+    def __init__(self, n: int, sleep: float = 0.0, fail_at: int | None = None) -> None:
+        self.n, self.sleep, self.fail_at = n, sleep, fail_at
+        self.iter_threads: list[int] = []
+        self.next_threads: set[int] = set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        self.iter_threads.append(threading.get_ident())
+        return self._items()
+
+    def _items(self) -> Any:
+        for i in range(self.n):
+            self.next_threads.add(threading.get_ident())
+            if self.sleep:
+                time.sleep(self.sleep)
+            if i == self.fail_at:
+                raise KeyError(f"sample {i}")
+            yield i
+
+
+def _stage_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ibpcache-")]
+
+
+@pytest.mark.parametrize("fetch_thread", [True, False])
+def test_order_content_and_threads(fetch_thread: bool) -> None:
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    src = _Epochs(25)
+    fetched_in: set[int] = set()
+
+    def fetch(i: int) -> tuple[int, int]:
+        fetched_in.add(threading.get_ident())
+        return i, i * i
+
+    loader = PipelinedLoader(src, fetch, prefetch=1, sample_ahead=1, fetch_thread=fetch_thread)
+    assert len(loader) == 25
+    for _epoch in range(2):  # re-iterable: one pass per epoch
+        assert list(loader) == [(i, i * i) for i in range(25)]
+    me = threading.get_ident()
+    assert src.iter_threads == [me, me]  # iter() in the caller's thread (where a loader forks its workers)
+    assert me not in src.next_threads  # next() in the sampler thread
+    assert (me in fetched_in) == (not fetch_thread)
+    assert _stage_threads() == []
+
+
+def test_stages_overlap_in_threads() -> None:
+    """Sampling, fetching and the caller's step each take 30 ms (sleeping releases the GIL, as torch ops and the
+    cache's Numba passes do): 12 batches take about 12 x 30 ms pipelined instead of 12 x 90 ms."""
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    def fetch(i: int) -> int:
+        time.sleep(0.03)
+        return i
+
+    def run(loader: Any) -> float:
+        t0 = time.perf_counter()
+        for _ in loader:
+            time.sleep(0.03)
+        return time.perf_counter() - t0
+
+    serial = run(fetch(i) for i in _Epochs(12, sleep=0.03))
+    piped = run(PipelinedLoader(_Epochs(12, sleep=0.03), fetch))
+    assert serial > 12 * 0.09
+    assert piped < 0.6 * serial, (piped, serial)
+
+
+@pytest.mark.parametrize("fetch_thread", [True, False])
+@pytest.mark.parametrize("where", ["sample", "fetch"])
+def test_errors_reach_the_caller_at_their_batch(fetch_thread: bool, where: str) -> None:
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    def fetch(i: int) -> int:
+        if where == "fetch" and i == 4:
+            raise ValueError("fetch 4")
+        return i
+
+    loader = PipelinedLoader(_Epochs(10, fail_at=4 if where == "sample" else None), fetch,
+                             fetch_thread=fetch_thread)
+    got = []
+    with pytest.raises((KeyError, ValueError), match=f"{where} 4"):
+        for i in loader:
+            got.append(i)
+    assert got == [0, 1, 2, 3]  # every batch before the failing one, also when the caller fetches one ahead
+    assert _stage_threads() == []
+
+
+def test_stopping_early_ends_the_stages() -> None:
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    loader = PipelinedLoader(_Epochs(1000), lambda i: i, prefetch=2, sample_ahead=2)
+    for i in loader:
+        if i == 3:
+            break
+    deadline = time.time() + 5
+    while _stage_threads() and time.time() < deadline:
+        time.sleep(0.01)
+    assert _stage_threads() == []
+    assert list(loader)[:5] == [0, 1, 2, 3, 4]  # and the next epoch starts from the beginning
+
+
+def test_arguments_are_checked() -> None:
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    with pytest.raises(InvalidArgumentError, match="prefetch"):
+        PipelinedLoader([1], prefetch=0)
+    with pytest.raises(InvalidArgumentError, match="sample_ahead"):
+        PipelinedLoader([1], sample_ahead=True)
+    with pytest.raises(InvalidArgumentError, match="iterable"):
+        PipelinedLoader(3)  # type: ignore[arg-type]
+
+
+def test_record_stream_walks_batches() -> None:
+    from ibpcache.loaders.pipeline import record_stream
+
+    seen: list[Any] = []
+
+    class Own:
+        def record_stream(self, stream: Any) -> None:
+            seen.append(("own", stream))
+
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        parts: list[Any]
+
+    batch = {"a": Batch(torch.zeros(2), [Own(), (torch.ones(1), Own())]), "b": 3}
+    record_stream(batch, "s")  # CPU tensors are skipped (torch refuses them)
+    assert seen == [("own", "s"), ("own", "s")]
+    seen.clear()
+    record_stream(batch, "s", leaf=lambda obj, s: isinstance(obj, Batch) and not seen.append(("leaf", s)))
+    assert seen == [("leaf", "s")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fetch_thread", [True, False])
+def test_gpu_side_stream_batches_are_complete_and_stay_intact(fetch_thread: bool) -> None:
+    """The sampler and the fetch each write their batch on their own stream after a GPU delay; the caller reads it
+    on its stream without any host sync, while later batches are being made (and the allocator would hand their
+    blocks to new tensors if record_stream were missing)."""
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    dev = torch.device("cuda")
+    n = 1 << 20
+
+    class Sampled:
+        def __len__(self) -> int:
+            return 40
+
+        def __iter__(self) -> Any:
+            for i in range(40):
+                torch.cuda._sleep(200_000)
+                yield torch.full((n,), i, dtype=torch.int64, device=dev)
+
+    def fetch(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.cuda._sleep(200_000)
+        return ids, ids * 2 + 1
+
+    sums = []
+    for ids, x in PipelinedLoader(Sampled(), fetch, device=dev, fetch_thread=fetch_thread):
+        torch.cuda._sleep(400_000)  # the step outlives the stages' next allocations
+        sums.append(torch.stack([ids.sum(), x.sum()]))
+    got = torch.stack(sums).cpu()
+    want = torch.tensor([[i * n, (2 * i + 1) * n] for i in range(40)])
+    assert torch.equal(got, want)
+
+
+def test_steps_in_flight_checks_its_limit() -> None:
+    from ibpcache.loaders.pipeline import StepsInFlight
+
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        StepsInFlight("cpu", limit=0)
+    cpu = StepsInFlight("cpu", limit=1)
+    for _ in range(3):
+        cpu.step_done()  # nothing to wait for on the CPU
+
+
+@pytest.mark.gpu
+def test_gpu_steps_in_flight_waits_for_the_step_limit_back() -> None:
+    from ibpcache.loaders.pipeline import StepsInFlight
+
+    limit = StepsInFlight("cuda", limit=2)
+    mine = []
+    for _ in range(6):
+        torch.cuda._sleep(5_000_000)  # a few ms per "step"
+        mine.append(torch.cuda.current_stream().record_event())
+        limit.step_done()
+    assert mine[3].query()  # step_done after step 5 waited for step 3
+    torch.cuda.synchronize()
