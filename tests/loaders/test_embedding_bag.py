@@ -770,7 +770,10 @@ def test_cuda_table_batched_one_decode_launch(minilm: torch.Tensor, monkeypatch:
     global_ids = (ids + torch.arange(26, device="cuda") * 200).reshape(-1, 1)
     want = torch.nn.functional.embedding_bag(global_ids, w.cuda(), mode="sum").reshape(64, -1)
     assert_bitwise(out, want)
-    assert calls == ["ibp_lookup_pool_c" + str(m.cache_weight_mgr.store.codec.chunk_bytes)]
+    from ibpcache.kernels.lookup import codec_kind
+
+    kind = codec_kind(m.cache_weight_mgr.store.codec.kernel_tables("cuda"))[0]  # the planner's codec: IBP/exp/raw
+    assert calls == ["ibp_lookup_pool_" + kind]
 
 
 def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
