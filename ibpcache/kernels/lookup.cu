@@ -360,6 +360,7 @@ __device__ void ibp_lookup_stage_impl(const i64* __restrict__ stage_gid, const i
         unsigned char* dst = staging + k * (i64)row_bytes;
         if (!codec.decode(src, len, comp, dst, smem, lane)) {
             if (lane == 0) ibp_report_corrupt_row(err, 0);
+            __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
             for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
         }
         host_bytes += (u64)len;
@@ -433,6 +434,7 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
                                            step_state, staging, stage_cap, staged);
         if (!codec.decode(r.src, r.len, r.comp, dst, smem, lane)) {
             if (lane == 0) ibp_report_corrupt_row(err, t);
+            __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
             for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
         }
         requests += 1;
