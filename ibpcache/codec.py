@@ -254,6 +254,7 @@ class Codec(abc.ABC):
         seed: int = 0,
         method: str = "ibp",
         seg: "int | str" = "auto",
+        header_budget: "float | None" = None,
     ) -> "Codec":
         """A codec for rows like ``x`` ([N, ...], CPU or CUDA; the fit runs where ``x`` lives).
 
@@ -264,8 +265,9 @@ class Codec(abc.ABC):
 
         IBP: ``threshold``/``chunk_bytes`` pin one value instead of searching (see :meth:`IBPCodec.fit`). Exponent:
         ``seg`` elements per independently decodable segment (``"auto"``: the most parallel decode whose row
-        header costs about 1% of a row). ``sample`` fits on a fraction (float) or a count (int) of randomly chosen
-        rows (``seed``); "auto" compares sizes on those rows too.
+        header costs at most ``header_budget`` of a row, default ``exponent.HEADER_BUDGET`` = 0.75%). ``sample``
+        fits on a fraction (float) or a count (int) of randomly chosen rows (``seed``); "auto" compares sizes on
+        those rows too.
         """
         if method not in METHODS:
             raise InvalidArgumentError(f"method must be one of {', '.join(repr(m) for m in METHODS)}, got {method!r}")
@@ -276,8 +278,9 @@ class Codec(abc.ABC):
         if method == "ibp":
             return IBPCodec.fit(x, threshold, chunk_bytes, sample, thresholds=thresholds, seed=seed)
         exp = Codec.kind("exponent")
+        exp_kw = {"seg": seg} if header_budget is None else {"seg": seg, "header_budget": header_budget}
         if method == "exponent":
-            return exp.fit(x, sample=sample, seed=seed, seg=seg)  # type: ignore[call-arg]
+            return exp.fit(x, sample=sample, seed=seed, **exp_kw)  # type: ignore[call-arg]
         x = check_rows(x)
         idx = sample_rows(int(x.shape[0]), sample, seed)
         if idx is not None:
@@ -285,7 +288,7 @@ class Codec(abc.ABC):
         candidates: list[Codec] = [RawCodec(x.dtype, tuple(x.shape[1:])),
                                    IBPCodec.fit(x, threshold, chunk_bytes, thresholds=thresholds)]
         if exp.takes(x.dtype):  # type: ignore[attr-defined]
-            candidates.append(exp.fit(x, seg=seg))  # type: ignore[call-arg]
+            candidates.append(exp.fit(x, **exp_kw))  # type: ignore[call-arg]
         sizes = [int(c.stored_lengths(x).sum(dtype=torch.int64)) + c.metadata_nbytes for c in candidates]
         return candidates[min(range(len(candidates)), key=lambda k: (sizes[k], k))]
 

@@ -62,8 +62,12 @@ decode, so what the KV codec planner offers exponent coding for."""
 MIN_SEGMENT = 32
 """The smallest segment ``seg="auto"`` considers (elements); it tries 32, 64, 128, ... (most parallel first)."""
 
-HEADER_BUDGET = 0.01
-"""``seg="auto"``: the row header (segment offsets) may cost at most this share of an expected stored row."""
+HEADER_BUDGET = 0.0075
+"""``seg="auto"``'s default ``header_budget``: the row header (segment offsets) may cost at most this share of an
+expected stored row. Why 0.75%: a dense fp32 table of 384-wide rows (MiniLM) then gets 3 segments of 128 (32 header
+bits, 0.3% of a row) and stores at 1.185x with every table of the packed layout counted, where 1% allowed 6
+segments of 64 (80 bits) and 1.17996x; its bf16 cast gets 3 segments either way (1.455x). Fewer segments mean
+fewer lanes decoding a row in parallel: ``scripts/bench_codec.py`` measures both sides of that trade."""
 
 
 def _huffman_lengths(counts: np.ndarray) -> np.ndarray:
@@ -129,14 +133,18 @@ def header_field_bits(row_elems: int, max_code_bits: int) -> int:
     return 16 if row_elems * max_code_bits < (1 << 16) else 32
 
 
-def segment_size(row_elems: int, raw_bits: int, mean_code_bits: float, hdr_field: int) -> int:
+def segment_size(row_elems: int, raw_bits: int, mean_code_bits: float, hdr_field: int,
+                 header_budget: float = HEADER_BUDGET) -> int:
     """``seg="auto"``: the smallest power of two from :data:`MIN_SEGMENT` (the most lanes decoding a row in
-    parallel) whose header, ``(S - 1) * hdr_field`` bits, is at most :data:`HEADER_BUDGET` of the expected stored
-    row; one segment when none is (narrow rows)."""
+    parallel) whose header, ``(S - 1) * hdr_field`` bits, is at most ``header_budget`` (a share, default
+    :data:`HEADER_BUDGET`) of the expected stored row; one segment when none is (narrow rows, or a budget of 0)."""
+    if not (isinstance(header_budget, (int, float)) and not isinstance(header_budget, bool)
+            and 0.0 <= float(header_budget) < 1.0):
+        raise InvalidArgumentError(f"header_budget must be a share in [0, 1), got {header_budget!r}")
     expected = row_elems * (raw_bits + mean_code_bits)
     seg = MIN_SEGMENT
     while seg < row_elems:
-        if (-(-row_elems // seg) - 1) * hdr_field <= HEADER_BUDGET * expected:
+        if (-(-row_elems // seg) - 1) * hdr_field <= header_budget * expected:
             return seg
         seg *= 2
     return row_elems
@@ -218,12 +226,13 @@ class ExponentCodec(Codec):
     # -- fit --------------------------------------------------------------------------------------
     @classmethod
     def fit(cls, x: torch.Tensor, max_code_bits: int = MAX_CODE_BITS, *,  # type: ignore[override]
-            seg: "int | str | None" = None, sample: "float | int | None" = None, seed: int = 0) -> "ExponentCodec":
+            seg: "int | str | None" = None, sample: "float | int | None" = None, seed: int = 0,
+            header_budget: float = HEADER_BUDGET) -> "ExponentCodec":
         """Count the exponents of ``x`` ([N, ...] float32/bf16/fp16, any device; counted where it lives) and build
         a length-limited code.
 
         ``seg``: elements per segment; ``None`` (default) one segment per row, the format the KV append store's
-        kernels read; ``"auto"`` the most parallel decode whose header costs about 1% of a row
+        kernels read; ``"auto"`` the most parallel decode whose header costs at most ``header_budget`` of a row
         (:func:`segment_size`; what ``Codec.fit(method="exponent")`` asks for). ``sample``/``seed`` fit on a
         random subset of rows, as :meth:`Codec.fit` does.
         """
@@ -242,7 +251,7 @@ class ExponentCodec(Codec):
         d = int(np.prod(row_shape, dtype=np.int64)) if row_shape else 1
         if seg == "auto":
             mean = float((counts * lengths).sum() / max(1, counts.sum()))
-            seg = segment_size(d, raw_bits, mean, header_field_bits(d, int(lengths.max())))
+            seg = segment_size(d, raw_bits, mean, header_field_bits(d, int(lengths.max())), header_budget)
         elif isinstance(seg, str):
             raise InvalidArgumentError(f"seg must be a positive int, 'auto' or None, got {seg!r}")
         return cls(lengths, dtype=x.dtype, row_shape=row_shape, seg=seg, fitted_rows=int(x.shape[0]))

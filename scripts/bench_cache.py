@@ -10,12 +10,16 @@ budgets of 1%, 5% and 20% of the raw size, it times ``FeatureCache.fetch`` on ba
 * ``IBP(C/M)`` - both,
 
 side by side in one run, plus a framework-style reference with no cache (``torch_gather``: CPU ``index_select``
-into pinned memory and one bulk copy). Timing: warm-up batches first, then CUDA events around each fetch, medians
+into pinned memory and one bulk copy). On the dense data sets of ``--codec-datasets`` (default MiniLM-SU) it also
+compares codecs for slab and host rows: ``codec=auto`` (the engine's choice: ``FeatureCache(codec="auto",
+compress_host="auto")`` times IBP, exponent coding and raw rows at construction; the record says what it chose and
+why) against forced ``codec=ibp``, ``codec=exponent`` (both sides coded) and ``codec=raw``, hit rate next to speed. Timing: warm-up batches first, then CUDA events around each fetch, medians
 over ``--iters`` batches. Every timed configuration is verified bit-exactly against ``rows[ids]`` on the first and
 last batch. The fetch is also split into its phases (id check, probe kernel, decode kernel) so the result says where
 time goes. Writes ``bench_cache.json`` and ``bench_cache.png`` under ``--out`` and prints a compact table.
 
-Usage (GPU machine): ``python scripts/bench_cache.py [--gb 2] [--quick] [--policies static lru] [--out DIR]``.
+Usage (GPU machine): ``python scripts/bench_cache.py [--gb 2] [--quick] [--policies static lru] [--out DIR]``;
+``--only-codecs`` runs just the codec comparison.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ibpcache import Codec, CompressedRows, datasets
+from ibpcache import Codec, CompressedRows, ExponentCodec, datasets
 from ibpcache._validation import check_ids
 from ibpcache.cache.feature_cache import FeatureCache, mode_name
 from ibpcache.testing import add_out_argument, cpu_time, cuda_time, format_table, write_results
@@ -41,6 +45,9 @@ MODES = [(False, False), (False, True), (True, False), (True, True)]
 DATASETS = {"cora": "Cora-SU", "pubmed": "PubMed-SU", "minilm": "MiniLM-SU"}
 COLUMNS = ["dataset", "stream", "budget", "mode", "policy", "gbps", "speedup", "hit_rate", "capacity_rows",
            "capacity_x", "host_MB_per_batch", "check_ms", "probe_ms", "decode_ms", "other_ms", "fetch_ms", "verified"]
+CODECS = ["auto", "ibp", "exponent", "raw"]
+CODEC_COLUMNS = ["dataset", "stream", "budget", "mode", "policy", "chosen", "gbps", "speedup", "hit_rate",
+                 "capacity_rows", "host_ratio", "host_MB_per_batch", "fetch_ms", "verified"]
 
 
 @dataclass
@@ -52,6 +59,7 @@ class Workload:
     codec: Codec
     packed: CompressedRows
     streams: dict[str, tuple[list[torch.Tensor], torch.Tensor]]  # name -> (batches on GPU, static hotness)
+    coded: dict[str, tuple[Codec, CompressedRows]]  # method -> the host copy coded by it (the codec comparison)
 
     @property
     def row_bytes(self) -> int:
@@ -71,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--avg-degree", type=float, default=16.0, help="mean degree of the power-law graph")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec-datasets", nargs="*", default=["minilm"], choices=list(DATASETS),
+                   help="data sets that also run the codec comparison (auto vs forced ibp / exponent / raw)")
+    p.add_argument("--codecs", nargs="+", default=CODECS, choices=CODECS)
+    p.add_argument("--only-codecs", action="store_true", help="run only the codec comparison")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu = smoke-test the script without a GPU (Numba decoders, host timers)")
     args = p.parse_args(argv)
@@ -83,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_workload(name: str, args: argparse.Namespace) -> Workload:
+def load_workload(name: str, args: argparse.Namespace, compare: bool = False) -> Workload:
     """Scale real rows up into pinned memory, fit a codec on a GPU sample, compress the host copy, make streams."""
     real = datasets.load_rows(name).contiguous()
     cuda = args.device == "cuda"
@@ -91,8 +103,13 @@ def load_workload(name: str, args: argparse.Namespace) -> Workload:
     n = rows.shape[0]
     gen = torch.Generator().manual_seed(args.seed)
     sample = torch.randperm(n, generator=gen)[: min(n, 1 << 17)]
-    codec = Codec.fit(rows[sample].to(args.device))
+    fit_rows = rows[sample].to(args.device)
+    codec = Codec.fit(fit_rows)
     packed = codec.compress(rows, layout="inplace", pin=cuda, device=args.device)
+    coded: dict[str, tuple[Codec, CompressedRows]] = {"ibp": (codec, packed)}
+    if compare and "exponent" in args.codecs and ExponentCodec.takes(rows.dtype):
+        exp = Codec.fit(fit_rows, method="exponent")
+        coded["exponent"] = (exp, exp.compress(rows, layout="inplace", pin=cuda, device=args.device))
     n_batches = args.warmup + args.iters
     total = n_batches * args.batch
     streams: dict[str, tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -105,7 +122,7 @@ def load_workload(name: str, args: argparse.Namespace) -> Workload:
     del src
     deg_ids = datasets.degree_proportional_ids(degrees, total, seed=args.seed + 3)
     streams["degree"] = (_split(deg_ids, args.batch, args.device), degrees)
-    return Workload(DATASETS[name], rows, codec, packed, streams)
+    return Workload(DATASETS[name], rows, codec, packed, streams, coded)
 
 
 def _split(ids: torch.Tensor, batch: int, device: str) -> list[torch.Tensor]:
@@ -189,6 +206,56 @@ def bench_mode(w: Workload, stream: str, budget: float, combo: tuple[bool, bool]
     return rec
 
 
+def codec_cache(w: Workload, method: str, budget: float, hotness: torch.Tensor, policy: str,
+                device: str) -> FeatureCache:
+    """The codec comparison's cache: ``auto`` is the engine's choice from dense rows (timed at construction), the
+    forced codecs code slab and host rows (raw: neither)."""
+    kw: dict[str, Any] = {"hotness": hotness, "policy": policy, "device": device}
+    if method == "auto":
+        return FeatureCache(w.rows, budget, codec="auto", compress_host="auto", **kw)
+    if method == "raw":
+        return FeatureCache(w.rows, budget, compress_cache=False, compress_host=False, **kw)
+    codec, packed = w.coded[method]
+    return FeatureCache(packed, budget, codec=codec, compress_cache=True, compress_host=True, **kw)
+
+
+def bench_codec(w: Workload, stream: str, budget: float, method: str, policy: str,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """One point of the codec comparison: fetch speed, hit rate and what the cache stores (same timing rules as
+    :func:`bench_mode`)."""
+    batches, hotness = w.streams[stream]
+    cuda = args.device == "cuda"
+    t0 = time.perf_counter()
+    fc = codec_cache(w, method, budget, hotness, policy, args.device)
+    if cuda:
+        torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    ok = verify(fc, w.rows, batches[0])
+    fc.reset_stats()
+    nxt = _cycle(batches)
+    timing = (cuda_time if cuda else cpu_time)(lambda: fc.fetch(nxt()), warmup=args.warmup, iters=args.iters)
+    st = fc.stats()
+    ok &= verify(fc, w.rows, batches[-1])
+    n_batches = max(1, st["requests"] // args.batch)
+    layout = st["host_layout"]
+    rec = {"dataset": w.name, "stream": stream, "budget": budget, "mode": f"codec={method}", "policy": policy,
+           "chosen": f"{fc.codec.method if fc.codec is not None else 'raw'}/"
+                     f"{'host ' + layout.get('method', 'raw') if fc.compress_host else 'host raw'}",
+           "codec_method": fc.codec.method if fc.codec is not None else "raw", "host_layout": layout,
+           "fetch_ms": timing["median_ms"], "fetch_p10_ms": timing["p10"], "fetch_p90_ms": timing["p90"],
+           "gbps": args.batch * w.row_bytes / (timing["median_ms"] * 1e-3) / 1e9, "hit_rate": st["hit_rate"],
+           "capacity_rows": st["capacity_rows"], "capacity_x": st["capacity_increase"], "ratio": st["ratio"],
+           "host_ratio": st["host_ratio"], "host_MB_per_batch": st["host_bytes_read"] / n_batches / 1e6,
+           "used_bytes": st["used_bytes"], "budget_bytes": st["budget_bytes"], "build_s": build_s,
+           "transfer": st["transfer"], "verified": bool(ok), "kernel_status": st["kernel_status"],
+           "row_bytes": w.row_bytes, "n_rows": fc.n_rows}
+    del fc
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
 def bench_torch_gather(w: Workload, stream: str, args: argparse.Namespace) -> dict[str, Any]:
     """No cache: CPU index_select into a pinned staging buffer, then one bulk host-to-device copy."""
     batches, _ = w.streams[stream]
@@ -211,11 +278,14 @@ def bench_torch_gather(w: Workload, stream: str, args: argparse.Namespace) -> di
 
 
 def add_speedups(records: list[dict[str, Any]]) -> None:
-    """speedup = GB/s over the raw baseline of the same data set, stream, budget and policy."""
-    base = {(r["dataset"], r["stream"], r["budget"], r["policy"]): r["gbps"] for r in records
-            if r["mode"] == "baseline"}
+    """speedup = GB/s over the raw baseline of the same data set, stream, budget and policy (the codec comparison's
+    over its ``codec=raw`` point)."""
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["dataset"], r["stream"], r["budget"], r["policy"], r["mode"].startswith("codec="))
+
+    base = {key(r): r["gbps"] for r in records if r["mode"] in ("baseline", "codec=raw")}
     for r in records:
-        b = base.get((r["dataset"], r["stream"], r["budget"], r["policy"]))
+        b = base.get(key(r))
         r["speedup"] = r["gbps"] / b if b else None
 
 
@@ -224,7 +294,8 @@ def plot(records: list[dict[str, Any]]) -> Any:
 
     dsets = list(dict.fromkeys(r["dataset"] for r in records))
     streams = list(dict.fromkeys(r["stream"] for r in records))
-    modes = [mode_name(*c) for c in MODES]
+    modes = [mode_name(*c) for c in MODES] + [f"codec={c}" for c in CODECS]
+    modes = [m for m in modes if any(r["mode"] == m for r in records)]
     fig, axes = plt.subplots(len(streams), len(dsets), figsize=(4.5 * len(dsets), 3.4 * len(streams)),
                              squeeze=False)
     for i, stream in enumerate(streams):
@@ -259,18 +330,27 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_cache needs a CUDA GPU (or --device cpu for a smoke test)", file=sys.stderr)
         return 2
     records: list[dict[str, Any]] = []
-    n_configs = len(args.datasets) * 2 * len(args.budgets) * len(MODES) * len(args.policies)
+    names = [n for n in args.datasets if not args.only_codecs or n in args.codec_datasets]
+    per = len(args.budgets) * len(args.policies) * 2
+    n_configs = sum(per * ((0 if args.only_codecs else len(MODES))
+                           + (len(args.codecs) if n in args.codec_datasets else 0)) for n in names)
     bar = tqdm(total=n_configs, desc="cache configs", file=sys.stdout, mininterval=5)
-    for name in args.datasets:
-        w = load_workload(name, args)
+    for name in names:
+        compare = name in args.codec_datasets
+        w = load_workload(name, args, compare)
         print(f"{w.name}: {w.rows.shape[0]} rows x {w.row_bytes} B, codec ratio {w.packed.ratio:.3f}, {w.codec}")
         for stream in w.streams:
-            if args.device == "cuda":
+            if args.device == "cuda" and not args.only_codecs:
                 records.append(bench_torch_gather(w, stream, args))
             for budget in args.budgets:
                 for policy in args.policies:
-                    for combo in MODES:
+                    for combo in ([] if args.only_codecs else MODES):
                         records.append(bench_mode(w, stream, budget, combo, policy, args))
+                        bar.update()
+                    for method in (args.codecs if compare else []):
+                        if method in ("ibp", "exponent") and method not in w.coded:
+                            continue  # exponent coding needs float rows
+                        records.append(bench_codec(w, stream, budget, method, policy, args))
                         bar.update()
         del w
         gc.collect()
@@ -278,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     bar.close()
     add_speedups(records)
-    print(format_table(records, COLUMNS))
+    if any(not r["mode"].startswith("codec=") for r in records):
+        print(format_table([r for r in records if not r["mode"].startswith("codec=")], COLUMNS))
+    if any(r["mode"].startswith("codec=") for r in records):
+        print(format_table([r for r in records if r["mode"].startswith("codec=")], CODEC_COLUMNS))
     meta = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in vars(args).items()
             if k != "out"}
     paths = write_results(args.out, "bench_cache", records, plot, meta=meta)

@@ -2,7 +2,9 @@
 
 Covers: the rows lookup (FeatureCache static, lazy validation, a bad id), the pooling lookup (sum with per-sample
 weights, mean, max; fp32 and bf16; table-batched and single-table; sorted and as-given bag order) and the staged
-path (claim + stage + lookup, with a buffer that holds every miss and one that overflows).
+path (claim + stage + lookup, with a buffer that holds every miss and one that overflows); and the same kernels'
+exponent kinds (``*_e2`` / ``*_e4``: fp32, bf16, fp16 rows, one and several segments, rows past the 2 KB stage, a
+corrupt row), the exponent descriptor decode (dynamic policy, cpu-gather transfer) and the GPU encoder (admission).
 `compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py` (scripts/gpu_check.sh runs every
 scripts/sanitize_*.py). Exits non-zero if any output is wrong, so a sanitizer-clean run is also a correct one.
 """
@@ -14,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ibpcache import datasets
+from ibpcache import Codec, datasets
 from ibpcache.cache.feature_cache import FeatureCache
 from ibpcache.loaders.embedding_bag import CachedEmbeddingBag, TableBatchedCachedEmbeddingBag
 
@@ -77,11 +79,51 @@ def pool_ok() -> bool:
     return ok
 
 
+def exponent_ok() -> bool:
+    """Exponent-coded rows through every lookup kernel kind, the descriptor decode and the GPU encoder."""
+    ok = True
+    base = minilm_rows(1200, 384)
+    wide = torch.cat([base, base[:, :316]], 1).contiguous()  # 2800-byte fp32 rows: the direct decode
+    ids = torch.randint(0, 1200, (700,), generator=torch.Generator().manual_seed(4))
+    for x in (base, base.to(torch.bfloat16), base[:, :33].to(torch.float16).contiguous(), wide):
+        for seg in ("auto", 384):
+            codec = Codec.fit(x, method="exponent", seg=seg)
+            for policy, transfer in (("static", "zero_copy"), ("static", "cpu_gather"), ("lru", "zero_copy")):
+                fc = FeatureCache(x, 0.05, policy=policy, device="cuda", codec=codec, transfer=transfer)
+                for _ in range(2):
+                    ok &= torch.equal(fc.fetch(ids if transfer == "cpu_gather" else ids.cuda()).cpu(), x[ids])
+                fc.check_errors()
+    packed = Codec.fit(base, method="exponent").compress(base, layout="inplace")
+    coded = int(torch.nonzero(packed.lengths < packed.row_bytes)[0])
+    packed.lengths[coded] = 2  # a corrupt row: reported, never read past
+    fc = FeatureCache(packed, None, device="cuda", validate="lazy")
+    fc.fetch(torch.tensor([coded, 0], device="cuda"))
+    try:
+        fc.check_errors()
+        ok = False
+    except ValueError:
+        pass
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        w = base[:, :96].to(dtype).contiguous()
+        rows = Codec.fit(w, method="exponent").compress(w, layout="inplace")
+        for stage in (0, 4096, 1 << 20):
+            m = CachedEmbeddingBag(1200, 96, _weight=rows, mode="sum", cache_ratio=0.03, device="cuda",
+                                   stage_bytes=stage)
+            m.cache_weight_mgr.fused_lookup(m.refresh_every, stage).planner.fix("multi", stage > 0)
+            ref = torch.nn.EmbeddingBag(1200, 96, _weight=w.clone().cuda(), mode="sum")
+            bags = torch.randint(0, 1200, (64, 5), generator=gen).cuda()
+            with torch.no_grad():
+                ok &= torch.equal(m(bags).view(torch.uint8), ref(bags).view(torch.uint8))
+            m.check_errors()
+    return ok
+
+
 def main() -> int:
-    ok_rows, ok_pool = rows_ok(), pool_ok()
+    ok_rows, ok_pool, ok_exp = rows_ok(), pool_ok(), exponent_ok()
     torch.cuda.synchronize()
-    print(f"lookup kernels: rows ok={ok_rows}, pool ok={ok_pool}")
-    return 0 if ok_rows and ok_pool else 1
+    print(f"lookup kernels: rows ok={ok_rows}, pool ok={ok_pool}, exponent ok={ok_exp}")
+    return 0 if ok_rows and ok_pool and ok_exp else 1
 
 
 if __name__ == "__main__":

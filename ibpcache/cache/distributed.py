@@ -5,8 +5,9 @@ partition book; TorchRec's row-wise sharding plan is the same map). :class:`Dist
 rows (a ``CompressedRows``, attached from a node's shared store or private, or a raw tensor) and answers
 ``fetch(ids)`` with three ``all_to_all_single`` exchanges over the process group: request counts, requested
 local ids, then the rows themselves -- sent in their stored (compressed) form, so the wire carries
-``lengths.sum()`` bytes, not ``n * row_bytes``; the requester decodes with the owner's codec tables, which all
-ranks exchange once at construction. Every rank must call ``fetch`` together (a collective), with its own ids
+``lengths.sum()`` bytes, not ``n * row_bytes``; the requester decodes with the owner's codec (any method: IBP,
+exponent coding, raw), which all ranks exchange once at construction as ``header()`` + ``sections()`` (what files
+and shared stores keep) and rebuild with ``Codec.from_header``. Every rank must call ``fetch`` together (a collective), with its own ids
 (an empty tensor is fine). Works over gloo (CPU, CI) and, for CPU tensors, any backend with all_to_all.
 """
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from .._validation import check_ids
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import InvalidArgumentError, InvalidTypeError
+from ..errors import InvalidArgumentError, InvalidTypeError, RowDtypeError, RowShapeError
 
 __all__ = ["PartitionBook", "DistributedRows"]
 
@@ -97,20 +98,24 @@ class DistributedRows:
         self.bytes_received = 0
 
     def _exchange_codecs(self) -> "list[Codec | None]":
-        """Every rank's codec (None for a raw partition), so rows can travel compressed. Also checks shapes."""
+        """Every rank's codec (None for a raw partition), so rows can travel in their stored form; each travels as
+        its ``header()`` and ``sections()`` and is rebuilt with ``Codec.from_header`` (any method). Also checks that
+        every rank holds rows of one dtype and shape (else RowDtypeError / RowShapeError on every rank)."""
         mine = None
         if self.packed is not None:
             c = self.packed.codec
-            mine = (c.header(), c.mask, c.bitval)
+            mine = (c.header(), [np.ascontiguousarray(a) for a in c.sections()])
         desc = (self.row_shape, str(self.dtype), mine)
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, desc, group=self.group)
         codecs: list[Codec | None] = []
         for r, (shape, dtype, codec) in enumerate(everyone):
-            if (tuple(shape), dtype) != (self.row_shape, str(self.dtype)):
-                raise InvalidArgumentError(f"rank {r} holds {dtype} rows of shape {tuple(shape)}, rank {self.rank} "
-                                           f"{self.dtype} rows of shape {self.row_shape}")
-            codecs.append(None if codec is None else Codec.from_header(codec[0], codec[1], codec[2]))
+            if dtype != str(self.dtype):
+                raise RowDtypeError(f"rank {r} holds {dtype} rows, rank {self.rank} {self.dtype} rows")
+            if tuple(shape) != self.row_shape:
+                raise RowShapeError(f"rank {r} holds rows of shape {tuple(shape)}, rank {self.rank} rows of shape "
+                                    f"{self.row_shape}")
+            codecs.append(None if codec is None else Codec.from_header(codec[0], *codec[1]))
         return codecs
 
     # -- the collective fetch ---------------------------------------------------------------------

@@ -40,11 +40,12 @@ import torch
 from .._validation import as_row_bytes, check_ids, resolve_budget, resolve_device
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import CapacityError, InternalError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, UnsupportedError
+from ..errors import (CapacityError, FormatError, InternalError, InvalidArgumentError, InvalidIdsError,
+                      InvalidTypeError, RowDtypeError, RowShapeError, UnsupportedError)
 from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
-from .host_store import CacheMirror, HostStore, Transfer, fit_codec
-from .plan_layout import calibrate_layout
+from .host_store import CacheMirror, FitOptions, HostStore, Transfer, fit_candidates, fit_codec
+from .plan_layout import best_compressed, calibrate_layout
 from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
 from .slab import SLAB_ALIGN, Slab, usable_bytes
@@ -137,8 +138,7 @@ class FeatureCache:
         rows = self._describe_rows(rows)
         # before the codec fit: a raw slab's rows are row_bytes each; a compressed one's are known after sizing
         self.budget_bytes = self._budget(budget_bytes, 1 if self.compress_cache else self.row_bytes)
-        self.codec = self._resolve_codec(rows, codec)
-        self.host_layout = self._plan_host(rows, compress_host)
+        self.codec, self.host_layout = self._choose_codec(rows, codec, compress_host)
         self._decode_codec = self.codec if self.codec is not None else Codec.raw(self.dtype, self.row_shape)
         self.host = HostStore(rows, codec=self.codec, compress=self.compress_host, device=self.device,
                               transfer=transfer if self.policy_kind is PolicyKind.STATIC else "zero_copy",
@@ -203,32 +203,57 @@ class FeatureCache:
         check_row_length(self.row_bytes)
         return rows
 
-    def _plan_host(self, rows: "torch.Tensor | CompressedRows", option: "bool | str") -> dict[str, Any]:
-        """``compress_host="auto"``: the planner's choice for a tensor of rows (CompressedRows stay compressed)."""
-        if option != "auto":
-            return {"compress": bool(option), "reason": f"compress_host={option!r} (set)"}
-        if isinstance(rows, CompressedRows) or self.codec is None:
-            return {"compress": True, "reason": "CompressedRows given: kept compressed"}
-        # static CUDA caches may take ids on the CPU: the CPU's own gather of raw rows is a candidate there too
-        choice = calibrate_layout(rows, self.codec, self.device, host_paths=self.policy_kind is PolicyKind.STATIC)
-        self.compress_host = choice.compress
-        return choice.as_dict()
-
-    def _resolve_codec(self, rows: "torch.Tensor | CompressedRows", codec: "Codec | str | None") -> Codec | None:
+    def _choose_codec(self, rows: "torch.Tensor | CompressedRows", codec: "Codec | str | None",
+                      compress_host: "bool | str") -> "tuple[Codec | None, dict[str, Any]]":
+        """The codec of slab and host rows, and the host layout (``stats()['host_layout']``): a given codec (checked
+        against the rows), the CompressedRows' own, an IBP fit (``None``), or the planner's choice (``"auto"``)."""
         if isinstance(rows, CompressedRows):
             if isinstance(codec, Codec) and not codec.same_tables(rows.codec):
                 raise InvalidArgumentError("codec differs from the codec the CompressedRows were made with")
-            return rows.codec
+            reason = ("CompressedRows given: kept compressed" if compress_host == "auto"
+                      else f"compress_host={compress_host!r} (set)")
+            return rows.codec, {"compress": bool(compress_host), "reason": reason, "method": rows.codec.method}
         if isinstance(codec, Codec):
-            if (codec.row_bytes, codec.dtype, tuple(codec.row_shape)) != (self.row_bytes, self.dtype, self.row_shape):
-                raise InvalidArgumentError(f"codec is for {codec.dtype} rows of shape {codec.row_shape}, got {self.dtype} "
-                                 f"rows of shape {self.row_shape}")
-            return codec
-        if codec not in (None, "auto"):
+            self._check_codec_rows(codec)
+        elif codec not in (None, "auto"):
             raise InvalidArgumentError(f"codec must be None, 'auto' or a Codec, got {codec!r}")
+        if codec is None or isinstance(codec, Codec):
+            if codec is None and (self.compress_cache or self.compress_host):
+                codec = fit_codec(rows, self.device)  # large tables: a seeded sample (the engine's one rule)
+            return codec, self._plan_host(rows, codec, compress_host)
+        # codec="auto": the planner weighs IBP, exponent coding (float rows) and, with compress_host="auto", raw rows
         if not (self.compress_cache or self.compress_host):
-            return None
-        return fit_codec(rows, self.device)  # large tables: a seeded sample (the engine's one rule)
+            return None, {"compress": False, "reason": "compress_host=False (set)", "method": "raw"}
+        options = FitOptions(method="auto")
+        if compress_host is False:  # only the slab is coded: the most rows per byte (no transfer to time)
+            return fit_codec(rows, self.device, options), {"compress": False, "reason": "compress_host=False (set)",
+                                                           "method": "raw"}
+        candidates = fit_candidates(rows, self.device, options)
+        choice = calibrate_layout(rows, candidates, self.device, host_paths=self.policy_kind is PolicyKind.STATIC,
+                                  allow_raw=compress_host == "auto")
+        self.compress_host = choice.compress
+        slab_method = choice.method if choice.compress else best_compressed(choice)
+        return next(c for c in candidates if c.method == slab_method), choice.as_dict()
+
+    def _check_codec_rows(self, codec: Codec) -> None:
+        """A codec given for tensor rows must be for rows like them: another dtype or shape would store them wrong."""
+        if codec.dtype != self.dtype:
+            raise RowDtypeError(f"codec is for {codec.dtype} rows, got {self.dtype} rows")
+        if (codec.row_bytes, tuple(codec.row_shape)) != (self.row_bytes, self.row_shape):
+            raise RowShapeError(f"codec is for rows of shape {tuple(codec.row_shape)}, got rows of shape "
+                                f"{self.row_shape}")
+
+    def _plan_host(self, rows: torch.Tensor, codec: "Codec | None", option: "bool | str") -> dict[str, Any]:
+        """``compress_host="auto"`` with one codec: the planner's compressed-vs-raw choice for a tensor of rows."""
+        if option != "auto":
+            return {"compress": bool(option), "reason": f"compress_host={option!r} (set)",
+                    "method": codec.method if option and codec is not None else "raw"}
+        if codec is None:
+            return {"compress": False, "reason": "no codec", "method": "raw"}
+        # static CUDA caches may take ids on the CPU: the CPU's own gather of raw rows is a candidate there too
+        choice = calibrate_layout(rows, codec, self.device, host_paths=self.policy_kind is PolicyKind.STATIC)
+        self.compress_host = choice.compress
+        return choice.as_dict()
 
     def _cache_lengths(self, rows: "torch.Tensor | CompressedRows") -> torch.Tensor:
         """Stored bytes of every row in the slab's format (compressed or raw), int32 on the CPU."""
@@ -423,16 +448,24 @@ class FeatureCache:
         return out
 
     def _raise_pending_error(self) -> None:
-        """Raise (once) the bad-id report a lazily validated lookup left in host memory."""
-        if self._errors.take() is not None:
+        """Raise (once) the report a lookup left in host memory: a bad id (lazily validated), or a stored row that
+        does not decode (a corrupt store; exponent-coded rows can tell)."""
+        from ..kernels.lookup import CORRUPT_ROW
+
+        report = self._errors.take()
+        if report is not None and report[0] == CORRUPT_ROW:
+            raise FormatError(f"a recent fetch read a corrupt {self._decode_codec.method}-coded row (it does not "
+                              "decode within its stored length; that row was returned as zeros)")
+        if report is not None:
             raise InvalidIdsError(f"ids: a recent fetch got an id outside [0, {self.n_rows}) (validate='lazy' "
                                   "reports it after the fact; that id's row was returned as zeros)")
 
     def check_errors(self) -> None:
         """Wait for the cache's queued work and raise :class:`InvalidIdsError` if a lazily validated fetch saw a
-        bad id (a no-op with ``validate='eager'``)."""
+        bad id (a no-op with ``validate='eager'``), or FormatError if a read met a corrupt stored row."""
         self._order.synchronize()
         self._raise_pending_error()
+        self.host.check_errors()
 
     def _check_out(self, out: torch.Tensor | None, b: int) -> torch.Tensor:
         shape = (b, *self.row_shape)
@@ -485,7 +518,7 @@ class FeatureCache:
 
         ws = self._ws
         decode_descriptors(out_u8, ws["src"][:b], ws["len"][:b], ws["comp"][:b], None,
-                           self._decode_codec.kernel_tables(out_u8.device))
+                           self._decode_codec.kernel_tables(out_u8.device), self.host.decode_errors)
 
     def _fetch_cpu(self, ids: torch.Tensor, out_u8: torch.Tensor) -> torch.Tensor:
         """CPU: look ids up, decode hits from the slab and misses from the host store."""
@@ -552,13 +585,11 @@ class FeatureCache:
         codec = self.codec
         assert codec is not None
         k = ids.numel()
-        if self.device.type == "cuda":
-            from ..kernels.bitpack import encode_into
-
+        if self.device.type == "cuda":  # the codec's own GPU encoder (it writes each row's length as it encodes)
             stage = torch.empty((k, self.row_bytes), dtype=torch.uint8, device=self.device)
             dst = stage.data_ptr() + torch.arange(k, dtype=torch.int64, device=self.device) * self.row_bytes
             got = torch.empty(k, dtype=torch.int32, device=self.device)
-            encode_into(rows_u8.contiguous(), dst, got, codec.kernel_tables(self.device))
+            codec.encode_rows_gpu(rows_u8.contiguous(), dst, got)
             self.slot_view[slots] = stage[:, : self.slot_bytes]
         else:
             offsets = (slots * self.slot_bytes).numpy()

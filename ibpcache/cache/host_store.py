@@ -3,12 +3,14 @@
 ONE class serves every adapter: :class:`~ibpcache.cache.feature_cache.FeatureCache` (GNN features, read-only)
 and the embedding bags' trainable row cache (:mod:`ibpcache.cache.row_cache`, with write-back).
 
-* Compressed (``compress=True``): a :class:`~ibpcache.compressed.CompressedRows` in the paper's in-place layout by
-  default (row i at ``i * row_bytes``, only its first ``lengths[i]`` bytes meaningful), or packed. The in-place
-  layout is what makes write-back possible: a row re-encoded after a training update always fits its own slot,
-  compressed with the table's codec when it still matches the mask and raw otherwise, so nothing moves.
+* Compressed (``compress=True``): a :class:`~ibpcache.compressed.CompressedRows` of any codec (IBP, exponent
+  coding) in the paper's in-place layout by default (row i at ``i * row_bytes``, only its first ``lengths[i]`` bytes
+  meaningful), or packed. The in-place layout is what makes write-back possible: a row re-encoded after a training
+  update always fits its own slot, coded with the table's codec when that shrinks it and raw otherwise, so nothing
+  moves.
 * Raw (``compress=False``): the rows as they are; lengths are ``row_bytes`` and no per-row tables exist.
-* ``compress="auto"``: the host-layout planner (``plan_layout.py``) times compressed vs raw misses on this machine.
+* ``compress="auto"``: the host-layout planner (``plan_layout.py``) times compressed vs raw misses on this machine;
+  with ``FitOptions(method="auto")`` it weighs IBP, exponent coding and raw rows (:func:`fit_candidates`).
 * An existing ``CompressedRows`` (also one attached from shared memory) is served as is, never copied:
   ``adopted`` rows are read-only (their bytes belong to their owner), and checked for replacement on every read.
 
@@ -30,23 +32,25 @@ copy, and the host-side read paths get the written rows' lengths mirrored at eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from .._validation import as_row_bytes, check_rows
-from ..codec import Codec
+from ..codec import METHODS, Codec
 from ..compressed import CompressedRows, _flags_from_lengths
-from ..errors import InvalidArgumentError, StateError, UnsupportedError
+from ..errors import (FormatError, InvalidArgumentError, RowDtypeError, RowShapeError, StateError,
+                      UnsupportedError)
+from ..exponent import ExponentCodec
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
-from .plan_layout import LayoutChoice, calibrate_layout
+from .plan_layout import LayoutChoice, calibrate_layout, pick_codec
 from .plan_transfer import Transfer, TransferChoice, calibrate_transfer
 
-__all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "FIT_SAMPLE_ROWS",
-           "FIT_SAMPLE_BYTES"]
+__all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "fit_candidates",
+           "plan_codec", "FIT_SAMPLE_ROWS", "FIT_SAMPLE_BYTES"]
 
 FIT_SAMPLE_ROWS = 1 << 18
 FIT_SAMPLE_BYTES = 1 << 28
@@ -61,23 +65,85 @@ _STAGE_ALIGN = 16
 
 @dataclass(frozen=True)
 class FitOptions:
-    """How a store fits its own codec (passed to :meth:`Codec.fit`); kept for refits."""
+    """How a store fits its own codec (passed to :meth:`Codec.fit`); kept for refits.
+
+    ``method``: ``"ibp"`` (the default), ``"exponent"``, ``"raw"`` or ``"auto"``: the store's planner picks among
+    IBP, exponent coding (float tables) and, where the store may stay raw (``compress="auto"``), raw rows, by timing
+    the store's own fetch on this machine (the smallest stored size without CUDA). ``threshold`` / ``chunk_bytes``
+    apply to IBP, ``seg`` / ``header_budget`` to exponent coding (see :meth:`Codec.fit`)."""
 
     threshold: "float | str" = "auto"
     chunk_bytes: "int | str" = "auto"
     sample: "float | int | None" = None
+    method: str = "ibp"
+    seg: "int | str" = "auto"
+    header_budget: "float | None" = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidArgumentError(f"method must be one of {', '.join(repr(m) for m in METHODS)}, got "
+                                       f"{self.method!r}")
+
+    @classmethod
+    def of(cls, codec: Codec) -> "FitOptions":
+        """Options that refit a codec like ``codec`` (its method and, for IBP, its threshold and chunk size;
+        exponent coding keeps its segment size)."""
+        if codec.method == "ibp":
+            return cls(threshold=codec.threshold, chunk_bytes=codec.chunk_bytes)  # type: ignore[attr-defined]
+        if codec.method == "exponent":
+            return cls(method="exponent", seg=codec.seg)  # type: ignore[attr-defined]
+        return cls(method=codec.method)
+
+    def methods(self, dtype: torch.dtype) -> tuple[str, ...]:
+        """The compressed methods to fit for rows of ``dtype``: ``method``, or for ``"auto"`` IBP plus exponent
+        coding where the dtype takes it."""
+        if self.method != "auto":
+            return (self.method,)
+        return ("ibp", "exponent") if ExponentCodec.takes(dtype) else ("ibp",)
 
 
-def fit_codec(rows: torch.Tensor, device: torch.device, options: FitOptions = FitOptions()) -> Codec:
-    """Fit a codec on ``rows`` (any device) on ``device``: the engine's one sampling rule for large tables."""
+def _fit_sample(rows: torch.Tensor, options: FitOptions) -> torch.Tensor:
+    """``rows``, or a seeded random sample of them for large tables: the engine's one sampling rule."""
     n = int(rows.shape[0])
     row_bytes = max(1, rows[:1].numel() * rows.element_size())
     k = max(FIT_SAMPLE_ROWS, FIT_SAMPLE_BYTES // row_bytes)
     if options.sample is None and n > k:
         pick = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:k].sort().values
         rows = rows[pick.to(rows.device)]
-    return Codec.fit(rows.to(device), threshold=options.threshold, chunk_bytes=options.chunk_bytes,
-                     sample=options.sample)
+    return rows
+
+
+def _fit_one(rows: torch.Tensor, method: str, options: FitOptions) -> Codec:
+    kw: dict[str, Any] = {}
+    if options.header_budget is not None:
+        kw["header_budget"] = options.header_budget
+    return Codec.fit(rows, threshold=options.threshold, chunk_bytes=options.chunk_bytes, sample=options.sample,
+                     method=method, seg=options.seg, **kw)
+
+
+def fit_codec(rows: torch.Tensor, device: torch.device, options: FitOptions = FitOptions()) -> Codec:
+    """Fit a codec on ``rows`` (any device) on ``device`` (large tables: a seeded sample). ``method="auto"`` here
+    is the untimed rule: the smallest stored size (:meth:`Codec.fit`); :func:`plan_codec` times the candidates."""
+    return _fit_one(_fit_sample(rows, options).to(device), options.method, options)
+
+
+def fit_candidates(rows: torch.Tensor, device: torch.device, options: FitOptions = FitOptions()) -> list[Codec]:
+    """One fitted codec per compressed method ``options`` allows for these rows (:meth:`FitOptions.methods`), all
+    fitted on the same sample: what the planner times against each other (and raw rows)."""
+    sample = _fit_sample(rows, options).to(device)
+    return [_fit_one(sample, m, options) for m in options.methods(rows.dtype)]
+
+
+def plan_codec(rows: torch.Tensor, device: torch.device, options: FitOptions, allow_raw: bool,
+               host_paths: bool = False) -> tuple[Codec, LayoutChoice]:
+    """The planner's codec for ``rows`` on ``device``: the candidates of ``options`` (and raw rows when
+    ``allow_raw``), each timed on the store's own zero-copy fetch (CUDA) or sized (CPU); returns the chosen codec
+    (a :class:`RawCodec` for raw rows) and why (:class:`LayoutChoice`)."""
+    candidates = fit_candidates(rows, device, options)
+    choice = calibrate_layout(rows, candidates, device, host_paths=host_paths, allow_raw=allow_raw)
+    if not choice.compress:
+        return Codec.raw(rows.dtype, tuple(rows.shape[1:])), choice
+    return pick_codec(candidates, choice), choice
 
 
 _EMPTY_I32 = np.empty(0, np.int32)
@@ -117,7 +183,9 @@ class HostStore:
         rows: ``[N, ...]`` tensor (copied once with ``.contiguous()`` if strided), or a ``CompressedRows``.
         codec: the codec to compress with; or :class:`FitOptions` to fit one here (and at :meth:`refit`); None
             only with ``compress=False`` or a ``CompressedRows``.
-        compress: True, False or ``"auto"`` (the planner decides; needs ``FitOptions`` or a codec).
+        compress: True, False or ``"auto"`` (the planner decides; needs ``FitOptions`` or a codec). A codec
+            given with ``"auto"`` is weighed against raw rows; ``FitOptions(method="auto")`` weighs IBP, exponent
+            coding and raw rows (with ``compress=True``: IBP against exponent coding).
         device: where rows are read to (``cuda``: pinned host memory; ``cpu``: plain memory, Numba decoders).
         layout: ``inplace`` (writable) or ``packed`` (read-only, smallest) for rows compressed here.
         share_rows: serve raw rows from the caller's tensor itself when it is already where they would go (pinned on
@@ -149,6 +217,8 @@ class HostStore:
         self.rows_written = 0
         self.bytes_read = torch.zeros((), dtype=torch.int64, device=device)
         self._flags_dev: Optional[torch.Tensor] = None
+        # exponent decodes on the GPU report a malformed stored row here (1 + its position; read by check_errors)
+        self.decode_errors = torch.zeros(2, dtype=torch.int64, device=device)
         if isinstance(rows, CompressedRows):
             self._from_compressed(rows, codec if isinstance(codec, Codec) else None, compress)
         else:
@@ -188,11 +258,16 @@ class HostStore:
         self._geometry(int(rows.shape[0]), int(u8.shape[1]), rows.dtype, tuple(rows.shape[1:]))
         self.adopted = None
         self.compress = self.compress_option is not False
-        if self.compress_option == "auto" and self.layout_choice is None:
-            codec = codec or self._fit(rows)
-            self.layout_choice = calibrate_layout(rows, codec, self.device)
+        planned = self.compress_option == "auto" or (self.compress and codec is None and self.fit_options is not None
+                                                     and self.fit_options.method == "auto")
+        if planned and self.layout_choice is None:  # first load: the planner decides (refits keep its choice)
+            if codec is not None:
+                self.layout_choice = calibrate_layout(rows, codec, self.device)
+            else:
+                codec, self.layout_choice = plan_codec(rows, self.device, self.fit_options or FitOptions(),
+                                                       allow_raw=self.compress_option == "auto")
             self.compress = self.layout_choice.compress
-        elif self.compress_option == "auto":
+        elif planned:
             self.compress = self.layout_choice.compress
         if not self.compress:
             self._use_raw(u8 if u8.device.type == "cpu" else u8.cpu())
@@ -205,7 +280,11 @@ class HostStore:
         self._use_packed(codec.compress(rows, layout=layout, pin=self._pin, device=run_on))
 
     def _fit(self, rows: torch.Tensor) -> Codec:
-        return fit_codec(rows, self.device, self.fit_options or FitOptions())
+        """Fit the store's codec; after a planned choice, of the method the planner chose (a refit keeps it)."""
+        options = self.fit_options or FitOptions()
+        if options.method == "auto" and self.layout_choice is not None and self.layout_choice.compress:
+            options = replace(options, method=self.layout_choice.method)
+        return fit_codec(rows, self.device, options)
 
     def _use_packed(self, packed: CompressedRows) -> None:
         self.packed: Optional[CompressedRows] = packed
@@ -355,7 +434,8 @@ class HostStore:
             from ..kernels.bitpack import decode_descriptors
 
             src, lens, comp = self._gpu_descriptors(ids.to(self.device))
-            decode_descriptors(out_u8, src, lens, comp, out_rows, self.codec.kernel_tables(out_u8.device))
+            decode_descriptors(out_u8, src, lens, comp, out_rows, self.codec.kernel_tables(out_u8.device),
+                               self.decode_errors)
             self.bytes_read += lens.sum(dtype=torch.int64)
         elif self.transfer is Transfer.CPU_GATHER:
             self.bytes_read += self.read_staged(ids.cpu().numpy(), out_u8, out_rows)[2]
@@ -378,7 +458,8 @@ class HostStore:
 
         st = self.stage(ids, hits)
         decode_descriptors(out_u8, st.src, st.lengths, st.compressed, out_rows,
-                           tables if tables is not None else self.codec.kernel_tables(out_u8.device))
+                           tables if tables is not None else self.codec.kernel_tables(out_u8.device),
+                           self.decode_errors)
         return st.counters
 
     def stage(self, ids: np.ndarray, hits: "CacheMirror | None" = None) -> "StagedRows":
@@ -446,7 +527,10 @@ class HostStore:
 
     def write_rows(self, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
         """Store ``rows_u8`` (uint8 ``[M, row_bytes]``) as rows ``ids`` (distinct), re-encoded with the store's
-        codec in place: compressed if a row still matches the mask, raw otherwise (training write-back)."""
+        codec in place: coded if that shrinks a row (IBP: it still matches the mask), raw otherwise (training
+        write-back). Rows of another width raise RowShapeError, of another dtype than uint8 bytes RowDtypeError,
+        before anything is written."""
+        self._check_write(ids, rows_u8)
         if self.read_only:
             raise StateError("this store serves adopted CompressedRows (read-only, inference only); build it "
                              "from the dense table to write rows back (e.g. to train an embedding table)")
@@ -457,12 +541,12 @@ class HostStore:
         self.rows_written += int(ids.numel())
         self._flags_dev = None  # recomputed from the lengths when the probe kernel next needs them
         if self.device.type == "cuda":  # GPU encode straight into the pinned slots (UVA), any transfer path
-            from ..kernels.bitpack import encode_into
-
             ids = ids.to(self.device)
             lens = torch.empty(ids.numel(), dtype=torch.int32, device=self.device)
             dst = ids * self.row_bytes + self.data.data_ptr()
-            encode_into(rows_u8.contiguous(), dst, lens, self.codec.kernel_tables(self.device))
+            # the codec's own encoder (IBP, exponent, raw: IBP's with an empty mask) writes each row's length as
+            # it encodes it, so no separate size pass
+            self.codec.encode_rows_gpu(rows_u8.to(self.device).contiguous(), dst, lens)
             if self.lengths_dev is not None:
                 self.lengths_dev.index_copy_(0, ids, lens)
             if self.transfer is not Transfer.ZERO_COPY:  # host-side readers: mirror the lengths; waits for the write
@@ -480,10 +564,33 @@ class HostStore:
         rows2d[idx] = 0  # the format keeps each slot's tail after the stored bytes zero
         self.lengths_cpu.numpy()[idx] = self.codec.encode_rows_at(rows, self.data.numpy(), idx * self.row_bytes)
 
+    def _check_write(self, ids: torch.Tensor, rows_u8: torch.Tensor) -> None:
+        """Rows written back must be this store's rows as bytes, one per id: anything else would be stored wrong."""
+        if not isinstance(rows_u8, torch.Tensor) or rows_u8.dtype != torch.uint8:
+            raise RowDtypeError(f"rows_u8: expected the rows as uint8 bytes [M, {self.row_bytes}], got "
+                                f"{getattr(rows_u8, 'dtype', type(rows_u8).__name__)}")
+        if rows_u8.dim() != 2 or rows_u8.shape[1] != self.row_bytes:
+            raise RowShapeError(f"rows_u8: expected [M, {self.row_bytes}] bytes (rows of {self.row_shape} "
+                                f"{self.dtype}), got {tuple(rows_u8.shape)}")
+        if ids.dim() != 1 or ids.numel() != rows_u8.shape[0]:
+            raise RowShapeError(f"ids: expected one id per row ({rows_u8.shape[0]}), got shape {tuple(ids.shape)}")
+
+    def check_errors(self) -> None:
+        """Raise FormatError if a GPU decode of this store met a malformed stored row (exponent-coded rows can be
+        told malformed; the report is sticky until read). Reads one device word: a host sync."""
+        if self.device.type != "cuda":
+            return
+        bad = int(self.decode_errors[0])
+        if bad:
+            self.decode_errors.zero_()
+            raise FormatError(f"a stored row of this {self.codec.method} store is corrupt: it does not decode "
+                              f"within its stored length (row {bad - 1} of one read)")
+
     def sync_host(self) -> None:
         """Make the host bytes and CPU lengths current (waits for in-flight GPU writes)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.check_errors()
         if self._device_lengths and not self.read_only:
             self.lengths_cpu.copy_(self.lengths_dev.cpu())
 
@@ -500,15 +607,22 @@ class HostStore:
     def refit(self, table: torch.Tensor) -> None:
         """Fit a new codec on ``table`` (the current full table) and re-encode every row with it (the planner's
         compressed/raw choice stands). An adopted store becomes a private, writable copy (``load_state_dict``)."""
+        table = check_rows(table, "table")
+        if table.dtype != self.dtype:
+            raise RowDtypeError(f"table: expected {self.dtype} rows (the store's), got {table.dtype}")
+        if tuple(table.shape) != (self.n_rows, *self.row_shape):
+            raise RowShapeError(f"table: expected shape {(self.n_rows, *self.row_shape)} (the store's), got "
+                                f"{tuple(table.shape)}")
         if self.fit_options is None and self.compress:  # adopted rows: refit like their codec was fitted
-            self.fit_options = FitOptions(self.codec.threshold, self.codec.chunk_bytes)
+            self.fit_options = FitOptions.of(self.codec)
         self.sync_host()  # no kernel may still read the old buffer
-        self._load(check_rows(table, "table").to("cpu"), None, self.layout)
+        self._load(table.to("cpu"), None, self.layout)
         self.refits += 1
 
     # -- statistics -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        self.check_errors()
         stored = self.stored_bytes()
         raw = self.raw_nbytes
         layout = (self.layout_choice.as_dict() if self.layout_choice is not None
@@ -523,8 +637,10 @@ class HostStore:
             + (4 * self.n_rows if self.lengths_cpu is not None else 0),
             "compressed_rows_fraction": self.compressed_fraction(),
             "compressed_rows_fraction_at_fit": self.compressed_fraction_at_fit,
-            "chunk_bytes": self.codec.chunk_bytes if self.compress else None,
-            "threshold": self.codec.threshold if self.compress else None,
+            "codec_method": self.codec.method if self.compress else "raw",
+            "chunk_bytes": getattr(self.codec, "chunk_bytes", None) if self.compress else None,
+            "threshold": getattr(self.codec, "threshold", None) if self.compress else None,
+            "segment_elems": getattr(self.codec, "seg", None) if self.compress else None,
             "refits": self.refits,
             "rows_fetched": self.rows_read,
             "bytes_fetched": int(self.bytes_read),

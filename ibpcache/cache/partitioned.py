@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .._validation import check_ids
+from ..codec import Codec
+from ..compressed import CompressedRows
 from ..errors import InvalidIdsError
 from .feature_cache import FeatureCache
 
@@ -45,6 +48,12 @@ class PartitionedFeatureCache:
     ``budget_bytes`` is each rank's slab, as :class:`~ibpcache.cache.feature_cache.FeatureCache` takes it: a float in
     (0, 1] is a fraction of the whole table's raw bytes, an int >= 1 a byte count; a budget that holds no stored row
     of the table raises on every rank (each rank checks the same table and budget, before any exchange).
+
+    ``cache_kwargs`` go to each rank's FeatureCache. Any codec serves (IBP, exponent coding, raw; a shared
+    CompressedRows keeps its own). Where the planner would choose (``codec="auto"`` or ``compress_host="auto"`` for a
+    tensor of rows), rank 0 of the group chooses once, timing its own fetch, and every other rank takes that codec
+    and layout (sent as ``header()`` + ``sections()``): ranks never store one table differently because their
+    timings differed by noise.
     """
 
     def __init__(self, rows: Any, hotness: torch.Tensor, budget_bytes: "int | float", device: "str | torch.device",
@@ -57,8 +66,7 @@ class PartitionedFeatureCache:
         mine = torch.where(owner == self.rank, hot, torch.full_like(hot, float("-inf")))
         if torch.device(device).type == "cuda":  # fetch checks every id first: the inner lookups need not sync again
             cache_kwargs.setdefault("validate", "lazy")
-        self.cache = FeatureCache(rows, budget_bytes=budget_bytes, policy="static", hotness=mine, device=device,
-                                  **cache_kwargs)
+        self.cache = self._build_cache(rows, budget_bytes, mine, device, cache_kwargs)
         self.device = self.cache.device
         self.n_rows, self.row_bytes = self.cache.n_rows, self.cache.row_bytes
         self.holder = self._holders()
@@ -70,6 +78,30 @@ class PartitionedFeatureCache:
         self.served_rows = 0  # ids this rank served to peers
         self.bytes_received = 0  # row bytes that came from peers
         self.bytes_sent_total = self.bytes_received_total = 0  # headers + ids + rows, each way
+
+    def _build_cache(self, rows: Any, budget_bytes: "int | float", hotness: torch.Tensor,
+                     device: "str | torch.device", kwargs: dict[str, Any]) -> FeatureCache:
+        """This rank's FeatureCache; a planned codec choice is made by the group's rank 0 and shared (one
+        broadcast), so every rank stores the table the same way."""
+        def build(**kw: Any) -> FeatureCache:
+            return FeatureCache(rows, budget_bytes=budget_bytes, policy="static", hotness=hotness, device=device, **kw)
+
+        planned = not isinstance(rows, CompressedRows) and "auto" in (kwargs.get("codec"), kwargs.get("compress_host"))
+        if not planned:
+            return build(**kwargs)
+        cache = build(**kwargs) if self.rank == 0 else None
+        msg: list[Any] = [None]
+        if cache is not None:
+            codec = cache.codec
+            msg[0] = (None if codec is None else (codec.header(), [np.ascontiguousarray(a) for a in codec.sections()]),
+                      bool(cache.compress_host), dict(cache.host_layout))
+        dist.broadcast_object_list(msg, group=self.group, group_src=0)
+        desc, compress_host, layout = msg[0]
+        if cache is None:
+            codec = None if desc is None else Codec.from_header(desc[0], *desc[1])
+            cache = build(**{**kwargs, "codec": codec, "compress_host": compress_host})
+            cache.host_layout = {**layout, "chosen_by": "rank 0 of the group"}
+        return cache
 
     def _holders(self) -> torch.Tensor:
         """int32 [N] on the device: the rank whose GPU caches each row, -1 where none does (exchanged once)."""

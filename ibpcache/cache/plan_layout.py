@@ -1,43 +1,59 @@
-"""Host-layout planner: store a table's host rows IBP-compressed or raw, whichever this machine reads faster.
+"""Host-layout planner: store a table's host rows IBP-coded, exponent-coded or raw, whichever this machine reads
+fastest.
 
 Compression pays on the miss path only when the bytes it saves on PCIe are worth more than the warp decode it
-adds. That trade depends on the table (how well it compresses), the row size and the machine (zero-copy read
-rate vs decode rate), so it is measured, not guessed: at start-up :func:`calibrate_layout` builds a small pinned
-sample of the table in both layouts and times the same zero-copy lookup kernel (every id a miss) over each, a few
-milliseconds in all. :func:`decide_layout` then keeps compression only when it was measurably faster, so the
-default configuration is never slower than the raw one on misses. GPU-cached rows are raw either way in the
-embedding-bag cache, so the miss path is the whole difference between the two layouts there.
+adds. That trade depends on the table (how well each codec compresses it), the row size and the machine (zero-copy
+read rate vs decode rate), so it is measured, not guessed: at start-up :func:`calibrate_layout` builds a small
+pinned sample of the table under each candidate codec (IBP, exponent coding where the dtype allows it, raw rows)
+and times the store's own zero-copy lookup kernel (every id a miss) over each, alternating the candidates round by
+round, a few tens of milliseconds in all. :func:`decide_codec` then keeps compression only where it was
+measurably faster than raw (:data:`MARGIN`), and picks among the compressed candidates by speed with the same
+margin as hysteresis (a faster codec must win by the margin, else the smaller one stays), so the default
+configuration is never slower than the raw one on misses. GPU-cached rows are raw either way in the embedding-bag
+cache, so the miss path is the whole difference between the layouts there.
 
-Calibration happens once per table, at construction, before any lookup; its one host sync is there, never in a
-lookup step. Without CUDA there is no zero-copy path to time; tables stay compressed (host memory is then the
-only thing compression changes).
+Calibration happens once per table, at construction, before any lookup; its host syncs are there, never in a
+lookup step. Without CUDA there is no zero-copy path to time: the smallest stored size wins (host memory is then
+the only thing compression changes).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional, Sequence
 
 import torch
 
 from ..codec import Codec
+from ..errors import InternalError, InvalidArgumentError
 from ._plan_timing import MARGIN, wall_medians
 
-__all__ = ["LayoutChoice", "decide_layout", "prefer_host_gather", "calibrate_layout", "CALIBRATION_BYTES",
-           "MIN_RATIO", "MARGIN"]
+__all__ = ["LayoutChoice", "decide_layout", "decide_codec", "prefer_host_gather", "calibrate_layout", "pick_codec",
+           "best_compressed",
+           "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN", "ROUNDS", "REPS"]
 
 CALIBRATION_BYTES = 32 << 20
 """Raw bytes of the pinned sample each layout is timed on (a sample this size streams from host memory, like
 the table does, rather than hitting the GPU's L2)."""
 
 MIN_RATIO = 1.02
-"""Below this host compression ratio nothing is timed: there are no bytes to save, only decode to add."""
+"""Below this host compression ratio a codec is not timed: there are no bytes to save, only decode to add."""
+
+ROUNDS = 3
+REPS = 7
+"""Each candidate is timed in ``ROUNDS`` rounds of ``REPS`` lookups, the candidates alternating round by round (so
+clock or PCIe drift hits them alike): 21 samples per candidate, whose median decides."""
 
 
 @dataclass(frozen=True)
 class LayoutChoice:
-    """What the planner chose for one table and why (``stats()['host_layout']``)."""
+    """What the planner chose for one table and why (``stats()['host_layout']``).
+
+    ``method`` is the chosen codec method (``"raw"`` when the rows are stored raw); ``timings_ms`` the median
+    lookup time of every candidate timed, ``ratios`` every candidate's compression ratio on the sample (metadata
+    excluded), ``samples`` how many timings each median is of. ``compressed_ms`` / ``ratio`` describe the chosen
+    (or, for a raw choice, the best) compressed candidate, ``raw_ms`` the raw rows."""
 
     compress: bool
     reason: str
@@ -47,6 +63,14 @@ class LayoutChoice:
     batch: int = 0
     host_gather_ms: Optional[float] = None  # raw rows gathered by the CPU + one copy (wall clock, ids on the CPU)
     compressed_wall_ms: Optional[float] = None  # compressed zero-copy, wall clock with the ids' copy
+    method: str = ""
+    timings_ms: dict = field(default_factory=dict)
+    ratios: dict = field(default_factory=dict)
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.method:  # the two-way form (compressed vs raw) names no codec: IBP, as it always was
+            object.__setattr__(self, "method", "ibp" if self.compress else "raw")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,7 +84,8 @@ def prefer_host_gather(choice: LayoutChoice, host_gather_ms: Optional[float], co
     if not choice.compress or host_gather_ms is None or compressed_wall_ms is None:
         return replace(choice, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms)
     if host_gather_ms <= compressed_wall_ms * (1.0 - margin):
-        return replace(choice, compress=False, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms,
+        return replace(choice, compress=False, method="raw", host_gather_ms=host_gather_ms,
+                       compressed_wall_ms=compressed_wall_ms,
                        reason=f"raw rows by CPU gather {compressed_wall_ms / host_gather_ms:.2f}x faster than "
                               f"compressed zero-copy ({choice.reason})")
     return replace(choice, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms)
@@ -68,21 +93,89 @@ def prefer_host_gather(choice: LayoutChoice, host_gather_ms: Optional[float], co
 
 def decide_layout(ratio: float, compressed_ms: Optional[float], raw_ms: Optional[float], batch: int = 0,
                   margin: float = MARGIN, min_ratio: float = MIN_RATIO) -> LayoutChoice:
-    """The rule, apart from the measuring (unit-tested with injected timings).
+    """The two-way rule (one codec against raw rows), apart from the measuring: :func:`decide_codec` with one
+    compressed candidate (unit-tested with injected timings).
 
     No timings (no CUDA): compressed when the table compresses at all (saves host memory, costs no transfer).
     Otherwise compressed only if ``compressed_ms <= raw_ms * (1 - margin)``."""
-    if ratio < min_ratio:
-        return LayoutChoice(False, f"host ratio {ratio:.3f} < {min_ratio}: nothing to save", ratio,
-                            compressed_ms, raw_ms, batch)
-    if compressed_ms is None or raw_ms is None:
-        return LayoutChoice(True, "no zero-copy path to time (CPU): compressed for host memory", ratio,
-                            compressed_ms, raw_ms, batch)
-    if compressed_ms <= raw_ms * (1.0 - margin):
-        return LayoutChoice(True, f"compressed misses {raw_ms / compressed_ms:.2f}x faster than raw", ratio,
-                            compressed_ms, raw_ms, batch)
-    return LayoutChoice(False, f"compressed misses only {raw_ms / compressed_ms:.2f}x of raw (< {1 / (1 - margin):.2f}x)",
-                        ratio, compressed_ms, raw_ms, batch)
+    timed = compressed_ms is not None and raw_ms is not None
+    timings = {"ibp": compressed_ms, "raw": raw_ms} if timed else {}
+    return decide_codec({"ibp": ratio}, timings, allow_raw=True, batch=batch, margin=margin, min_ratio=min_ratio)
+
+
+def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allow_raw: bool = True,
+                 batch: int = 0, samples: int = 0, margin: float = MARGIN,
+                 min_ratio: float = MIN_RATIO) -> LayoutChoice:
+    """The rule, apart from the measuring: which codec (``ratios``' keys, compressed methods in order of
+    preference) stores a table, given each one's compression ratio and, on CUDA, the median lookup time of each and
+    of raw rows (``timings_ms``, key ``"raw"``; empty without CUDA).
+
+    * A codec whose ratio is below ``min_ratio`` is out (nothing to save). None left: raw (``allow_raw=False``, the
+      caller insists on compression: the best ratio stays).
+    * No timings: the smallest stored size (the largest ratio).
+    * Timings: a codec must beat raw by ``margin`` (``allow_raw``), then the fastest of those wins, unless it is not
+      ``margin`` faster than the one that stores the fewest bytes: equal speed keeps the smaller store
+      (hysteresis, so timing noise never flips a choice for nothing)."""
+    ratio_of = dict(ratios)
+    best_ratio = max(ratio_of.values(), default=1.0)
+
+    def made(method: str, compress: bool, reason: str) -> LayoutChoice:
+        r = ratio_of.get(method, best_ratio) if compress else best_ratio
+        comp = [m for m in ratio_of if m in timings_ms]
+        c_ms = timings_ms.get(method) if compress else min((timings_ms[m] for m in comp), default=None)
+        return LayoutChoice(compress, reason, r, c_ms, timings_ms.get("raw"), batch, method=method,
+                            timings_ms=dict(timings_ms), ratios=dict(ratio_of), samples=samples)
+
+    eligible = [m for m, r in ratio_of.items() if r >= min_ratio]
+    if not eligible:
+        if allow_raw or not ratio_of:
+            return made("raw", False, f"host ratio {best_ratio:.3f} < {min_ratio}: nothing to save")
+        top = max(ratio_of, key=ratio_of.get)
+        return made(top, True, f"compression asked for; host ratio {best_ratio:.3f} < {min_ratio}")
+    smallest = max(eligible, key=lambda m: ratio_of[m])
+    if not timings_ms or any(m not in timings_ms for m in eligible) or (allow_raw and "raw" not in timings_ms):
+        why = "no zero-copy path to time (CPU): " + ("compressed for host memory" if len(ratio_of) == 1
+                                                     else f"{smallest}, the smallest stored size")
+        return made(smallest, True, why)
+    winners = eligible
+    if allow_raw:
+        raw = timings_ms["raw"]
+        winners = [m for m in eligible if timings_ms[m] <= raw * (1.0 - margin)]
+        if not winners:
+            fastest = min(eligible, key=lambda m: timings_ms[m])
+            noun = "compressed" if len(ratio_of) == 1 else fastest
+            return made("raw", False, f"{noun} misses only {raw / timings_ms[fastest]:.2f}x of raw "
+                                      f"(< {1 / (1 - margin):.2f}x)")
+    fastest = min(winners, key=lambda m: timings_ms[m])
+    small = max(winners, key=lambda m: ratio_of[m])
+    chosen = fastest if timings_ms[fastest] <= timings_ms[small] * (1.0 - margin) else small
+    if allow_raw:
+        noun = "compressed" if len(ratio_of) == 1 else chosen
+        reason = f"{noun} misses {timings_ms['raw'] / timings_ms[chosen]:.2f}x faster than raw"
+    else:
+        reason = f"{chosen} misses fastest of the compressed candidates"
+    if chosen != fastest:
+        reason += f" ({fastest} only {timings_ms[chosen] / timings_ms[fastest]:.2f}x of it: the smaller store stays)"
+    return made(chosen, True, reason)
+
+
+def pick_codec(candidates: Sequence[Codec], choice: LayoutChoice) -> Codec:
+    """The candidate codec ``choice`` names (the raw codec for a raw choice)."""
+    for codec in candidates:
+        if codec.method == choice.method:
+            return codec
+    raise InternalError(f"no candidate codec of method {choice.method!r}")
+
+
+def best_compressed(choice: LayoutChoice) -> str:
+    """The compressed method ``choice`` would take if compression were required: the fastest timed one (CUDA),
+    else the largest ratio. What codes a GPU slab in front of host rows the planner kept raw."""
+    timed = {m: t for m, t in choice.timings_ms.items() if m != "raw" and m in choice.ratios}
+    if timed:
+        return min(timed, key=timed.get)
+    if not choice.ratios:
+        raise InternalError("the choice weighed no compressed codec")
+    return max(choice.ratios, key=choice.ratios.get)
 
 
 def _sample_rows(table: torch.Tensor, row_bytes: int) -> torch.Tensor:
@@ -105,7 +198,7 @@ def _lookup_once(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dt
         lookup_rows(ids, out, src, tables, None, err.ptr)
 
 
-def _time_layout(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dtype: torch.dtype, err: Any,
+def _time_lookup(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dtype: torch.dtype, err: Any,
                  reps: int) -> list[float]:
     """CUDA-event times (ms) of ``reps`` zero-copy lookups (:func:`_lookup_once`)."""
     _lookup_once(ids, out, src, tables, dtype, err)  # compile + warm
@@ -120,45 +213,83 @@ def _time_layout(ids: torch.Tensor, out: torch.Tensor, src: Any, tables: Any, dt
     return [s.elapsed_time(e) for s, e in times]
 
 
-def calibrate_layout(table: torch.Tensor, codec: Codec, device: torch.device, batch: int = 8192,
-                     reps: int = 7, host_paths: bool = False) -> LayoutChoice:
-    """Time compressed vs raw zero-copy misses on a pinned sample of ``table`` (``[N, ...]``, any device) on ``device``.
+def _candidates(codec: "Codec | Sequence[Codec]", allow_raw: bool) -> list[Codec]:
+    """The codecs to weigh: a single codec against raw rows (the two-way form), or the given ones; the raw codec is
+    added when raw rows are allowed and missing, and dropped when they are not."""
+    codecs = [codec] if isinstance(codec, Codec) else list(codec)
+    if not codecs:
+        raise InvalidArgumentError("calibrate_layout: no candidate codec")
+    first = codecs[0]
+    if any((c.dtype, tuple(c.row_shape)) != (first.dtype, tuple(first.row_shape)) for c in codecs):
+        raise InvalidArgumentError("calibrate_layout: candidate codecs are for different rows")
+    codecs = [c for c in codecs if c.method != "raw"]
+    if allow_raw or not codecs:
+        codecs.append(Codec.raw(first.dtype, tuple(first.row_shape)))
+    return codecs
 
-    The compression ratio used for the floor is the sample's. Both layouts are timed in alternation, so clock
-    or PCIe drift hits them alike; medians decide. ``host_paths`` (caches fed ids on the CPU): also time, wall
-    clock from ids on the CPU, raw rows gathered by the CPU + one copy against compressed zero-copy reads
+
+def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", device: torch.device,
+                     batch: int = 8192, reps: int = REPS, host_paths: bool = False, allow_raw: bool = True,
+                     rounds: int = ROUNDS) -> LayoutChoice:
+    """Time each candidate codec's zero-copy misses, and raw rows', on a pinned sample of ``table`` (``[N, ...]``,
+    any device) on ``device``; :func:`decide_codec` decides (:func:`pick_codec` then names the codec).
+
+    ``codec``: one codec (weighed against raw rows, as the embedding bags' and FeatureCache's two-way choice is) or
+    several (e.g. IBP and exponent fitted on the same rows). ``allow_raw=False``: compression was asked for, raw rows
+    are not a candidate. Ratios are the sample's. Candidates are timed in alternation, ``rounds`` rounds of ``reps``
+    lookups each; medians decide. ``host_paths`` (caches fed ids on the CPU): also time, wall clock from ids on the
+    CPU, raw rows gathered by the CPU + one copy against the chosen codec's zero-copy reads
     (:func:`prefer_host_gather`)."""
     from ..kernels.hashmap import IndexArgs, IndexMode
     from ..kernels.lookup import LookupErrors, RowSource
 
-    row_bytes = codec.row_bytes
+    codecs = _candidates(codec, allow_raw)
+    row_bytes = codecs[0].row_bytes
     sample = _sample_rows(table, row_bytes)
     m = int(sample.shape[0])
-    packed = codec.compress(sample, layout="inplace", pin=True, device=device)
-    lengths = packed.lengths.to(torch.int32).to(device)
-    ratio = (m * row_bytes) / max(int(lengths.sum(dtype=torch.int64)), 1)
-    if ratio < MIN_RATIO or device.type != "cuda":
-        return decide_layout(ratio, None, None, batch)
-    raw = torch.empty(m * row_bytes, dtype=torch.uint8, pin_memory=True)
+    cuda = device.type == "cuda"
+    stores: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    for c in codecs:
+        if c.method == "raw":
+            continue
+        packed = c.compress(sample, layout="inplace", pin=cuda, device=device)
+        ratios[c.method] = (m * row_bytes) / max(int(packed.lengths.sum(dtype=torch.int64)), 1)
+        stores[c.method] = packed
+    raw_ok = any(c.method == "raw" for c in codecs)
+    timed = [c for c in codecs if c.method == "raw" or ratios[c.method] >= MIN_RATIO]
+    if not cuda or not any(c.method != "raw" for c in timed):
+        return decide_codec(ratios, {}, allow_raw=raw_ok, batch=batch)
+    raw = torch.empty(m * row_bytes + 16, dtype=torch.uint8, pin_memory=True)[: m * row_bytes]
     raw.copy_(sample.view(torch.uint8).reshape(-1))
     empty = torch.empty(0, dtype=torch.int64, device=device)
     index = IndexArgs(IndexMode.NONE, empty, empty, 0, 0)
     bases = torch.zeros(8, dtype=torch.int64, device=device)
-    src_c = RowSource(index, bases, packed.data.data_ptr(), None, row_bytes, lengths, m)
-    src_r = RowSource(index, bases, raw.data_ptr(), None, row_bytes, None, m)
-    tables = codec.kernel_tables(device)
+    sources = {}
+    for c in timed:
+        if c.method == "raw":
+            sources[c.method] = RowSource(index, bases, raw.data_ptr(), None, row_bytes, None, m)
+        else:
+            p = stores[c.method]
+            sources[c.method] = RowSource(index, bases, p.data.data_ptr(), None, row_bytes,
+                                          p.lengths.to(torch.int32).to(device), m)
     ids = torch.randint(0, m, (batch,), generator=torch.Generator().manual_seed(0)).to(device)
     out = torch.empty(batch * row_bytes, dtype=torch.uint8, device=device)
     err = LookupErrors(pin=True)
-    t_c: list[float] = []
-    t_r: list[float] = []
-    for _ in range(2):  # alternate the two, twice
-        t_c += _time_layout(ids, out, src_c, tables, sample.dtype, err, reps)
-        t_r += _time_layout(ids, out, src_r, tables, sample.dtype, err, reps)
-    choice = decide_layout(ratio, statistics.median(t_c), statistics.median(t_r), batch)
-    if not host_paths:
+    times: dict[str, list[float]] = {c.method: [] for c in timed}
+    for _ in range(rounds):  # alternate the candidates, round by round
+        for c in timed:
+            times[c.method] += _time_lookup(ids, out, sources[c.method], c.kernel_tables(device), sample.dtype, err,
+                                            reps)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    choice = decide_codec(ratios, medians, allow_raw=raw_ok, batch=batch, samples=rounds * reps)
+    if not host_paths or not raw_ok:
         return choice
-    return prefer_host_gather(choice, *_time_host_gather(ids.cpu(), raw.view(m, row_bytes), out, src_c, tables,
+    # the compressed candidate the CPU's raw gather competes with: the chosen one, or the fastest if raw won
+    method = choice.method if choice.compress else min((k for k in medians if k != "raw"), key=medians.get)
+    chosen = next(c for c in timed if c.method == method)
+    return prefer_host_gather(choice, *_time_host_gather(ids.cpu(), raw.view(m, row_bytes), out,
+                                                         sources[method], chosen.kernel_tables(device),
                                                          sample.dtype, err, reps))
 
 

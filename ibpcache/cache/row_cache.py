@@ -31,7 +31,8 @@ import torch
 
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import InvalidArgumentError, InvalidTypeError, OptimizerStateError
+from ..errors import (InvalidArgumentError, InvalidTypeError, OptimizerStateError, RowDtypeError,
+                      RowShapeError)
 from ..format import Layout
 from ..kernels.hashmap import IndexArgs
 from ..kernels.lookup import (SLOTS_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, Staging, lookup_pool,
@@ -58,10 +59,10 @@ def check_adoptable_rows(rows: CompressedRows, shape: tuple[int, int], dtype: Op
         raise InvalidArgumentError(f"{name}: the embedding bags read rows at i * row_bytes; compress them with "
                                    f"layout='inplace' (got {rows.layout.value!r})")
     if tuple(rows.shape) != tuple(shape):
-        raise InvalidArgumentError(f"{name}: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings "
-                                   f"and embedding_dim {tuple(shape)}")
+        raise RowShapeError(f"{name}: CompressedRows of shape {tuple(rows.shape)} do not match num_embeddings and "
+                            f"embedding_dim {tuple(shape)}")
     if dtype is not None and rows.dtype != dtype:
-        raise InvalidTypeError(f"{name}: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
+        raise RowDtypeError(f"{name}: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
 
 
 @dataclass

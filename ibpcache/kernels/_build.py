@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import DeviceError, KernelBuildError
 
-__all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy",
+__all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy", "sm_count",
            "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free", "host_register_read_only",
            "host_unregister", "copy_host_to_device"]
 
@@ -159,6 +159,15 @@ def device_index(x: "object") -> int:
 
     dev = x.device if isinstance(x, torch.Tensor) else x
     return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of a device (asked once: the query costs more than a launch). Every launcher's grid
+    math uses it, so it lives with the one launch path."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_id).multi_processor_count
 
 
 def _current_stream_ptr(device_id: int) -> int:

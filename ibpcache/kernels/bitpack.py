@@ -7,12 +7,12 @@ Workspaces (the error word) are cached per device, so the fetch path does no cud
 
 from __future__ import annotations
 
-import functools
 import numpy as np
 import torch
 
 from ..errors import CodecKindError, InvalidArgumentError, RowShapeError
-from ._build import device_index, launch
+from ._build import device_index, launch, sm_count
+from .exponent import ExponentTables, exp_decode_desc
 from .tables import KernelTables
 
 __all__ = [
@@ -35,12 +35,6 @@ def _ptr(t: "torch.Tensor | None") -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device_id: int) -> int:
-    """Streaming multiprocessors of a device (asked once: the query costs more than a launch)."""
-    return torch.cuda.get_device_properties(device_id).multi_processor_count
-
-
 def warp_grid(n_rows: int, device_id: int) -> int:
     """Blocks for a warp-per-row grid-stride kernel: enough to fill the GPU, never more than needed."""
     return max(1, min(-(-n_rows // _WARPS_PER_BLOCK), sm_count(device_id) * 16))
@@ -48,6 +42,14 @@ def warp_grid(n_rows: int, device_id: int) -> int:
 
 def _launch(symbol: str, device_id: int, grid: "int | tuple", block: int, args: tuple) -> None:
     launch(_SRC, symbol, device_id, grid, block, args)
+
+
+def _exp_err_words(device_id: int) -> torch.Tensor:
+    """A scratch error pair for exponent descriptor decodes whose caller reads no report."""
+    key = -1 - device_id
+    if key not in _err_words:
+        _err_words[key] = torch.zeros(2, dtype=torch.int64, device=f"cuda:{device_id}")
+    return _err_words[key]
 
 
 def _err_word(device_id: int) -> torch.Tensor:
@@ -182,11 +184,22 @@ def encode_into(rows_u8: torch.Tensor, dst_ptrs: torch.Tensor, lengths_out: torc
 
 
 def decode_descriptors(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: torch.Tensor, compressed: torch.Tensor,
-                       out_rows: "torch.Tensor | None", tables: KernelTables) -> None:
+                       out_rows: "torch.Tensor | None", tables: "KernelTables | ExponentTables",
+                       err: "torch.Tensor | None" = None) -> None:
     """Decode M rows, row m from absolute address ``src_ptrs[m]`` into ``out_u8[out_rows[m]]`` (or ``[m]``).
 
-    Sources may mix device memory (slab hits) and pinned host memory (misses): one launch serves both.
+    Sources may mix device memory (slab hits) and pinned host memory (misses): one launch serves both. ``tables``
+    picks the decoder: IBP/raw :class:`KernelTables` (this module's ``ibp_decode_desc_c{C}``) or
+    :class:`~ibpcache.kernels.exponent.ExponentTables` (``exponent.exp_decode_desc``, the same warp decode as the
+    lookup kernels). Exponent rows can be told malformed: ``err`` (int64 [2] on the device; a scratch word when None)
+    gets ``1 + m`` of the first such row in ``err[0]``; nothing here syncs.
     """
+    if isinstance(tables, ExponentTables):
+        _check_u8_rows(out_u8, "out_u8")
+        dev = device_index(out_u8)
+        exp_decode_desc(out_u8, src_ptrs, lengths, compressed, out_rows, tables,
+                        err if err is not None else _exp_err_words(dev))
+        return
     _check_u8_rows(out_u8, "out_u8")
     m = src_ptrs.numel()
     _check_tables(tables, out_u8.device, out_u8.shape[1], "out_u8")

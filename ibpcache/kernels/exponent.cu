@@ -19,9 +19,13 @@
 //   ibp_exp_encode_e{E}         encode every row to its own address, device or pinned host (thread per row)
 //   ibp_exp_decode_staged_e{E}  gather + decode, a row per lane (rows <= IBP_EXP_MAX_ROW bytes, one segment)
 //   ibp_exp_gather_e{E}         gather + decode, a row per warp (any row; rows <= IBP_EXP_WARP_MAX_ROW staged)
+//   ibp_exp_decode_desc_e{E}    decode rows given by descriptors (address, length, coded flag), a row per warp: the
+//                               exponent form of bitpack.cu's ibp_decode_desc_c{C} (slab hits + host misses, staged
+//                               rows)
 // Device functions other sources use: ibp_exp_row_bytes, ibp_exp_encode_row, ibp_exp_decode_row,
-// ibp_exp_decode_row_words, ibp_stage_rows (kv_packed.cu: 16-bit one-segment rows) and ibp_exp_decode_row_warp
-// (a warp decodes one row of any segment count, staged in shared memory: for the engine's lookup kernels).
+// ibp_exp_decode_row_words, ibp_stage_rows (kv_packed.cu: 16-bit one-segment rows) and ibp_exp_decode_row_any
+// (a warp decodes one row of any width and segment count: staged in shared memory up to IBP_EXP_WARP_MAX_ROW bytes;
+// what the engine's lookup kernels in lookup.cu call).
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -555,6 +559,22 @@ __device__ __forceinline__ void ibp_exp_decode_staged_impl(IBP_EXP_GATHER_PARAMS
   }
 }
 
+// One stored row decoded by the calling warp (all 32 lanes, uniform arguments), whatever its width: staged through
+// `smem` (this warp's IBP_EXP_WARP_SMEM_VEC uint4) by ibp_exp_decode_row_warp up to IBP_EXP_WARP_MAX_ROW bytes, read
+// directly past that (ibp_exp_decode_row_direct). The one row decoder of every warp-per-row kernel (gather,
+// descriptors, and the engine's lookup kernels in lookup.cu). Same contract as ibp_exp_decode_row_warp: false (every
+// lane) for a malformed row, and nothing is read past [src, src + len) rounded out to aligned 4-byte words.
+template <typename T>
+__device__ __forceinline__ bool ibp_exp_decode_row_any(const unsigned char* src, int len, bool coded,
+                                                       T* __restrict__ dst, const IbpExpGeom g,
+                                                       const int* __restrict__ lut, int max_bits, uint4* smem,
+                                                       int lane) {
+  return g.row_bytes <= IBP_EXP_WARP_MAX_ROW ? ibp_exp_decode_row_warp<T>(src, len, coded, dst, g, lut, max_bits,
+                                                                          smem, lane)
+                                             : ibp_exp_decode_row_direct<T>(src, len, coded, dst, g, lut, max_bits,
+                                                                            lane);
+}
+
 #define IBP_EXP_GATHER_WARPS 8  // warps per block of ibp_exp_gather (8 * 3088 bytes of shared memory)
 
 // A row per warp: ibp_exp_decode_row_warp for rows up to IBP_EXP_WARP_MAX_ROW bytes, ibp_exp_decode_row_direct past.
@@ -566,7 +586,6 @@ __device__ __forceinline__ void ibp_exp_gather_impl(IBP_EXP_GATHER_PARAMS, const
   uint4* mine = smem[threadIdx.x >> 5];
   const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
   const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-  const bool staged = g.row_bytes <= IBP_EXP_WARP_MAX_ROW;
   for (i64 i = warp; i < n; i += nwarps) {
     const i64 id = ids ? ids[i] : i;
     if (id < 0 || id >= n_rows) {
@@ -578,10 +597,34 @@ __device__ __forceinline__ void ibp_exp_gather_impl(IBP_EXP_GATHER_PARAMS, const
     T* dst = reinterpret_cast<T*>(out + (out_rows ? out_rows[i] : i) * (i64)g.row_bytes);
     const bool coded = len < g.row_bytes;
     bool ok = len <= g.row_bytes;
-    if (ok) {
-      ok = staged ? ibp_exp_decode_row_warp<T>(src, len, coded, dst, g, lut, max_bits, mine, lane)
-                  : ibp_exp_decode_row_direct<T>(src, len, coded, dst, g, lut, max_bits, lane);
-    }
+    if (ok) ok = ibp_exp_decode_row_any<T>(src, len, coded, dst, g, lut, max_bits, mine, lane);
+    if (!ok && lane == 0) ibp_exp_flag(err, 0, i);
+  }
+}
+
+// Decode descriptors (a row per warp): row i is lengths[i] bytes at the absolute address src_ptrs[i] (device
+// memory, or pinned host memory read zero-copy), coded iff compressed[i] != 0 (a raw row is row_bytes bytes,
+// whatever lengths[i] says), and goes to out row out_rows[i] (or i). Slab hits and host misses of one fetch decode in
+// one launch, as do the stored bytes the CPU staged (HostStore.stage): the exponent form of bitpack.cu's
+// ibp_decode_desc_c{C}. err[0] = 1 + the first i whose row is malformed (its output row is then partial).
+template <typename T>
+__device__ __forceinline__ void ibp_exp_decode_desc_impl(const i64* __restrict__ src_ptrs,
+                                                         const int* __restrict__ lengths,
+                                                         const unsigned char* __restrict__ compressed,
+                                                         const i64* __restrict__ out_rows,
+                                                         unsigned char* __restrict__ out, i64 n, const IbpExpGeom g,
+                                                         const int* __restrict__ lut, int max_bits, i64* err) {
+  __shared__ uint4 smem[IBP_EXP_GATHER_WARPS][IBP_EXP_WARP_SMEM_VEC];
+  const int lane = threadIdx.x & 31;
+  uint4* mine = smem[threadIdx.x >> 5];
+  const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+  const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+  for (i64 i = warp; i < n; i += nwarps) {
+    const bool coded = compressed[i] != 0;
+    const int len = coded ? lengths[i] : g.row_bytes;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(src_ptrs[i]);
+    T* dst = reinterpret_cast<T*>(out + (out_rows ? out_rows[i] : i) * (i64)g.row_bytes);
+    const bool ok = ibp_exp_decode_row_any<T>(src, len, coded, dst, g, lut, max_bits, mine, lane);
     if (!ok && lane == 0) ibp_exp_flag(err, 0, i);
   }
 }
@@ -605,6 +648,13 @@ __device__ __forceinline__ void ibp_exp_gather_impl(IBP_EXP_GATHER_PARAMS, const
       ibp_exp_gather_e##E(IBP_EXP_GATHER_PARAMS, IBP_EXP_GEOM_PARAMS, const int* lut, int max_bits) {                 \
     ibp_exp_gather_impl<T>(ids, n, base, offsets, lengths, n_rows, out, out_rows, err, IBP_EXP_GEOM_ARGS, lut,        \
                            max_bits);                                                                                  \
+  }                                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(32 * IBP_EXP_GATHER_WARPS)                                              \
+      ibp_exp_decode_desc_e##E(const i64* src_ptrs, const int* lengths, const unsigned char* compressed,               \
+                               const i64* out_rows, unsigned char* out, i64 n, IBP_EXP_GEOM_PARAMS, const int* lut,    \
+                               int max_bits, i64* err) {                                                               \
+    ibp_exp_decode_desc_impl<T>(src_ptrs, lengths, compressed, out_rows, out, n, IBP_EXP_GEOM_ARGS, lut, max_bits,     \
+                                err);                                                                                  \
   }
 
 IBP_EXP_KERNELS(2, unsigned short)

@@ -7,17 +7,17 @@ current stream; nothing here synchronizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
-from ._build import device_index, launch
-from .bitpack import sm_count
+from ._build import device_index, launch, sm_count
 
-__all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_gather", "STAGED_MAX_ROW", "WARP_MAX_ROW"]
+__all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_gather", "exp_decode_desc", "STAGED_MAX_ROW",
+           "WARP_MAX_ROW", "EXP_GEOM_FIELDS"]
 
 _SRC = "exponent.cu"
 _THREADS = 128
@@ -25,6 +25,8 @@ _STAGED_WARPS = 4  # IBP_EXP_WARPS
 _GATHER_WARPS = 8  # IBP_EXP_GATHER_WARPS
 STAGED_MAX_ROW = 256  # IBP_EXP_MAX_ROW: one-segment rows up to this many bytes decode a row per lane
 WARP_MAX_ROW = 2048  # IBP_EXP_WARP_MAX_ROW: rows up to this many bytes are staged in shared memory by the warp decode
+EXP_GEOM_FIELDS = ("row_elems", "eshift", "emask", "raw_bits", "row_bytes", "seg", "n_seg", "hdr_field")
+"""The geometry words (``ExponentTables.geom``) in the order lookup.cu's ExpRows reads them (IBP_EXP_GEOM_WORDS)."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class ExponentTables:
 
     ``code_len`` uint8 [2**ebits], ``code_rev`` int32 [2**ebits] (codewords bit-reversed over their length),
     ``lut`` int32 [2**max_bits] ((symbol << 8) | length); rows of ``row_elems`` elements of ``elem_bytes`` bytes in
-    ``n_seg`` segments of ``seg`` elements, whose starts take ``hdr_field`` bits each in the row header.
+    ``n_seg`` segments of ``seg`` elements, whose starts take ``hdr_field`` bits each in the row header. ``geom``
+    (int32 [8], on the tables' device, built here) holds that geometry as :data:`EXP_GEOM_FIELDS`: what the engine's
+    lookup kernels (``lookup.cu``) read, since their parameter list is shared with the IBP kinds.
     """
 
     code_len: torch.Tensor
@@ -49,14 +53,17 @@ class ExponentTables:
     seg: int
     n_seg: int
     hdr_field: int
+    geom: torch.Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.elem_bytes not in (2, 4) or self.row_bytes != self.elem_bytes * self.row_elems:
-            raise InvalidArgumentError(f"ExponentTables: {self.row_elems} elements of {self.elem_bytes} bytes are not "
-                                       f"{self.row_bytes}-byte rows")
+            raise InvalidArgumentError(f"ExponentTables: {self.row_elems} elements of {self.elem_bytes} bytes are "
+                                       f"not {self.row_bytes}-byte rows")
         if self.n_seg != -(-self.row_elems // self.seg) or self.hdr_field not in (16, 32):
             raise InvalidArgumentError(f"ExponentTables: {self.n_seg} segments of {self.seg} do not cover "
                                        f"{self.row_elems} elements, or hdr_field {self.hdr_field} is not 16/32")
+        geom = torch.tensor([getattr(self, f) for f in EXP_GEOM_FIELDS], dtype=torch.int32)
+        object.__setattr__(self, "geom", geom.to(self.lut.device))
 
     @property
     def device(self) -> torch.device:
@@ -82,7 +89,7 @@ def _check_rows(rows_u8: torch.Tensor, tab: ExponentTables, name: str) -> int:
     if (not rows_u8.is_cuda or rows_u8.dtype != torch.uint8 or rows_u8.dim() != 2 or not rows_u8.is_contiguous()
             or rows_u8.shape[1] != tab.row_bytes):
         raise InvalidArgumentError(f"{name}: expected contiguous CUDA uint8 [N, {tab.row_bytes}] rows, got "
-                                   f"{rows_u8.dtype} {tuple(rows_u8.shape)} on {rows_u8.device}")
+                                             f"{rows_u8.dtype} {tuple(rows_u8.shape)} on {rows_u8.device}")
     if rows_u8.data_ptr() % tab.elem_bytes:
         raise InvalidArgumentError(f"{name}: rows must start at a multiple of {tab.elem_bytes} bytes (their elements "
                                    "are read as such)")
@@ -110,7 +117,7 @@ def exp_encode(rows_u8: torch.Tensor, tab: ExponentTables, dst_ptrs: torch.Tenso
     for name, t, dt in (("dst_ptrs", dst_ptrs, torch.int64), ("lengths", lengths, torch.int32)):
         if t.dtype != dt or t.shape != (n,) or not t.is_cuda or not t.is_contiguous():
             raise InvalidArgumentError(f"{name}: expected a contiguous CUDA {dt} tensor of shape ({n},), got {t.dtype} "
-                                       f"{tuple(t.shape)} on {t.device}")
+                                                 f"{tuple(t.shape)} on {t.device}")
     if n:
         launch(_SRC, f"ibp_exp_encode_e{tab.elem_bytes}", dev, _grid(n, dev, _THREADS), _THREADS,
                (_p(rows_u8), np.int64(n), *_geometry(tab), _p(tab.code_len), _p(tab.code_rev), _p(dst_ptrs),
@@ -131,7 +138,7 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
     if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
             or out_u8.shape[1] != tab.row_bytes or out_u8.data_ptr() % tab.elem_bytes):
         raise InvalidArgumentError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned to "
-                                   f"{tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on "
+                                             f"{tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on "
                                    f"{out_u8.device}")
     dev = device_index(out_u8)
     m = int(ids.numel()) if ids is not None else int(n_rows)
@@ -145,7 +152,7 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
     for name, t, dt, size in checks:
         if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != out_u8.device:
             raise InvalidArgumentError(f"{name}: expected a contiguous {dt} tensor of {size} elements on "
-                                       f"{out_u8.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+                                                 f"{out_u8.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
     if out_rows is None and out_u8.shape[0] != m:
         raise InvalidArgumentError(f"out_u8: expected {m} rows, got {out_u8.shape[0]}")
     if tab.lut.device != out_u8.device:
@@ -160,3 +167,38 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
     else:
         launch(_SRC, f"ibp_exp_gather_e{tab.elem_bytes}", dev, max(1, min(-(-m // _GATHER_WARPS), sm_count(dev) * 16)),
                32 * _GATHER_WARPS, args)
+
+
+def exp_decode_desc(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: torch.Tensor, compressed: torch.Tensor,
+                    out_rows: Optional[torch.Tensor], tab: ExponentTables, err: torch.Tensor) -> None:
+    """Decode M rows given by descriptors, a row per warp: row m is ``lengths[m]`` bytes at the absolute address
+    ``src_ptrs[m]`` (device memory or pinned host memory: slab hits and host misses of one fetch, or rows the CPU
+    staged), coded iff ``compressed[m]``, into ``out_u8[out_rows[m]]`` (or ``[m]``). The exponent form of
+    ``bitpack.decode_descriptors`` (which calls this for exponent tables). ``err`` (int64 [2], CUDA): ``err[0]`` =
+    1 + the first m whose row is malformed (checked by whoever reads it; nothing here syncs).
+    """
+    m = int(src_ptrs.numel())
+    if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
+            or out_u8.shape[1] != tab.row_bytes or out_u8.data_ptr() % tab.elem_bytes):
+        raise InvalidArgumentError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned "
+                                   f"to {tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on "
+                                   f"{out_u8.device}")
+    checks = [("src_ptrs", src_ptrs, torch.int64, m), ("lengths", lengths, torch.int32, m),
+              ("compressed", compressed, torch.uint8, m), ("err", err, torch.int64, 2)]
+    if out_rows is not None:
+        checks.append(("out_rows", out_rows, torch.int64, m))
+    for name, t, dt, size in checks:
+        if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != out_u8.device:
+            raise InvalidArgumentError(f"{name}: expected a contiguous {dt} tensor of {size} elements on "
+                                       f"{out_u8.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if out_rows is None and out_u8.shape[0] < m:
+        raise InvalidArgumentError(f"out_u8: expected at least {m} rows, got {out_u8.shape[0]}")
+    if tab.lut.device != out_u8.device:
+        raise InvalidArgumentError(f"tables are on {tab.lut.device}, the output on {out_u8.device}")
+    if m == 0:
+        return
+    dev = device_index(out_u8)
+    launch(_SRC, f"ibp_exp_decode_desc_e{tab.elem_bytes}", dev,
+           max(1, min(-(-m // _GATHER_WARPS), sm_count(dev) * 16)), 32 * _GATHER_WARPS,
+           (_p(src_ptrs), _p(lengths), _p(compressed), _p(out_rows), _p(out_u8), np.int64(m), *_geometry(tab),
+            _p(tab.lut), np.int32(tab.max_bits), _p(err)))

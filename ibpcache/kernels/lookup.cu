@@ -1,4 +1,4 @@
-// requires: bitpack.cu hashmap.cu
+// requires: bitpack.cu hashmap.cu exponent.cu
 // The engine's one lookup launch: for every bag (a run of ids; one id per bag for plain row fetches) probe the
 // cache index, read each row from its slab (hit) or zero-copy from the pinned host store (miss), decode it, and
 // either write it out (op ROWS) or pool the bag (SUM / MEAN / MAX, optional per-sample weights) straight into its
@@ -15,6 +15,14 @@
 // per-sample weights, as nvcc contracts torch's `acc += v * w`); MEAN divides by the number of ids at the end;
 // MAX keeps the first value unless a later one compares greater (torch's rule, NaN included); the result is
 // rounded to the row dtype with the hardware's round-to-nearest conversions, as torch's casts are.
+//
+// Codecs: every kernel that decodes rows (STAGE, ROWS, POOL) is a template over a codec kind, and each launch
+// instantiates exactly one decoder: IbpRows<C> (IBP with C-byte chunks, and raw rows: kernels *_c{C}) or ExpRows<T>
+// (exponent-coded float rows of 16- or 32-bit elements T: kernels *_e2 / *_e4). The kind brings its own per-warp
+// shared memory, so an IBP kernel is the same code it would be without the exponent kinds. The launcher
+// (lookup.py) picks the kind from the codec's kernel tables. The codec's arguments travel in three generic kernel
+// parameters (codec_n, codec_a, codec_b): IBP n_chunks, mask, bitval; exponent max_bits, its decode table (int32
+// [2^max_bits]) and its geometry words (int32 [IBP_EXP_GEOM_WORDS], ExponentTables.geom).
 
 // index mode of a raw row cache (e.g. the trainable rows of an embedding bag): table_values is int32 [n_rows]
 // holding each row's slot in slab 0 (-1 = not cached); keep in sync with IndexMode in lookup.py
@@ -163,13 +171,65 @@ __device__ __forceinline__ void ibp_report_bad_offsets(volatile int* err, i64 ba
     err[0] = 2;
 }
 
-// Arguments shared by both kernels, in this order (see ibpcache/kernels/lookup.py):
+// ---- codec kinds --------------------------------------------------------------------------------------
+// What a kind provides: SMEM_VEC (uint4 of per-warp shared memory its decoder needs), a constructor from the row
+// size and the three codec parameters, and decode(src, len, coded, dst, smem, lane): the calling warp (all 32 lanes,
+// uniform arguments) decodes one stored row into dst; false (every lane) if the row is malformed (dst then holds
+// partial output). IBP rows cannot be told malformed (every bit string decodes), so IbpRows::decode is always true
+// and the callers' error branches vanish from IBP kernels.
+
+template <int C>
+struct IbpRows {
+    static constexpr int SMEM_VEC = IBP_RING_VEC;  // the warp's ring buffer (bitpack.cu)
+    int row_bytes, n_chunks;
+    const u64* mask;
+    const u64* bitval;
+    __device__ __forceinline__ IbpRows(int row_bytes_, int codec_n, const u64* codec_a, const u64* codec_b)
+        : row_bytes(row_bytes_), n_chunks(codec_n), mask(codec_a), bitval(codec_b) {}
+    __device__ __forceinline__ bool decode(const unsigned char* src, int len, bool coded, unsigned char* dst,
+                                           uint4* smem, int lane) const {
+        ibp_decode_row<C>(src, len, coded, dst, row_bytes, n_chunks, mask, bitval, smem, lane);
+        return true;
+    }
+};
+
+// The geometry words of an exponent code (ExponentTables.geom; keep in sync with EXP_GEOM_FIELDS in exponent.py).
+#define IBP_EXP_GEOM_WORDS 8
+
+template <typename T>
+struct ExpRows {
+    static constexpr int SMEM_VEC = IBP_EXP_WARP_SMEM_VEC;  // staged row + exponent bytes (exponent.cu)
+    IbpExpGeom g;
+    const int* lut;
+    int max_bits;
+    // codec_n = max_bits, codec_a = the decode table, codec_b = the geometry words (d, eshift, emask, raw_bits,
+    // row_bytes, seg, n_seg, hdr_field), read once per thread.
+    __device__ __forceinline__ ExpRows(int row_bytes, int codec_n, const u64* codec_a, const u64* codec_b) {
+        const int* w = reinterpret_cast<const int*>(codec_b);
+        g = ibp_exp_geom(__ldg(w + 0), __ldg(w + 1), __ldg(w + 2), __ldg(w + 3), row_bytes, __ldg(w + 5),
+                         __ldg(w + 6), __ldg(w + 7));
+        lut = reinterpret_cast<const int*>(codec_a);
+        max_bits = codec_n;
+    }
+    __device__ __forceinline__ bool decode(const unsigned char* src, int len, bool coded, unsigned char* dst,
+                                           uint4* smem, int lane) const {
+        return ibp_exp_decode_row_any<T>(src, len, coded, reinterpret_cast<T*>(dst), g, lut, max_bits, smem, lane);
+    }
+};
+
+// err[0] = 3: a stored row was malformed (err[1] = its table); its output row is zeros (ROWS) or it pooled nothing.
+__device__ __forceinline__ void ibp_report_corrupt_row(volatile int* err, int t) {
+    err[1] = t;
+    err[0] = 3;
+}
+
+// Arguments shared by the kernels, in this order (see ibpcache/kernels/lookup.py):
 #define IBP_LOOKUP_PARAMS                                                                                       \
     const i64 *ids, i64 n_ids, const i64 *bag_offsets, int bag_size, i64 n_bags, int include_last,             \
         int n_tables, i64 per_table, int sample_major, const i64 *table_base, const i64 *table_rows, i64 n_rows, \
         unsigned char *out, int index_mode, const i64 *table_keys, const i64 *table_values, i64 capacity,       \
         int max_probes, const i64 *slab_bases, i64 host_base, const i64 *host_offsets, i64 host_stride,         \
-        const int *host_lengths, int row_bytes, int n_chunks, const u64 *mask, const u64 *bitval,              \
+        const int *host_lengths, int row_bytes, int codec_n, const u64 *codec_a, const u64 *codec_b,           \
         u64 *counters, int *err, int *freq, i64 *stage_of, i64 *step_state, const unsigned char *staging,       \
         i64 stage_cap, const i64 *bag_order
 
@@ -271,17 +331,19 @@ extern "C" __global__ void ibp_lookup_claim(IBP_LOOKUP_PARAMS, i64* __restrict__
     }
 }
 
-// STAGE: warp per claimed row, host -> decoded row in the staging buffer (device memory).
-template <int C>
+// STAGE: warp per claimed row, host -> decoded row in the staging buffer (device memory). A malformed row is
+// reported (err) and staged as zeros, so the lookup that reads it raw returns zeros for it, never garbage.
+template <class K>
 __device__ void ibp_lookup_stage_impl(const i64* __restrict__ stage_gid, const i64* step_state, i64 stage_cap,
                                       unsigned char* __restrict__ staging, i64 host_base,
                                       const i64* __restrict__ host_offsets, i64 host_stride,
-                                      const int* __restrict__ host_lengths, int row_bytes, int n_chunks,
-                                      const u64* __restrict__ mask, const u64* __restrict__ bitval,
-                                      u64* __restrict__ counters) {
-    __shared__ uint4 sring[IBP_WARPS_PER_BLOCK][IBP_RING_VEC];
+                                      const int* __restrict__ host_lengths, int row_bytes, int codec_n,
+                                      const u64* __restrict__ codec_a, const u64* __restrict__ codec_b,
+                                      u64* __restrict__ counters, int* err) {
+    __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
+    const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
-    uint4* ring = sring[threadIdx.x >> 5];
+    uint4* smem = sdec[threadIdx.x >> 5];
     const i64 gen = step_state[0];
     i64 n = step_state[1 + (gen & 1)];
     if (n > stage_cap) n = stage_cap;
@@ -295,21 +357,25 @@ __device__ void ibp_lookup_stage_impl(const i64* __restrict__ stage_gid, const i
         int len = host_lengths != nullptr ? host_lengths[gid] : row_bytes;
         const bool comp = len < row_bytes;
         if (!comp) len = row_bytes;
-        ibp_decode_row<C>(src, len, comp, staging + k * (i64)row_bytes, row_bytes, n_chunks, mask, bitval, ring, lane);
+        unsigned char* dst = staging + k * (i64)row_bytes;
+        if (!codec.decode(src, len, comp, dst, smem, lane)) {
+            if (lane == 0) ibp_report_corrupt_row(err, 0);
+            __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
+            for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
+        }
         host_bytes += (u64)len;
     }
     if (lane == 0 && counters != nullptr && host_bytes != 0) atomicAdd(&counters[IBP_COUNTER_HOST_BYTES], host_bytes);
 }
 
-#define IBP_LOOKUP_STAGE(C)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK) ibp_lookup_stage_c##C(               \
+#define IBP_LOOKUP_STAGE(NAME, K)                                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK) ibp_lookup_stage_##NAME(             \
         const i64* stage_gid, const i64* step_state, i64 stage_cap, unsigned char* staging, i64 host_base,      \
-        const i64* host_offsets, i64 host_stride, const int* host_lengths, int row_bytes, int n_chunks,         \
-        const u64* mask, const u64* bitval, u64* counters) {                                                    \
-        ibp_lookup_stage_impl<C>(stage_gid, step_state, stage_cap, staging, host_base, host_offsets, host_stride, \
-                                 host_lengths, row_bytes, n_chunks, mask, bitval, counters);                    \
+        const i64* host_offsets, i64 host_stride, const int* host_lengths, int row_bytes, int codec_n,          \
+        const u64* codec_a, const u64* codec_b, u64* counters, int* err) {                                      \
+        ibp_lookup_stage_impl<K>(stage_gid, step_state, stage_cap, staging, host_base, host_offsets, host_stride, \
+                                 host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err);            \
     }
-IBP_FOR_EACH_C(IBP_LOOKUP_STAGE)
 
 // Where a row is read by the lookup: its slab entry on a hit, else its staging row (claimed this step), else the
 // host store. Host bytes of staged rows were counted by STAGE; a staged row counts as a miss with 0 host bytes here.
@@ -337,11 +403,12 @@ __device__ __forceinline__ IbpRowSource ibp_lookup_source(i64 gid, int index_mod
 }
 
 // ROWS: one id per bag, decoded straight into its output row. Warp per bag, 8 warps per block.
-template <int C>
+template <class K>
 __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
-    __shared__ uint4 sring[IBP_WARPS_PER_BLOCK][IBP_RING_VEC];
+    __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
+    const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
-    uint4* ring = sring[threadIdx.x >> 5];
+    uint4* smem = sdec[threadIdx.x >> 5];
     const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
     const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
     u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
@@ -365,7 +432,11 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
         IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
                                            host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
                                            step_state, staging, stage_cap, staged);
-        ibp_decode_row<C>(r.src, r.len, r.comp, dst, row_bytes, n_chunks, mask, bitval, ring, lane);
+        if (!codec.decode(r.src, r.len, r.comp, dst, smem, lane)) {
+            if (lane == 0) ibp_report_corrupt_row(err, t);
+            __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
+            for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
+        }
         requests += 1;
         if (r.hit) {
             hits += 1;
@@ -382,12 +453,13 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
 // SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * IBP_POOL_PER_LANE elements.
 // Each row is decoded into the warp's shared row buffer, then every lane folds its elements (e = lane + 32 k)
 // into float registers.
-template <int C>
+template <class K>
 __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
-    __shared__ uint4 sring[IBP_POOL_WARPS][IBP_RING_VEC];
+    __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];
     __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];
+    const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
-    uint4* ring = sring[threadIdx.x >> 5];
+    uint4* smem = sdec[threadIdx.x >> 5];
     unsigned char* rowbuf = reinterpret_cast<unsigned char*>(srow[threadIdx.x >> 5]);
     const int elem_bytes = elem == IBP_ELEM_F32 ? 4 : 2;
     const int dim = row_bytes / elem_bytes;
@@ -419,7 +491,10 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
             IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes,
                                                slab_bases, host_base, host_offsets, host_stride, host_lengths,
                                                row_bytes, stage_of, step_state, staging, stage_cap, staged);
-            ibp_decode_row<C>(r.src, r.len, r.comp, rowbuf, row_bytes, n_chunks, mask, bitval, ring, lane);
+            if (!codec.decode(r.src, r.len, r.comp, rowbuf, smem, lane)) {  // uniform across the warp
+                if (lane == 0) ibp_report_corrupt_row(err, t);
+                continue;  // a malformed row pools nothing (rowbuf is rewritten by the next decode)
+            }
             __syncwarp();
             const float w = psw != nullptr ? psw[p] : 1.0f;
 #pragma unroll
@@ -465,16 +540,21 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
 #define IBP_LOOKUP_ARGS                                                                                           \
     ids, n_ids, bag_offsets, bag_size, n_bags, include_last, n_tables, per_table, sample_major, table_base,        \
         table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
-        host_offsets, host_stride, host_lengths, row_bytes, n_chunks, mask, bitval, counters, err, freq, stage_of, \
+        host_offsets, host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err, freq, stage_of, \
         step_state, staging, stage_cap, bag_order
 
-#define IBP_LOOKUP(C)                                                                                           \
+// The kernels of one codec kind: ibp_lookup_{stage,rows,pool}_NAME.
+#define IBP_LOOKUP(NAME, K)                                                                                     \
+    IBP_LOOKUP_STAGE(NAME, K)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                      \
-        ibp_lookup_rows_c##C(IBP_LOOKUP_PARAMS) {                                                               \
-        ibp_lookup_rows_impl<C>(IBP_LOOKUP_ARGS);                                                               \
+        ibp_lookup_rows_##NAME(IBP_LOOKUP_PARAMS) {                                                             \
+        ibp_lookup_rows_impl<K>(IBP_LOOKUP_ARGS);                                                               \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
-        ibp_lookup_pool_c##C(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                           \
-        ibp_lookup_pool_impl<C>(op, elem, psw, IBP_LOOKUP_ARGS);                                                \
+        ibp_lookup_pool_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                         \
+        ibp_lookup_pool_impl<K>(op, elem, psw, IBP_LOOKUP_ARGS);                                                \
     }
-IBP_FOR_EACH_C(IBP_LOOKUP)
+#define IBP_LOOKUP_IBP(C) IBP_LOOKUP(c##C, IbpRows<C>)
+IBP_FOR_EACH_C(IBP_LOOKUP_IBP)
+IBP_LOOKUP(e2, ExpRows<unsigned short>)
+IBP_LOOKUP(e4, ExpRows<unsigned int>)

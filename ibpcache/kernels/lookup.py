@@ -1,5 +1,9 @@
 """Launchers of ``lookup.cu``: the engine's one lookup launch (probe + slab/zero-copy read + decode [+ pooling]).
 
+The codec's kernel tables pick the kernels: IBP / raw :class:`KernelTables` launch the ``*_c{chunk_bytes}`` kernels,
+exponent :class:`~ibpcache.kernels.exponent.ExponentTables` the ``*_e{2,4}`` ones (``codec_kind``); any other tables
+raise :class:`~ibpcache.errors.CodecKindError` before a launch.
+
 Nothing here synchronizes the device, allocates, or reads a tensor's values: every launch is CUDA-graph capturable
 as long as its tensors stay alive and in place. Bad ids are reported by the kernel through ``err`` (a pinned host
 int32 word pair the caller reads when it wants to, without a sync), never by a trap.
@@ -9,18 +13,22 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
-from ._build import device_index, launch
-from .bitpack import check_ibp_tables, sm_count
+from ..errors import CodecKindError
+from ._build import device_index, launch, sm_count
+from .exponent import ExponentTables
 from .hashmap import IndexArgs
 from .tables import KernelTables
 
+Tables = Union[KernelTables, ExponentTables]
+"""The kernel tables a lookup takes: which one picks the kernels' decoder (``codec_kind``)."""
+
 __all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "RowSource", "BagLayout", "Staging", "LookupErrors", "lookup_rows",
-           "lookup_pool",
+           "lookup_pool", "codec_kind", "CORRUPT_ROW",
            "POOL_MAX_ROW_BYTES", "POOL_MAX_ELEMS", "pool_supported"]
 
 _SRC = "lookup.cu"
@@ -94,10 +102,19 @@ class BagLayout:
 _ONE_TABLE = BagLayout()
 
 
+CORRUPT_ROW = 3
+"""LookupErrors kind of a stored row the decoder found malformed (exponent rows; IBP cannot tell)."""
+
+
 class LookupErrors:
     """The kernels' bad-input report: two int32 words (kind, where) that the kernel writes and the host reads
     without a sync (pinned host memory on CUDA). kind 1: an id outside its table (where = the table); kind 2:
-    offsets that break torch's rules (where = the bag)."""
+    offsets that break torch's rules (where = the bag); kind 3 (:data:`CORRUPT_ROW`): a stored row that does not
+    decode (a corrupt store; where = the table; its output row is zeros, or it pooled nothing)."""
+
+    BAD_ID = 1
+    BAD_OFFSETS = 2
+    CORRUPT_ROW = CORRUPT_ROW
 
     def __init__(self, pin: bool) -> None:
         self.words = torch.zeros(2, dtype=torch.int32, pin_memory=pin)
@@ -145,8 +162,20 @@ def _ptr(t: Optional[torch.Tensor]) -> np.uint64:
     return np.uint64(0 if t is None or t.numel() == 0 else t.data_ptr())
 
 
+def codec_kind(tables: object) -> tuple[str, tuple]:
+    """The kernel-name suffix of a codec's tables and their three codec arguments (``codec_n, codec_a, codec_b`` in
+    lookup.cu): IBP / raw ``("c{C}", (n_chunks, mask, bitval))``, exponent ``("e{2,4}", (max_bits, lut, geom))``.
+    Other tables raise CodecKindError: a kernel must never decode rows of a format it does not read."""
+    if isinstance(tables, KernelTables):
+        return f"c{tables.chunk_bytes}", (np.int32(tables.n_chunks), _ptr(tables.mask), _ptr(tables.bitval))
+    if isinstance(tables, ExponentTables):
+        return f"e{tables.elem_bytes}", (np.int32(tables.max_bits), _ptr(tables.lut), _ptr(tables.geom))
+    raise CodecKindError(f"the lookup kernels decode IBP, raw and exponent-coded rows; got tables of type "
+                         f"{type(tables).__name__}")
+
+
 def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
-                 include_last: bool, layout: Optional[BagLayout], out: torch.Tensor, src: RowSource, tables: KernelTables,
+                 include_last: bool, layout: Optional[BagLayout], out: torch.Tensor, src: RowSource, tables: Tables,
                  counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor],
                  staging: Optional[Staging], bag_order: Optional[torch.Tensor] = None) -> tuple:
     idx = src.index
@@ -158,58 +187,67 @@ def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_siz
         np.int32(int(layout.sample_major)), _ptr(layout.table_base), _ptr(layout.table_rows), np.int64(src.n_rows),
         _ptr(out), np.int32(int(idx.mode)), _ptr(idx.table_keys), _ptr(idx.table_values), np.int64(idx.capacity),
         np.int32(idx.max_probes), _ptr(src.slab_bases), np.int64(src.host_base), _ptr(src.host_offsets),
-        np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes), np.int32(tables.n_chunks),
-        _ptr(tables.mask), _ptr(tables.bitval), _ptr(counters), np.uint64(err_ptr), _ptr(freq),
+        np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes), *codec_kind(tables)[1],
+        _ptr(counters), np.uint64(err_ptr), _ptr(freq),
         _ptr(st.stage_of if st else None), _ptr(st.step_state if st else None), _ptr(st.rows if st else None),
         np.int64(st.cap if st else 0), _ptr(bag_order))
 
 
-def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
-           staging: Staging) -> None:
+def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: Tables, counters: Optional[torch.Tensor],
+           staging: Staging, err_ptr: int) -> None:
     """CLAIM (warp per bag) then STAGE (warp per claimed row): the unique misses of this step, read once."""
     grid = max(1, min(-(-n_bags // _ROWS_WARPS), sm_count(dev) * 16))
     launch(_SRC, "ibp_lookup_claim", dev, grid, 32 * _ROWS_WARPS, args + (_ptr(staging.stage_gid),))
+    kind, args_of = codec_kind(tables)
     stage_args = (_ptr(staging.stage_gid), _ptr(staging.step_state), np.int64(staging.cap), _ptr(staging.rows),
                   np.int64(src.host_base), _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths),
-                  np.int32(tables.row_bytes), np.int32(tables.n_chunks), _ptr(tables.mask), _ptr(tables.bitval),
-                  _ptr(counters))
-    launch(_SRC, f"ibp_lookup_stage_c{tables.chunk_bytes}", dev, sm_count(dev) * 8, 32 * _ROWS_WARPS, stage_args)
+                  np.int32(tables.row_bytes), *args_of, _ptr(counters), np.uint64(err_ptr))
+    launch(_SRC, f"ibp_lookup_stage_{kind}", dev, sm_count(dev) * 8, 32 * _ROWS_WARPS, stage_args)
 
 
-def _check(ids: torch.Tensor, out: torch.Tensor, tables: KernelTables, err_ptr: int) -> int:
-    check_ibp_tables(tables)  # the lookup decodes IBP rows only: another codec's tables are an error, not garbage
+def _check(ids: torch.Tensor, out: torch.Tensor, tables: Tables, err_ptr: int,
+           staging: Optional[Staging] = None) -> str:
+    """Cheap launch invariants; returns the kernels' codec suffix (raises CodecKindError for unknown tables)."""
+    kind = codec_kind(tables)[0]  # another codec's tables are an error, never garbage
     assert ids.dtype == torch.int64 and ids.is_cuda and ids.is_contiguous()
     assert out.dtype == torch.uint8 and out.is_cuda and out.is_contiguous()
     assert err_ptr != 0, "err must point at pinned host memory (two int32 words)"
     assert tables.row_bytes > 0
-    return device_index(out)
+    if isinstance(tables, ExponentTables):  # its decoder stores whole elements: rows start element-aligned
+        assert tables.device == out.device, f"tables on {tables.device}, output on {out.device}"
+        assert out.data_ptr() % tables.elem_bytes == 0 and tables.row_bytes % tables.elem_bytes == 0
+        if staging is not None:
+            assert staging.rows.data_ptr() % tables.elem_bytes == 0
+    return kind
 
 
-def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: KernelTables,
+def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: Tables,
                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor] = None,
                 layout: Optional[BagLayout] = None, staging: Optional[Staging] = None) -> None:
     """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``.
     With ``staging``: three launches that read every missed row from host memory once (else one launch)."""
-    dev = _check(ids, out, tables, err_ptr)
+    kind = _check(ids, out, tables, err_ptr, staging)
+    dev = device_index(out)
     n = ids.numel()
     if n == 0:
         return
     grid = max(1, min(-(-n // _ROWS_WARPS), sm_count(dev) * 16))
     args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq, staging)
     if staging is not None:
-        _stage(args, n, dev, src, tables, counters, staging)
-    launch(_SRC, f"ibp_lookup_rows_c{tables.chunk_bytes}", dev, grid, 32 * _ROWS_WARPS, args)
+        _stage(args, n, dev, src, tables, counters, staging, err_ptr)
+    launch(_SRC, f"ibp_lookup_rows_{kind}", dev, grid, 32 * _ROWS_WARPS, args)
 
 
 def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
                 include_last: bool, op: PoolOp, elem: ElemType, per_sample_weights: Optional[torch.Tensor],
-                out: torch.Tensor, src: RowSource, tables: KernelTables, counters: Optional[torch.Tensor],
+                out: torch.Tensor, src: RowSource, tables: Tables, counters: Optional[torch.Tensor],
                 err_ptr: int, freq: Optional[torch.Tensor] = None, layout: Optional[BagLayout] = None,
                 staging: Optional[Staging] = None, bag_order: Optional[torch.Tensor] = None) -> None:
     """Pool each bag (``bag_offsets`` as torch.nn.functional.embedding_bag takes them, or fixed ``bag_size``)
     into its output row; see lookup.cu for the exact arithmetic. ``bag_order`` (int64 [n_bags], a permutation) is
     the order in which warps take bags (e.g. sorted by row id, so host rows are read in address order)."""
-    dev = _check(ids, out, tables, err_ptr)
+    kind = _check(ids, out, tables, err_ptr, staging)
+    dev = device_index(out)
     assert op is not PoolOp.ROWS
     assert tables.row_bytes <= POOL_MAX_ROW_BYTES
     if per_sample_weights is not None:
@@ -224,6 +262,6 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
     common = _common_args(ids, bag_offsets, bag_size, n_bags, include_last, layout, out, src, tables, counters,
                           err_ptr, freq, staging, bag_order)
     if staging is not None:
-        _stage(common, n_bags, dev, src, tables, counters, staging)
+        _stage(common, n_bags, dev, src, tables, counters, staging, err_ptr)
     args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + common
-    launch(_SRC, f"ibp_lookup_pool_c{tables.chunk_bytes}", dev, grid, 32 * _POOL_WARPS, args)
+    launch(_SRC, f"ibp_lookup_pool_{kind}", dev, grid, 32 * _POOL_WARPS, args)

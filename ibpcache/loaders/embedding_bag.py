@@ -250,8 +250,10 @@ class _CachedBagBase(nn.Module):
             store = HostStore.adopt(weight, device=self.device, transfer=fetch)
         else:
             weight = self._initial_weight(weight, dtype).to("cpu")
-            store = HostStore(weight, codec=FitOptions(threshold, chunk_bytes), compress=compress, device=self.device,
-                              transfer=fetch)
+            # "auto": the planner weighs IBP, exponent coding (float tables) and raw rows by this machine's fetch
+            method = "auto" if compress == "auto" else "ibp"
+            store = HostStore(weight, codec=FitOptions(threshold, chunk_bytes, method=method), compress=compress,
+                              device=self.device, transfer=fetch)
         del weight
         capacity = max(1, int(num_embeddings * self.cache_ratio))
         self.cache_weight_mgr = CachedRowManager(
@@ -349,6 +351,9 @@ class _CachedBagBase(nn.Module):
         if report is None:
             return
         kind, where = report
+        if kind == fused.errors.CORRUPT_ROW:
+            raise FormatError("a recent lookup read a stored row that does not decode within its stored length (a "
+                              "corrupt host store); it pooled nothing")
         if kind == 2:
             raise EmbeddingBagInputError(f"a recent lookup got offsets that are not non-decreasing from 0 to at most "
                                          f"len(input) (first seen at bag {where}; validate='lazy' reports it after "

@@ -1,7 +1,9 @@
 """Run by test_partitioned.py: W ranks share one compressed store and a node-wide partitioned cache.
 
-``python partitioned_worker.py WORLD PORT OUT_DIR BACKEND``: BACKEND ``gloo`` runs CPU caches, ``nccl`` one GPU per
-rank. Rank 0 compresses real rows (bundled Cora) and shares them; every rank attaches, builds its share of the
+``python partitioned_worker.py WORLD PORT OUT_DIR BACKEND [MODE]``: BACKEND ``gloo`` runs CPU caches, ``nccl`` one GPU
+per rank. MODE ``ibp`` (default) / ``exponent``: rank 0 codes real rows (bundled Cora) with that method and shares
+them, every rank attaches; ``auto``: every rank passes the rows themselves with ``codec="auto"`` and
+``compress_host="auto"`` (rank 0 plans, the others follow). Every rank then builds its share of the
 cache (hotness: a seeded power law over a random order), fetches a seeded batch (duplicates, rows cached here, on
 the peer and nowhere) and an empty one, then tries bad ids (all ranks together, then on one rank only:
 every rank must raise and carry on). Saves what the test checks.
@@ -18,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -33,13 +35,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> Non
 
         table = load_cora().features
         name = f"ptest-{port}"
-        if rank == 0:
-            seg = Codec.fit(table).compress(table, layout="inplace", pin=False).share(name)
+        if rank == 0 and mode != "auto":
+            seg = Codec.fit(table, method=mode).compress(table, layout="inplace", pin=False).share(name)
         dist.barrier()
-        rows = CompressedRows.attach(name)
+        rows = table if mode == "auto" else CompressedRows.attach(name)
+        kwargs = {"codec": "auto", "compress_host": "auto"} if mode == "auto" else {}
         gen = torch.Generator().manual_seed(7)
         hotness = (torch.randperm(table.shape[0], generator=gen) + 1.0) ** -1.2
-        cache = PartitionedFeatureCache(rows, hotness, budget_bytes=0.004, device=device)
+        cache = PartitionedFeatureCache(rows, hotness, budget_bytes=0.004 if mode != "exponent" else 0.02,
+                                        device=device, **kwargs)
         ids = torch.randint(0, table.shape[0], (4000 + 300 * rank,), generator=torch.Generator().manual_seed(rank))
         hot_ids = torch.argsort(hotness, descending=True)[:200]
         ids = torch.cat([ids, hot_ids, hot_ids[:50]])
@@ -64,7 +68,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> Non
                  served_rows=st["served_rows"], bad=np.array(bad), one_bad=np.array(one_bad),
                  after=after.cpu().view(torch.uint8).numpy(), after_ids=hot_ids[:20].numpy(),
                  counts=np.array([st["requests"], st["local_hits"], st["peer_hits"], st["host_misses"]]),
-                 hit_rate=st["hit_rate"], bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"])
+                 hit_rate=st["hit_rate"], bytes_sent=st["bytes_sent"], bytes_received=st["bytes_received"],
+                 method=cache.cache.codec.method, compress_host=cache.cache.compress_host,
+                 chosen_by=str(cache.cache.host_layout.get("chosen_by", "")))
         dist.barrier()
     finally:
         if seg is not None:
@@ -75,4 +81,5 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> Non
 
 if __name__ == "__main__":
     world, port, out_dir, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    mp.spawn(_worker, args=(world, port, out_dir, backend), nprocs=world, join=True)
+    mode = sys.argv[5] if len(sys.argv) > 5 else "ibp"
+    mp.spawn(_worker, args=(world, port, out_dir, backend, mode), nprocs=world, join=True)

@@ -35,10 +35,10 @@ def test_static_policy_never_admits_minus_inf_rows() -> None:
     assert sorted(chosen.tolist()) == [0, 2]
 
 
-def _run(world: int, backend: str, tmp_path: Path, free_port: int) -> list[dict[str, Any]]:
+def _run(world: int, backend: str, tmp_path: Path, free_port: int, mode: str = "ibp") -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, str(Path(__file__).with_name("partitioned_worker.py")), str(world),
-                          str(free_port), str(tmp_path), backend], env=env, capture_output=True, timeout=600)
+                          str(free_port), str(tmp_path), backend, mode], env=env, capture_output=True, timeout=600)
     assert res.returncode == 0, res.stderr.decode()[-3000:]
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(world)]
 
@@ -69,10 +69,29 @@ def test_two_gloo_ranks_partition_the_hot_rows(tmp_path: Path, cora: Any, free_p
     _check(_run(2, "gloo", tmp_path, free_port), cora)
 
 
+def test_partitioned_cache_over_an_exponent_store(tmp_path: Path, cora: Any, free_port: int) -> None:
+    ranks = _run(2, "gloo", tmp_path, free_port, "exponent")
+    _check(ranks, cora)
+    assert [str(r["method"]) for r in ranks] == ["exponent", "exponent"]
+
+
+def test_planned_codec_is_rank_zeros_on_every_rank(tmp_path: Path, cora: Any, free_port: int) -> None:
+    """codec='auto' / compress_host='auto' over tensor rows: rank 0 plans once, the other ranks take its codec and
+    layout (never a different choice from their own timing noise)."""
+    ranks = _run(2, "gloo", tmp_path, free_port, "auto")
+    _check(ranks, cora)
+    assert str(ranks[0]["method"]) == str(ranks[1]["method"]) == "ibp"  # Cora: IBP is the smallest (CPU rule)
+    assert bool(ranks[0]["compress_host"]) == bool(ranks[1]["compress_host"])
+    assert str(ranks[0]["chosen_by"]) == "" and str(ranks[1]["chosen_by"]) == "rank 0 of the group"
+
+
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
-def test_two_gpus_partition_the_hot_rows(tmp_path: Path, cora: Any, free_port: int) -> None:
-    _check(_run(2, "nccl", tmp_path, free_port), cora)
+@pytest.mark.parametrize("mode", ["ibp", "exponent", "auto"])
+def test_two_gpus_partition_the_hot_rows(tmp_path: Path, cora: Any, free_port: int, mode: str) -> None:
+    ranks = _run(2, "nccl", tmp_path, free_port, mode)
+    _check(ranks, cora)
+    assert str(ranks[0]["method"]) == str(ranks[1]["method"])
 
 
 def test_bad_budgets_raise_before_any_exchange(tmp_path: Path, cora: Any) -> None:

@@ -238,6 +238,58 @@ def test_full_row_width_compresses(minilm: torch.Tensor) -> None:
     assert st["bytes_fetched"] <= st["raw_bytes_fetched"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_compress_trains_exactly_with_exponent_rows(table: torch.Tensor, device: str) -> None:
+    """compress="auto" weighs IBP, exponent coding and raw rows (CPU: the smallest store, exponent coding for these
+    dense floats); training write-back re-encodes evicted rows with that codec (GPU: its GPU encoder) and the host
+    table after flush equals a plain EmbeddingBag trained the same."""
+    skip_if_no_cuda(device)
+    m = make(table, device, mode="sum", cache_ratio=0.03, compress="auto")
+    layout = m.stats()["host_layout"]
+    assert set(layout["ratios"]) == {"ibp", "exponent"} and layout["method"] in ("ibp", "exponent", "raw")
+    if device == "cpu":
+        assert layout["method"] == "exponent" and m.cache_weight_mgr.store.codec.method == "exponent"
+    ref = reference(table, device, mode="sum")
+    _train(m, ref, _sgd, device, steps=12, mode="sum")
+    m.flush()
+    assert_bitwise(m.cache_weight_mgr.store.dense(), ref.weight, "host table after flush")
+    st = m.stats()
+    assert st["write_backs"] > 0 and st["codec_method"] == layout["method"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exponent_compressed_weight_serves_both_bags(table: torch.Tensor, device: str, dtype: torch.dtype) -> None:
+    """``_weight`` = exponent-coded CompressedRows (in place): the bag and the table-batched bag serve them as they
+    are (read-only host store), outputs bit-identical to torch; a CompressedRows of another dtype or shape is refused
+    with RowDtypeError / RowShapeError."""
+    from ibpcache import Codec
+    from ibpcache.errors import RowDtypeError, RowShapeError
+    from ibpcache.loaders.embedding_bag import CachedEmbeddingBag, TableBatchedCachedEmbeddingBag
+
+    skip_if_no_cuda(device)
+    w = table.to(dtype)
+    rows = Codec.fit(w, method="exponent").compress(w, layout="inplace", pin=device == "cuda")
+    m = CachedEmbeddingBag(ROWS, DIM, _weight=rows, mode="sum", device=device, cache_ratio=0.05).eval()
+    ref = reference(w, device, mode="sum")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(4):
+            ids, offsets = random_bags(gen, ROWS, 20, hot=10)
+            assert_bitwise(m(ids.to(device), offsets.to(device)), ref(ids.to(device), offsets.to(device)))
+    assert m.stats()["codec_method"] == "exponent" and m.cache_weight_mgr.store.read_only
+    tb = TableBatchedCachedEmbeddingBag([100, 200], DIM, _weight=rows, mode="sum", device=device, cache_ratio=0.05)
+    ids = torch.stack([torch.randint(0, 100, (16,), generator=gen), torch.randint(0, 200, (16,), generator=gen)], 1)
+    glob = (ids + torch.tensor([0, 100])).reshape(-1, 1).to(device)
+    with torch.no_grad():
+        want = torch.nn.functional.embedding_bag(glob, w.to(device), mode="sum").reshape(16, -1)
+        assert_bitwise(tb(ids.to(device)), want)
+    with pytest.raises(RowDtypeError):
+        CachedEmbeddingBag(ROWS, DIM, _weight=rows, dtype=torch.float64, device=device)
+    with pytest.raises(RowShapeError):
+        CachedEmbeddingBag(ROWS + 1, DIM, _weight=rows, device=device)
+
+
 def test_set_cache_op_and_prepare_ids(table: torch.Tensor) -> None:
     """Colossal-AI's split use: prepare_ids maps ids to slots, then forward takes the slots."""
     m = make(table, "cpu", mode="sum")
@@ -770,7 +822,10 @@ def test_cuda_table_batched_one_decode_launch(minilm: torch.Tensor, monkeypatch:
     global_ids = (ids + torch.arange(26, device="cuda") * 200).reshape(-1, 1)
     want = torch.nn.functional.embedding_bag(global_ids, w.cuda(), mode="sum").reshape(64, -1)
     assert_bitwise(out, want)
-    assert calls == ["ibp_lookup_pool_c" + str(m.cache_weight_mgr.store.codec.chunk_bytes)]
+    from ibpcache.kernels.lookup import codec_kind
+
+    kind = codec_kind(m.cache_weight_mgr.store.codec.kernel_tables("cuda"))[0]  # the planner's codec: IBP/exp/raw
+    assert calls == ["ibp_lookup_pool_" + kind]
 
 
 def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
