@@ -492,9 +492,9 @@ def test_gpu_beam_peak_memory(smollm2_gpu: Any) -> None:
     inputs = {k: v.cuda() for k, v in _prompts(tok, [text]).items()}
     kw = dict(max_new_tokens=16, num_beams=4, num_return_sequences=4)
     peaks, outs = [], []
-    # defer_prompt_bytes=0: each layer's prompt goes to host memory at once instead of waiting on the GPU for one
-    # batched fit at the end of the prefill (the default trades that memory for fewer syncs)
-    for make in (lambda: _dyn(model), lambda: _ibp(model, "dense", defer_prompt_bytes=0)):
+    # prefill="sync": each layer's prompt goes to host memory before the next layer runs (the default prefill worker
+    # trades GPU memory held for a layer or more in flight for a first token that never waits for the store)
+    for make in (lambda: _dyn(model), lambda: _ibp(model, "dense", prefill="sync")):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
