@@ -663,6 +663,12 @@ class AppendStore:
         return self._chunks.nbytes
 
     @property
+    def host_slack_bound(self) -> int:
+        """What the chunks may hold beyond the stored bytes by design: the free part of one chunk (the last) and
+        every chunk's margin (CUDA may hold a chunk more, added ahead of a bound the rows did not reach)."""
+        return self.chunk_bytes + len(self._chunks) * (self._chunks.block - self.chunk_bytes)
+
+    @property
     def device_nbytes(self) -> int:
         """GPU bytes of metadata: per-slot positions and lengths, chunk tables, descriptor, codec tables."""
         if not self.cuda:

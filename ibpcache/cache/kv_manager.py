@@ -981,7 +981,8 @@ class KVOffloadManager:
     def stats(self) -> dict:
         """Memory and traffic so far. Synchronises the device (reads GPU counters and timing events).
 
-        ``host_bytes``: host memory held (packed store: its chunks, within a small slack of ``stored_bytes``);
+        ``host_bytes``: host memory held (packed store: its chunks, within ``host_slack_allowed_bytes`` of
+        ``stored_bytes``: one chunk per layer and the chunks' margins); ``chunk_bytes``: the stores' chunk size;
         ``stored_bytes``/``raw_bytes``: KV bytes as stored / uncompressed; ``codecs``: per layer the (K, V) method
         the planner chose and the sample sizes it compared;
         ``gpu_bytes``: per-row metadata and tables on the GPU; ``pcie_read_bytes(_per_step)``: bytes the
@@ -1001,13 +1002,16 @@ class KVOffloadManager:
         if self._dev_read is not None:
             read += int(self._dev_read)
             written += int(self._dev_written)
-        stored = raw = host = gpu = 0
+        stored = raw = host = gpu = slack = 0
+        chunk_bytes = []
         for st in self._layers:
             n_slots = st.slots.slot_of_token(st.n_tokens)  # physical slots in use (rows beams dropped included)
             raw += 2 * st.n_tokens * self.rows_per_token * self.row_bytes
             store = st.kv if st.kv is not None else st.gather
             if st.kv is not None:
                 st.kv.check()  # a kernel's status word (never expected to be set) becomes an exception here
+                slack += st.kv.host_slack_bound
+                chunk_bytes.append(st.kv.chunk_bytes)
             if store is not None:
                 stored += store.stored_bytes(n_slots)
                 host += store.host_nbytes
@@ -1021,6 +1025,8 @@ class KVOffloadManager:
             "tokens": self._layers[0].n_tokens,
             "decode_steps": self.decode_steps,
             "host_bytes": host,
+            "host_slack_allowed_bytes": slack if chunk_bytes else None,
+            "chunk_bytes": max(chunk_bytes) if chunk_bytes else None,
             "gpu_bytes": gpu,
             "raw_bytes": raw,
             "stored_bytes": stored,
