@@ -38,7 +38,7 @@ from .append_store import AppendStore, RowCodec, StagedChunks, chunk_bytes_for, 
 from .host_pool import host_pool
 from .cpu_gather_store import CpuGatherStore
 from .kv_slots import SlotLayout
-from .plan_codecs import ROW_METHODS, RowCodecChoice, choose_row_codecs
+from .plan_codecs import ROW_METHODS, RowCodecChoice, apply_scattered_cost, choose_row_codecs, scattered_cost
 
 __all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES", "PREFILLS"]
 
@@ -144,6 +144,11 @@ class KVOffloadManager:
             CPU path can be asked for ``"async"``: the same ordering, a thread running the Numba encoders).
         prefill_inflight_bytes: device bytes of appended rows the worker may hold before :meth:`append` waits for
             it (backpressure); None: half the device memory free when the manager is created.
+        scattered_reads: the stores will mostly be read by selections of a few hundred tokens per head (sparse
+            mode). With compression on the zero-copy path, each layer and side then keeps its codec only where the
+            store's own fetch of selected coded rows, timed against raw rows on this GPU once per process and
+            geometry (:func:`~ibpcache.cache.plan_codecs.measure_scattered`), is faster at the layer's ratio; else
+            it stores raw rows (``stats()["codecs"]`` shows the costs compared).
     """
 
     def __init__(
@@ -168,6 +173,7 @@ class KVOffloadManager:
         dense_fetch: str = "bulk",
         prefill: str = "auto",
         prefill_inflight_bytes: "int | None" = None,
+        scattered_reads: bool = False,
     ) -> None:
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("batch_size", batch_size), ("sample_rows", sample_rows)):
@@ -217,6 +223,7 @@ class KVOffloadManager:
             raise InvalidArgumentError("prefill='async' stores through the packed store; transfer='cpu_gather' (the "
                                        "InfiniGen baseline) stores its prompts as the baseline does: prefill='sync'")
         self.prefill = prefill
+        self.scattered_reads = bool(scattered_reads)
         if prefill_inflight_bytes is None:
             prefill_inflight_bytes = torch.cuda.mem_get_info(dev)[0] // 2 if dev.type == "cuda" else 1 << 30
         self.prefill_inflight_bytes = max(1, int(prefill_inflight_bytes))
@@ -434,12 +441,13 @@ class KVOffloadManager:
         tok, bh = idx // (b * h), idx % (b * h)
         return x[bh // h, bh % h, tok]
 
-    def _make_codecs(self, prompts: "list[tuple[torch.Tensor, torch.Tensor]]") -> "list[tuple[RowCodecChoice, RowCodecChoice]]":
-        """(K, V) codec choices per layer, made together on samples of the layers' prompts (the engine's planner)."""
+    def _make_codecs(self, samples: "list[torch.Tensor]", prompt_bytes: int = 0) -> "list[RowCodecChoice]":
+        """Codec choices for ``samples`` (K0, V0, K1, V1, ... rows; the engine's planner); for scattered reads on the
+        GPU, each checked against the measured cost of fetching its rows from a store of ``prompt_bytes`` (raw where
+        coded rows fetch slower)."""
         if not self.compress:
             ident = RowCodecChoice(_identity_codec(self.row_bytes, self.dtype, (self.head_dim,)), "raw", {})
-            return [(ident, ident)] * len(prompts)
-        samples = [self._fit_sample(x) for kv in prompts for x in kv]  # k0, v0, k1, v1, ...
+            return [ident] * len(samples)
         method = self.codec_method
         choices: list[RowCodecChoice] = []
         if self.chunk_bytes == "auto_once" and "k" not in self._chunk_once and method in ("auto", "ibp"):
@@ -451,7 +459,15 @@ class KVOffloadManager:
         else:
             chunks = [self.chunk_bytes] * (len(samples) - len(choices))
         choices += choose_row_codecs(samples[len(choices):], method, self.threshold, chunks)
-        return [(choices[2 * i], choices[2 * i + 1]) for i in range(len(prompts))]
+        if self._measures_scattered():
+            choices = [apply_scattered_cost(c, None if c.method == "raw" else
+                                            scattered_cost(c.codec, x, self.rows_per_token, max(prompt_bytes, 1 << 20)))
+                       for c, x in zip(choices, samples)]
+        return choices
+
+    def _measures_scattered(self) -> bool:
+        """Whether codecs are checked against the measured cost of scattered reads (sparse mode's GPU store)."""
+        return self.scattered_reads and self.transfer == "zero_copy" and self.device.type == "cuda"
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                into: "tuple[torch.Tensor, torch.Tensor] | None" = None, *, donate: bool = False) -> None:
@@ -527,7 +543,8 @@ class KVOffloadManager:
         if cuda and self.compress:
             torch.cuda.current_stream(self.device).synchronize()
         t0 = time.perf_counter()
-        (k_choice, v_choice), = self._make_codecs([(keys, values)])
+        samples = [self._fit_sample(x) for x in (keys, values)] if self.compress else [keys, values]
+        k_choice, v_choice = self._make_codecs(samples, 2 * keys.numel() * keys.element_size())
         st.choices = (k_choice, v_choice)
         if self.transfer == "cpu_gather":
             st.gather = CpuGatherStore(k_choice.codec, v_choice.codec, self.device)
@@ -1040,6 +1057,7 @@ class KVOffloadManager:
             "transfer_s_total": transfer_s if self._timings else None,
             "transfer_s_per_step": transfer_s / steps if self._timings else None,
             "prefill": self.prefill,
+            "sparse_reads": self.scattered_reads,
             "host_pool": host_pool().stats() if self.device.type == "cuda" else None,
         }
 

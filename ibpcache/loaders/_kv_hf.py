@@ -278,7 +278,8 @@ class IBPOffloadedCache(Cache):
 
     def _make_manager(self, k: torch.Tensor) -> KVOffloadManager:
         return KVOffloadManager(self.num_layers, self.num_kv_heads, self.head_dim, k.dtype,
-                                batch_size=k.shape[0], device=k.device, **self._manager_kwargs)
+                                batch_size=k.shape[0], device=k.device, scattered_reads=self.mode == "sparse",
+                                **self._manager_kwargs)
 
     def _update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.manager is None:

@@ -650,3 +650,86 @@ def test_cursor_bound_keeps_chunks_ahead_of_a_lagging_device() -> None:
                 seq, cur = published[-1 - lag]
                 store._mirror_np[1], store._mirror_np[0] = seq, cur
             assert len(store._chunks) <= chunks_needed(device_cursor + (lag + 1) * 3 * 768, 12) + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sparse reads: raw rows where the measured scattered fetch of coded rows is slower (plan_codecs)
+
+
+def test_scattered_cost_model_and_choice(chat_kv: Any) -> None:
+    """The decision from measured costs (injected here): a coded row costs its stored bytes' transfer plus a decode
+    cost; raw wins ties; a layer compressing less than the measured rows pays more per byte saved."""
+    from ibpcache.cache.plan_codecs import (ScatteredCost, apply_scattered_cost, choose_row_codecs,
+                                            prefer_raw_for_scattered)
+
+    cost = ScatteredCost(raw_s=10e-9, coded_s=9e-9, coded_ratio=1.5, method="exponent")  # decode 2.33 ns, saves 3.33
+    assert prefer_raw_for_scattered(cost, 1.5) == (False, pytest.approx(9e-9))
+    assert prefer_raw_for_scattered(cost, 1.2)[0] is True  # 2.33 + 8.33 > 10: raw
+    assert prefer_raw_for_scattered(ScatteredCost(10e-9, 10e-9, 1.5, "exponent"), 1.5)[0] is True  # tie: raw
+    k, _ = chat_kv("bf16", (0, 29))
+    choice = choose_row_codecs([_rows(k[:1]).contiguous()], "auto")[0]
+    assert choice.method == "exponent"
+    kept = apply_scattered_cost(choice, cost)
+    assert kept.codec is choice.codec and kept.scattered["chosen"] == "exponent"
+    assert kept.as_dict()["scattered"]["ratio"] == pytest.approx(choice.sizes["raw"] / choice.sizes["exponent"])
+    slow = apply_scattered_cost(choice, ScatteredCost(10e-9, 12e-9, 1.5, "exponent"))
+    assert slow.method == "raw" and slow.codec.method == "raw" and slow.scattered["chosen"] == "raw"
+    assert slow.sizes == choice.sizes and slow.codec.row_bytes == choice.codec.row_bytes
+    assert apply_scattered_cost(choice, None) is choice
+    assert apply_scattered_cost(choice, ScatteredCost(1, 2, 1.5, "ibp")) is choice  # measured for another codec
+
+
+def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monkeypatch: Any) -> None:
+    """A sparse-mode manager asks the measured cost per layer and side (faked here: the GPU measures it) and stores
+    raw rows where coded rows fetch slower; reads stay exact; stats() reports the comparison."""
+    from ibpcache.cache import kv_manager
+    from ibpcache.cache.plan_codecs import ScatteredCost
+
+    asked: list = []
+
+    def fake_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int) -> ScatteredCost:
+        asked.append((codec.method, tuple(sample.shape), rows_per_token, store_bytes))
+        return ScatteredCost(10e-9, 12e-9, 1.45, codec.method)  # decoding costs more than it saves
+
+    monkeypatch.setattr(kv_manager, "scattered_cost", fake_cost)
+    monkeypatch.setattr(kv_manager.KVOffloadManager, "_measures_scattered", lambda self: self.scattered_reads)
+    k, v = chat_kv("bf16")
+    mgr = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu", scattered_reads=True)
+    mgr.append(0, k[:, :, :300], v[:, :, :300])
+    st = mgr.stats()
+    assert st["sparse_reads"] is True and len(asked) == 2 and asked[0][2] == 6
+    assert asked[0][3] == max(2 * 2 * 3 * 300 * 64 * 2, 1 << 20)  # a store of the prompt size (at least 1 MiB)
+    assert [c["method"] for c in st["codecs"][0]] == ["raw", "raw"] and st["ratio"] == 1.0
+    assert all(c["scattered"]["chosen"] == "raw" and c["scattered"]["coded"] == "exponent" for c in st["codecs"][0])
+    idx = torch.tensor([[[299, 0, 17]] * 3] * 2)
+    assert torch.equal(mgr.fetch(0, idx)[1].view(torch.int16),
+                       v.gather(2, idx[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
+    dense = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu")
+    dense.append(0, k[:, :, :300], v[:, :, :300])
+    assert dense.stats()["codecs"][0][0]["method"] == "exponent" and len(asked) == 2  # dense reads: not asked
+
+
+@pytest.mark.gpu
+def test_gpu_measured_scattered_cost_and_choice(chat_kv: Any) -> None:
+    """On the GPU: the measurement times the store's fetch of selected rows (positive, per row), the coded store of
+    real bf16 KV is smaller, and a sparse-mode manager's choice follows the measured model; reads stay exact."""
+    from ibpcache.cache.kv_manager import KVOffloadManager
+    from ibpcache.cache.plan_codecs import measure_scattered, prefer_raw_for_scattered
+
+    k, v = chat_kv("bf16")
+    rows = _rows(k).contiguous().cuda()
+    cost = measure_scattered(_codec("exponent", k), rows, 6, store_bytes=8 << 20, tokens=100, repeats=3)
+    assert cost.raw_s > 0 and cost.coded_s > 0 and cost.coded_ratio > 1.3 and cost.method == "exponent"
+    mgr = KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cuda", scattered_reads=True)
+    mgr.append(0, k[:, :, :300].cuda(), v[:, :, :300].cuda())
+    st = mgr.stats()
+    for c in st["codecs"][0]:
+        info = c["scattered"]
+        assert info["chosen"] == c["method"] in ("raw", "exponent")
+        assert info["chosen"] == ("raw" if info["coded_ns_per_row_predicted"] >= info["raw_ns_per_row"] else
+                                  info["coded"])
+    idx = torch.randint(0, 300, (2, 3, 50), device="cuda")
+    got = mgr.fetch(0, idx)
+    assert torch.equal(got[0].cpu().view(torch.int16),
+                       k.gather(2, idx.cpu()[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
+    mgr.close()
