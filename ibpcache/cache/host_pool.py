@@ -241,6 +241,7 @@ class HostPool:
         with self._lock:
             free = sum(len(s.free) * b for b, s in self._sizes.items())
             return {"pinned_bytes": self.pinned_bytes, "free_bytes": free, "in_use_blocks": self._in_use,
+                    "pending_blocks": sum(s.pending for s in self._sizes.values()),
                     "slabs": len(self._slabs), "pin_s": self.pin_seconds, "background_bytes": self.background_bytes,
                     "take_wait_s": self.wait_seconds, "sync_slab_allocs": self.sync_allocs}
 

@@ -387,3 +387,69 @@ def test_gpu_manager_counts_bytes_it_moves(code_kv: Any, compress: bool, dense_f
     assert after["pcie_write_bytes"] == after["stored_bytes"]
     assert after["dense_fetch"] == dense_fetch
     mgr.close()
+
+
+@pytest.mark.gpu
+def test_gpu_async_prefill_never_waits_and_stores_the_cpu_bytes(code_kv: Any) -> None:
+    """The prefill worker on CUDA: appending every layer's prompt returns while the device is still busy with work
+    queued before it (the caller never waits for the store), and what the worker stores (its stream, a staged encode
+    and DMA copies into pooled chunks) is the CPU store's bytes; decode steps and reads after it are exact."""
+    import time
+
+    k, v = code_kv("bf16")
+    kc, vc = k.cuda(), v.cuda()
+    host = _manager(torch.bfloat16, "cpu", host_chunk_bytes=1 << 15)
+    gpu = _manager(torch.bfloat16, "cuda", host_chunk_bytes=1 << 15)
+    assert gpu.prefill == "async"
+    gpu._worker.submit(lambda: None).result()  # the kernels it loads at construction are ready
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of device time on the caller's stream: the prompts' rows come after it
+    busy = torch.cuda.Event()
+    busy.record()
+    t0 = time.perf_counter()
+    for layer in (0, 1):
+        gpu.append(layer, kc[:, :, :300], vc[:, :, :300])
+    returned = time.perf_counter() - t0
+    assert not busy.query() and returned < 0.5, f"append waited for the device ({returned:.2f} s)"
+    for mgr, kk, vv in ((host, k, v), (gpu, kc, vc)):
+        if mgr is host:
+            for layer in (0, 1):
+                mgr.append(layer, kk[:, :, :300], vv[:, :, :300])
+        for t in range(300, 340):
+            for layer in (0, 1):
+                mgr.append(layer, kk[:, :, t : t + 1], vv[:, :, t : t + 1])
+    torch.cuda.synchronize()
+    for layer in (0, 1):
+        a, b = host._layers[layer].kv.snapshot(340 * 6), gpu._layers[layer].kv.snapshot(340 * 6)
+        assert np.array_equal(a["pos"], b["pos"]) and np.array_equal(a["data"], b["data"])
+        assert_same_bits(gpu.fetch_all(layer)[0], k[:, :, :340])
+    st = gpu.stats()
+    assert st["prefill"] == "async" and st["host_pool"]["in_use_blocks"] > 0 and st["fit_s"] > 0
+    host.close()
+    gpu.close()
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_blocks_are_reused_by_the_next_store(code_kv: Any) -> None:
+    """A closed manager's chunks go back to the process's pool; the next manager of the same shape pins nothing."""
+    import time
+
+    from ibpcache.cache.host_pool import host_pool
+
+    pool = host_pool()
+    k, v = code_kv("fp16")
+    kc, vc = k.cuda(), v.cuda()
+    pinned = []
+    for _ in range(2):
+        mgr = _manager(torch.float16, "cuda", host_chunk_bytes=1 << 15)
+        for layer in (0, 1):
+            mgr.append(layer, kc, vc)
+        mgr.flush()
+        while pool.stats()["pending_blocks"]:  # the background pins asked for at the prompt
+            time.sleep(0.01)
+        pinned.append(pool.stats()["pinned_bytes"])
+        assert_same_bits(mgr.fetch_all(1)[1], v)
+        in_use = pool.stats()["in_use_blocks"]
+        mgr.close()
+        assert pool.stats()["in_use_blocks"] < in_use  # the chunks went back
+    assert pinned[1] == pinned[0], "the second store pinned new memory instead of reusing the pool's blocks"
