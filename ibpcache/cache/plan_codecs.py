@@ -177,11 +177,13 @@ _COSTS: "dict[tuple, ScatteredCost]" = {}
 
 
 def scattered_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int = 64 << 20) -> ScatteredCost:
-    """:func:`measure_scattered` once per process, GPU, row geometry and codec method (what the cost depends on; the
-    codec's own tables barely matter), measured with the first layer's codec and sample that asks, on a store of
+    """:func:`measure_scattered` once per process, GPU, row geometry, codec method and power-of-two store size (what
+    the cost depends on; the codec's own tables barely matter), measured with the first layer's codec and sample that
+    asks, on a store of
     ``store_bytes`` raw bytes (the manager passes its layer's prompt size, up to 512 MiB: the reads then spread over
     as many pages as a real layer's)."""
-    key = (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, codec.method)
-    if key not in _COSTS:
-        _COSTS[key] = measure_scattered(codec, sample, rows_per_token, store_bytes=min(int(store_bytes), 512 << 20))
+    size = min(int(store_bytes), 512 << 20)
+    key = (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, codec.method, size.bit_length())
+    if key not in _COSTS:  # per power-of-two store size too: how far reads spread changes what they cost
+        _COSTS[key] = measure_scattered(codec, sample, rows_per_token, store_bytes=size)
     return _COSTS[key]
