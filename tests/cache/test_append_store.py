@@ -599,23 +599,29 @@ def test_gpu_decode_steps_never_sync(chat_kv: Any) -> None:
 
 
 def test_stage_layout_covers_every_stored_byte_aligned() -> None:
-    """The bulk copy's plan: every chunk a row can start in (below the bound), up to where its rows can end (the bound,
-    or a row's length into its margin), none after; each copy carries the decoder's 16 spare bytes and starts 16-byte
-    aligned; copies never overlap."""
-    from ibpcache.cache.append_store import _PAD, stage_layout
+    """The bulk copy's plan: chunks below the bound's whole (chunk + margin, laid out as blocks are in host memory),
+    the bound's up to where its rows can end (a row's length into its margin at most) plus the decoder's 16 spare
+    bytes, none after; 16-byte aligned, never overlapping; copies of blocks adjacent in host memory merge."""
+    from ibpcache.cache.append_store import _PAD, chunk_margin, copy_runs, stage_layout
 
-    full = 4096 + 128 + _PAD
-    for n_chunks, bound, want in ((5, 3 * 4096 + 1000, [full] * 3 + [1000 + _PAD]),
-                                  (5, 4 * 4096, [full] * 3 + [4096 + _PAD]),
-                                  (5, 4 * 4096 + 1, [full] * 3 + [4097 + _PAD, 1 + _PAD]),
+    block = 4096 + chunk_margin(128)
+    for n_chunks, bound, want in ((5, 3 * 4096 + 1000, [block] * 3 + [1000 + _PAD]),
+                                  (5, 4 * 4096, [block] * 3 + [4096 + _PAD]),
+                                  (5, 4 * 4096 + 1, [block] * 4 + [1 + _PAD]),
                                   (1, 7, [7 + _PAD]),
                                   (0, 0, [0]),
-                                  (2, 9 * 4096 + 5, [full] * 2)):  # a bound past the chunks that exist
-        sizes, offs = stage_layout(n_chunks, 12, 128, bound)
+                                  (2, 9 * 4096 + 5, [block] * 2)):  # a bound past the chunks that exist
+        sizes, offs = stage_layout(n_chunks, 12, 128, bound, block)
         assert sizes.tolist() == want, bound
-        assert offs[0] == 0 and all(o % 16 == 0 for o in offs)
-        assert all(offs[c] + sizes[c] <= offs[c + 1] for c in range(len(sizes) - 1))
-        assert all(sz <= 4096 + 128 + _PAD for sz in sizes)  # inside the chunk and its margin
+        assert offs.tolist() == [c * block for c in range(len(want))] and block % 16 == 0
+        assert all(sz <= block for sz in sizes)  # inside the chunk and its margin
+    sizes, offs = stage_layout(5, 12, 128, 4 * 4096 + 1, block)
+    ptrs = [1 << 30, (1 << 30) + block, (1 << 30) + 2 * block, 5 << 30, (5 << 30) + block]
+    runs = copy_runs(ptrs, sizes, offs, block)
+    assert runs == [(0, ptrs[0], 3 * block), (3 * block, ptrs[3], block + 1 + _PAD)]
+    assert sum(n for _, _, n in runs) == int(sizes.sum())
+    shuffled = [ptrs[1], ptrs[0], ptrs[2], ptrs[3], ptrs[4]]  # blocks out of order: no merge across them
+    assert len(copy_runs(shuffled, sizes, offs, block)) == 4
 
 
 def test_cursor_bound_keeps_chunks_ahead_of_a_lagging_device() -> None:
