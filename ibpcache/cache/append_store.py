@@ -54,8 +54,10 @@ from ..errors import CapacityError, FormatError
 from ..exponent import ExponentCodec
 from ..kernels import layout as L
 from .host_pool import host_pool
+from .plan_codecs import ScatteredCost
 
-__all__ = ["AppendStore", "StagedChunks", "stage_layout", "copy_runs", "staged_copies", "RowCodec", "chunk_bytes_for",
+__all__ = ["AppendStore", "StagedChunks", "stage_layout", "copy_runs", "staged_copies", "measure_scattered", "RowCodec",
+           "chunk_bytes_for",
            "chunk_margin", "to_position", "to_virtual", "chunks_needed", "codec_method", "MIN_CHUNK_BYTES",
            "CHUNKS_PER_PROMPT"]
 
@@ -699,3 +701,48 @@ class AppendStore:
         if self.cuda:
             self._finalizer()  # synchronises the device first
         self._chunks = _Chunks(self.cuda, self._chunks.block)
+
+
+def measure_scattered(codec: Any, sample: torch.Tensor, rows_per_token: int, *, store_bytes: int = 64 << 20,
+                      tokens: int = 400, repeats: int = 7) -> ScatteredCost:
+    """Time the packed store's fetch of ``tokens`` selected tokens per (batch, head) row, raw rows against rows of
+    ``codec``, on ``sample``'s GPU (CUDA events on the current stream, alternating, medians).
+
+    The stores hold ~``store_bytes`` of raw rows (``sample`` [N, D] tiled, in the real token-major slot layout of
+    ``rows_per_token`` rows per token), so the reads miss caches and translation buffers as a real layer's do; one
+    fetch reads the same random tokens from both. The pinned blocks go back to the pool afterwards."""
+    dev = sample.device
+    raw_codec = Codec.raw(sample.dtype, tuple(sample.shape[1:]))
+    row_bytes = raw_codec.row_bytes
+    n_tok = max(tokens + 1, store_bytes // (2 * row_bytes * rows_per_token))
+    reps = -(-(n_tok * rows_per_token) // sample.shape[0])
+    x = sample.repeat(reps, 1)[: n_tok * rows_per_token].view(n_tok, 1, rows_per_token, -1).permute(1, 2, 0, 3)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.rand((1, rows_per_token, n_tok), device=dev, generator=gen).argsort(-1)[..., :tokens]
+    idx = idx.sort(-1).values.contiguous()
+    out = [torch.empty((1, rows_per_token, tokens, x.shape[-1]), dtype=x.dtype, device=dev) for _ in range(2)]
+    stores = []
+    for c in (raw_codec, codec):
+        store = AppendStore(c, c, dev, rows_per_token=rows_per_token, slots=n_tok * rows_per_token,
+                            expected_bytes=2 * x.numel() * x.element_size())
+        store.append(x, x, 0, 0)
+        stores.append(store)
+    times: "list[list[float]]" = [[], []]
+    try:
+        for r in range(repeats + 2):  # two untimed rounds: kernels loaded, pages touched once
+            for i, store in enumerate(stores):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                store.fetch(idx, tokens, out[0], out[1])
+                b.record()
+                b.synchronize()
+                if r >= 2:
+                    times[i].append(a.elapsed_time(b) / 1e3)
+        coded_bytes = stores[1].stored_bytes(n_tok * rows_per_token)
+    finally:
+        for store in stores:
+            store.release()
+    rows = 2 * rows_per_token * tokens
+    med = [sorted(t)[len(t) // 2] / rows for t in times]
+    ratio = 2 * n_tok * rows_per_token * row_bytes / max(1, coded_bytes)
+    return ScatteredCost(med[0], med[1], ratio, codec.method)

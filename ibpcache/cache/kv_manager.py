@@ -34,11 +34,11 @@ import torch
 
 from ..codec import Codec
 from ..errors import CapacityError, InvalidArgumentError, InvalidIdsError
-from .append_store import AppendStore, RowCodec, StagedChunks, chunk_bytes_for, chunk_margin
+from .append_store import AppendStore, RowCodec, StagedChunks, chunk_bytes_for, chunk_margin, measure_scattered
 from .host_pool import host_pool
 from .cpu_gather_store import CpuGatherStore
 from .kv_slots import SlotLayout
-from .plan_codecs import ROW_METHODS, RowCodecChoice, apply_scattered_cost, choose_row_codecs, scattered_cost
+from .plan_codecs import ROW_METHODS, RowCodecChoice, ScatteredCost, apply_scattered_cost, choose_row_codecs
 
 __all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES", "PREFILLS"]
 
@@ -65,6 +65,21 @@ def _identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ..
     codec = Codec.raw(dtype, row_shape)
     assert codec.row_bytes == row_bytes, (codec.row_bytes, row_bytes)
     return codec
+
+
+_SCATTERED_COSTS: "dict[tuple, ScatteredCost]" = {}
+
+
+def scattered_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int = 64 << 20) -> ScatteredCost:
+    """:func:`~ibpcache.cache.append_store.measure_scattered` once per process, GPU, row geometry, codec method and
+    power-of-two store size (what the cost depends on; the codec's own tables barely matter), measured with the first
+    layer's codec and sample that asks, on a store of ``store_bytes`` raw bytes (the layer's prompt size, up to
+    512 MiB: the reads then spread over as many pages as a real layer's)."""
+    size = min(int(store_bytes), 512 << 20)
+    key = (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, codec.method, size.bit_length())
+    if key not in _SCATTERED_COSTS:  # per power-of-two store size too: how far reads spread changes what they cost
+        _SCATTERED_COSTS[key] = measure_scattered(codec, sample, rows_per_token, store_bytes=size)
+    return _SCATTERED_COSTS[key]
 
 
 @dataclass
@@ -147,7 +162,7 @@ class KVOffloadManager:
         scattered_reads: the stores will mostly be read by selections of a few hundred tokens per head (sparse
             mode). With compression on the zero-copy path, each layer and side then keeps its codec only where the
             store's own fetch of selected coded rows, timed against raw rows on this GPU once per process and
-            geometry (:func:`~ibpcache.cache.plan_codecs.measure_scattered`), is faster at the layer's ratio; else
+            geometry (:func:`~ibpcache.cache.append_store.measure_scattered`), is faster at the layer's ratio; else
             it stores raw rows (``stats()["codecs"]`` shows the costs compared).
     """
 

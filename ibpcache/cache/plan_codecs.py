@@ -8,8 +8,9 @@ Why a second decision for sparse reads: a dense read copies whole chunks (fewer 
 from device memory, so compression always pays there. A sparse read pulls a few hundred rows per head from all over
 host memory, one row per page and translation; there the bytes a codec saves may buy less than its decode costs
 (issue 23: 61.7 ms per token compressed against 54.5 raw in the plain loop). So the choice is measured
-(:func:`measure_scattered`: the store's own fetch kernel, raw against coded rows, on this GPU) and applied per layer
-and side by its stored ratio (:func:`prefer_raw_for_scattered`); ``stats()["codecs"]`` says what was chosen and why.
+(``append_store.measure_scattered``: the store's own fetch kernel, raw against coded rows, on this GPU; the planner
+imports no store) and applied per layer and side by its stored ratio (:func:`prefer_raw_for_scattered`);
+``stats()["codecs"]`` says what was chosen and why.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from ..codec import Codec
 
 __all__ = ["ROW_METHODS", "RowCodecChoice", "choose_row_codecs", "ScatteredCost", "prefer_raw_for_scattered",
-           "apply_scattered_cost", "measure_scattered", "scattered_cost"]
+           "apply_scattered_cost"]
 
 ROW_METHODS = ("auto", "ibp", "exponent", "raw")
 """What :func:`choose_row_codecs` accepts: one method for every tensor, or ``auto`` to pick per tensor."""
@@ -124,66 +125,3 @@ def apply_scattered_cost(choice: RowCodecChoice, cost: "ScatteredCost | None") -
         return replace(choice, scattered=info)
     codec = Codec.raw(choice.codec.dtype, tuple(choice.codec.row_shape))
     return replace(choice, codec=codec, method="raw", scattered=info)
-
-
-def measure_scattered(codec: Any, sample: torch.Tensor, rows_per_token: int, *, store_bytes: int = 64 << 20,
-                      tokens: int = 400, repeats: int = 7) -> ScatteredCost:
-    """Time the packed store's fetch of ``tokens`` selected tokens per (batch, head) row, raw rows against rows of
-    ``codec``, on ``sample``'s GPU (CUDA events on the current stream, alternating, medians).
-
-    The stores hold ~``store_bytes`` of raw rows (``sample`` [N, D] tiled, in the real token-major slot layout of
-    ``rows_per_token`` rows per token), so the reads miss caches and translation buffers as a real layer's do; one
-    fetch reads the same random tokens from both. The pinned blocks go back to the pool afterwards."""
-    from .append_store import AppendStore
-
-    dev = sample.device
-    raw_codec = Codec.raw(sample.dtype, tuple(sample.shape[1:]))
-    row_bytes = raw_codec.row_bytes
-    n_tok = max(tokens + 1, store_bytes // (2 * row_bytes * rows_per_token))
-    reps = -(-(n_tok * rows_per_token) // sample.shape[0])
-    x = sample.repeat(reps, 1)[: n_tok * rows_per_token].view(n_tok, 1, rows_per_token, -1).permute(1, 2, 0, 3)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    idx = torch.rand((1, rows_per_token, n_tok), device=dev, generator=gen).argsort(-1)[..., :tokens]
-    idx = idx.sort(-1).values.contiguous()
-    out = [torch.empty((1, rows_per_token, tokens, x.shape[-1]), dtype=x.dtype, device=dev) for _ in range(2)]
-    stores = []
-    for c in (raw_codec, codec):
-        store = AppendStore(c, c, dev, rows_per_token=rows_per_token, slots=n_tok * rows_per_token,
-                            expected_bytes=2 * x.numel() * x.element_size())
-        store.append(x, x, 0, 0)
-        stores.append(store)
-    times: "list[list[float]]" = [[], []]
-    try:
-        for r in range(repeats + 2):  # two untimed rounds: kernels loaded, pages touched once
-            for i, store in enumerate(stores):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                store.fetch(idx, tokens, out[0], out[1])
-                b.record()
-                b.synchronize()
-                if r >= 2:
-                    times[i].append(a.elapsed_time(b) / 1e3)
-        coded_bytes = stores[1].stored_bytes(n_tok * rows_per_token)
-    finally:
-        for store in stores:
-            store.release()
-    rows = 2 * rows_per_token * tokens
-    med = [sorted(t)[len(t) // 2] / rows for t in times]
-    ratio = 2 * n_tok * rows_per_token * row_bytes / max(1, coded_bytes)
-    return ScatteredCost(med[0], med[1], ratio, codec.method)
-
-
-_COSTS: "dict[tuple, ScatteredCost]" = {}
-
-
-def scattered_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int = 64 << 20) -> ScatteredCost:
-    """:func:`measure_scattered` once per process, GPU, row geometry, codec method and power-of-two store size (what
-    the cost depends on; the codec's own tables barely matter), measured with the first layer's codec and sample that
-    asks, on a store of
-    ``store_bytes`` raw bytes (the manager passes its layer's prompt size, up to 512 MiB: the reads then spread over
-    as many pages as a real layer's)."""
-    size = min(int(store_bytes), 512 << 20)
-    key = (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, codec.method, size.bit_length())
-    if key not in _COSTS:  # per power-of-two store size too: how far reads spread changes what they cost
-        _COSTS[key] = measure_scattered(codec, sample, rows_per_token, store_bytes=size)
-    return _COSTS[key]

@@ -719,8 +719,8 @@ def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monk
 def test_gpu_measured_scattered_cost_and_choice(chat_kv: Any) -> None:
     """On the GPU: the measurement times the store's fetch of selected rows (positive, per row), the coded store of
     real bf16 KV is smaller, and a sparse-mode manager's choice follows the measured model; reads stay exact."""
+    from ibpcache.cache.append_store import measure_scattered
     from ibpcache.cache.kv_manager import KVOffloadManager
-    from ibpcache.cache.plan_codecs import measure_scattered, prefer_raw_for_scattered
 
     k, v = chat_kv("bf16")
     rows = _rows(k).contiguous().cuda()
