@@ -137,6 +137,8 @@ def test_host_estimates_round_pinned_blocks() -> None:
     assert host_estimate("hf_offloaded", cfg, 16, 32768, 2) == raw + 2 * (1 << 30)
     assert host_estimate("infinigen_cpu_gather", cfg, 16, 32769, 2) == 2 * raw  # one token over: 2 GiB blocks
     assert host_estimate("dynamic_gpu", cfg, 16, 32768, 2) == 0
+    # without reserve_tokens (the forward harness) the CPU-gather store grows 1.5x at the first step: 1 + 2 GiB
+    assert host_estimate("infinigen_cpu_gather", cfg, 16, 32768, 2, reserved=False) == 3 * raw
 
 
 def test_bench_llm_dispatches_on_shape() -> None:

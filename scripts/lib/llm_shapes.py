@@ -164,17 +164,19 @@ def raw_kv_bytes(cfg: Any, batch: int, tokens: int, itemsize: int) -> int:
     return 2 * geometry(cfg)[0] * kv_layer_tensor_bytes(cfg, batch, tokens, itemsize)
 
 
-def host_estimate(method: str, cfg: Any, batch: int, context: int, itemsize: int) -> int:
+def host_estimate(method: str, cfg: Any, batch: int, context: int, itemsize: int, reserved: bool = True) -> int:
     """Host bytes a method's store takes at ``context`` tokens (torch's pinned allocator rounds blocks to powers of
-    two: the offloaded DynamicCache's per-layer tensors and the CPU-gather buffers are such blocks)."""
+    two: the offloaded DynamicCache's per-layer tensors and the CPU-gather buffers are such blocks). ``reserved``:
+    the caches were given ``reserve_tokens=context``; without, the CPU-gather store sized for the prompt grows by
+    1.5x at the first decode step (old and new buffers at once)."""
     layers = geometry(cfg)[0]
     t = kv_layer_tensor_bytes(cfg, batch, context, itemsize)
     if method == "dynamic_gpu":
         return 0
     if method == "hf_offloaded":  # every layer's K and V + the next offload allocated before the old one returns
         return (2 * layers + 2) * _pow2ceil(t)
-    if method == "infinigen_cpu_gather":  # reserve_tokens = context: one buffer per layer and tensor
-        return 2 * layers * _pow2ceil(t)
+    if method == "infinigen_cpu_gather":  # one buffer per layer and tensor (+ the grown one without a reserve)
+        return 2 * layers * (_pow2ceil(t) + (0 if reserved else _pow2ceil(t * 3 // 2)))
     chunk = 4 << 20  # ZeroCopyKV's host chunks (in-place layout: raw size even when compressed; conservative)
     return 2 * layers * -(-t // chunk) * chunk
 
@@ -232,6 +234,15 @@ def release_pinned_pool() -> "str | None":
             fn()
             return name
     return None
+
+
+def reserve_tokens(args: argparse.Namespace, harness: str, context: int) -> int:
+    """IBPOffloadedCache(reserve_tokens=...) of a run: ``--reserve auto`` gives the fill harness the whole context
+    (as it always had) and the forward harness the library default 0 (a user's plain loop); ``context`` / ``none``
+    force one for both, to tell the harnesses' other differences (prefill, KV contents) from this one."""
+    if args.reserve == "context" or (args.reserve == "auto" and harness == "fill"):
+        return context
+    return 0
 
 
 def release_ibpcache_pool() -> int:
@@ -610,7 +621,7 @@ def run_method(method: str, mode: str, model: Any, src: KvSource, batch: int, co
                harness: str = "fill") -> RunOut:
     filled = context - steps
     pool0 = ibpcache_pool_stats()
-    cache = make_cache(method, mode, model, args, context if harness == "fill" else 0)
+    cache = make_cache(method, mode, model, args, reserve_tokens(args, harness, context))
     try:
         prefill_logits = None
         if harness == "forward":
@@ -900,6 +911,9 @@ def parse_args(argv: list) -> argparse.Namespace:
                    help="exact PCIe byte counters on the zero-copy paths (an atomic per row: off when timing)")
     p.add_argument("--dense-fetch", default="bulk", choices=("bulk", "zero_copy"),
                    help="IBPOffloadedCache(dense_fetch=...): how ours reads every token in dense mode")
+    p.add_argument("--reserve", default="auto", choices=("auto", "context", "none"),
+                   help="reserve_tokens of the caches: auto = the whole context in the fill harness, 0 (the library "
+                        "default) in the forward harness; context / none for both")
     p.add_argument("--prefill", default="auto", choices=("auto", "async", "sync"),
                    help="IBPOffloadedCache(prefill=...): who stores ours' prompts (auto: a worker on CUDA)")
     p.add_argument("--alpha", type=float, default=4.0)
@@ -953,7 +967,8 @@ def plan(args: argparse.Namespace) -> list:
             for method in ORDER:
                 if method not in args.methods.split(",") or (mode == "sparse" and method not in SPARSE_METHODS):
                     continue
-                host = host_estimate(method, cfg, batch, context, itemsize)
+                host = host_estimate(method, cfg, batch, context, itemsize,
+                                     reserved=reserve_tokens(args, harness, context) > 0)
                 gpu = weights + gpu_need(method, mode, cfg, batch, context, itemsize, args.dense_fetch)
                 why = None
                 if host > max_host:
@@ -1100,7 +1115,7 @@ def main(argv: "list | None" = None) -> None:
     for harness, batch, context, mode in ((h, b, c, m) for h in harnesses for b in batches for c in contexts
                                           for m in modes):
         point: dict = {"harness": harness, "shape": args.shape, "batch": batch, "context": context,
-                       "mode": mode, "reserve_tokens": context if harness == "fill" else 0,
+                       "mode": mode, "reserve_tokens": reserve_tokens(args, harness, context),
                        "filled_tokens": context - steps, "warmup_tokens": args.warmup_tokens,
                        "decode_tokens": args.decode_tokens, "raw_kv_gb": raw_kv_bytes(cfg, batch, context,
                                                                                      itemsize) / GB,
@@ -1120,7 +1135,8 @@ def main(argv: "list | None" = None) -> None:
             for method in order:
                 bar.update()
                 reason = None
-                need = host_estimate(method, cfg, batch, context, itemsize)
+                need = host_estimate(method, cfg, batch, context, itemsize,
+                                     reserved=reserve_tokens(args, harness, context) > 0)
                 if args.device == "cpu" and method in CUDA_ONLY:
                     reason = "needs CUDA (this run is on the CPU)"
                 elif need > max_host:
