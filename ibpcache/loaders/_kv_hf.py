@@ -145,9 +145,12 @@ class IBPOffloadedCache(Cache):
     * refused: encoder-decoder configs (T5), encoders (BERT, ``is_decoder=False``), sliding-window or other
       non-full attention layers (Mistral's ``sliding_window``, Gemma's ``layer_types``), sparse mode without RoPE.
 
-    transformers: 5.x; tested with 5.17 (the GPU image) and 5.24 (CPU CI). ``crop`` follows the installed version's
-    convention (:func:`crop_target`), and the sparse-mode hooks find the cache under either keyword those versions
-    pass to decoder layers.
+    transformers: >= 5.0; tested with 5.17 (the GPU image: the GPU tests) and 5.24 (CPU CI: the CPU tests, chunked
+    prefill included). ``crop`` follows the installed version's convention (:func:`crop_target`), and the
+    sparse-mode hooks find the cache under either keyword those versions pass to decoder layers.
+
+    Sparse mode also tells the manager its stores are read by scattered selections (``scattered_reads``): on CUDA
+    a layer and side is stored raw where the GPU measures a fetch of its selected coded rows slower than of raw rows.
 
     Args:
         config: the model config (see above; a composite config's text decoder is used).
