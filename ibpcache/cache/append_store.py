@@ -695,11 +695,17 @@ class AppendStore:
         total = self.slot_cap * 2 * (8 + 4) + self._max_chunks * 8 + self._scratch.numel() * 8
         return total + sum(c.metadata_nbytes for c in self.codecs if codec_method(c) != L.KVP_RAW)
 
-    def release(self) -> None:
+    def release(self, stream_only: bool = False) -> None:
         """Give the host chunks back now (CUDA: to the pool, after the device finished with them). The store is
-        unusable after."""
+        unusable after. ``stream_only``: every kernel and copy that used the store was on the current stream, so
+        waiting for that stream is enough (a device-wide sync would also wait for another thread's work)."""
         if self.cuda:
-            self._finalizer()  # synchronises the device first
+            if stream_only:
+                torch.cuda.current_stream(self.device).synchronize()
+                self._finalizer.detach()
+                _give_back(self._chunks.ptrs, self._chunks.block, None)
+            else:
+                self._finalizer()  # synchronises the device first
         self._chunks = _Chunks(self.cuda, self._chunks.block)
 
 
@@ -740,8 +746,8 @@ def measure_scattered(codec: Any, sample: torch.Tensor, rows_per_token: int, *, 
                     times[i].append(a.elapsed_time(b) / 1e3)
         coded_bytes = stores[1].stored_bytes(n_tok * rows_per_token)
     finally:
-        for store in stores:
-            store.release()
+        for store in stores:  # everything here ran on the current stream (the prefill worker's: not the model's)
+            store.release(stream_only=True)
     rows = 2 * rows_per_token * tokens
     med = [sorted(t)[len(t) // 2] / rows for t in times]
     ratio = 2 * n_tok * rows_per_token * row_bytes / max(1, coded_bytes)
