@@ -475,6 +475,18 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
                              (unsigned long long)KVP_STATUS_CORRUPT);
             }
             __syncwarp();
+        } else if (s.method == KVP_RAW && row_bytes <= KVP_STAGE_ROW) {
+            // Raw rows are staged like exponent rows: the loads of 8 rows are in flight together (a zero-copy read
+            // costs a PCIe round trip; copied one row at a time, a warp waited 32 of them, and rows at unaligned
+            // offsets (a raw side beside a coded one) went byte by byte). Then each row leaves shared memory as
+            // coalesced word stores, the warp on one row at a time.
+            ibp_stage_rows(src, L, stage, KVP_STAGE_STRIDE, lane);
+            __syncwarp();
+            for (int rr = 0; rr < 32 && r0 + rr < m; ++rr) {
+                unsigned char* dr = reinterpret_cast<unsigned char*>(
+                    __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), rr));
+                kvp_copy(stage + rr * KVP_STAGE_STRIDE, dr, row_bytes, lane);
+            }
         } else {
             for (int rr = 0; rr < 32 && r0 + rr < m; ++rr) {
                 const int Lr = __shfl_sync(IBP_FULL, L, rr);
