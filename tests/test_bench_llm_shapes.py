@@ -1,8 +1,9 @@
 """``scripts/bench_llm.py --shape ...`` (scripts/lib/llm_shapes.py): the real-shape KV benchmark, on the CPU.
 
 The sweep itself is run once at its tiny CPU shape (2 layers, Numba host path for ours; the CUDA-only baselines are
-skipped with a reason); its JSON must have the issue's schema, every method, and verified outputs. The helpers
-(shapes, the KV fill, host estimates) are checked directly.
+skipped with a reason), in both harnesses (fill: KV filled with real rows; forward: the plain prefill + decode
+loop); its JSON must have the issue's schema, every method, and verified outputs. The helpers (shapes, the KV fill,
+host estimates) are checked directly.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ CUDA_ONLY = ("hf_offloaded", "infinigen_cpu_gather")
 def tiny_run(tmp_path_factory: Any, shared_data_dir: Path) -> dict:
     out = tmp_path_factory.mktemp("bench_llm_tiny")
     res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--quick",
-                          "--repeats", "2", "--cpu-threads", "1", "--out", str(out)],
+                          "--repeats", "2", "--cpu-threads", "1", "--harness", "fill,forward", "--out", str(out)],
                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
                                                                            "IBPCACHE_SHARED": str(shared_data_dir)})
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
@@ -34,8 +35,8 @@ def tiny_run(tmp_path_factory: Any, shared_data_dir: Path) -> dict:
     return json.loads((out / "bench_llm_tiny.json").read_text())
 
 
-def _point(data: dict, mode: str) -> dict:
-    pts = [p for p in data["points"] if p["mode"] == mode]
+def _point(data: dict, mode: str, harness: str = "fill") -> dict:
+    pts = [p for p in data["points"] if p["mode"] == mode and p["harness"] == harness]
     assert len(pts) == 1
     return pts[0]
 
@@ -43,9 +44,11 @@ def _point(data: dict, mode: str) -> dict:
 def test_schema_and_every_method(tiny_run: dict) -> None:
     from scripts.lib.llm_shapes import METHODS, SPARSE_METHODS
 
-    assert {p["mode"] for p in tiny_run["points"]} == {"dense", "sparse"}
+    assert {(p["mode"], p["harness"]) for p in tiny_run["points"]} == {(m, h) for m in ("dense", "sparse")
+                                                                         for h in ("fill", "forward")}
     for p in tiny_run["points"]:
         assert p["shape"] == "tiny" and p["batch"] == 2 and p["context"] == 96
+        assert p["reserve_tokens"] == (96 if p["harness"] == "fill" else 0)
         assert p["filled_tokens"] == 96 - p["warmup_tokens"] - p["decode_tokens"]
         want = set(METHODS) if p["mode"] == "dense" else set(SPARSE_METHODS)
         assert set(p["methods"]) == want
@@ -55,30 +58,34 @@ def test_schema_and_every_method(tiny_run: dict) -> None:
                 continue
             assert m["ms_per_token"] > 0 and m["rounds"] == 2 and len(m["ms_per_round"]) == 2
             assert m["p10_ms"] <= m["ms_per_token"] <= m["p90_ms"]
+            assert 0 < m["prefill_s"] <= m["prefill_stored_s"] + 1e-9 and len(m["prefill_s_per_round"]) == 2
             assert m["repeat_outputs_identical"], name
             assert m["raw_bytes"] == 2 * 2 * 2 * 2 * 96 * 128 * 2  # K+V x layers x batch x heads x tokens x D x 2 B
         assert p["verification"]["same_fill_bytes_checksum"]
         assert len(p["round_orders"]) == 2 and p["round_orders"][1] == p["round_orders"][0][::-1]
     recs = tiny_run["records"]
-    assert {(r["mode"], r["method"]) for r in recs} == {(p["mode"], m) for p in tiny_run["points"]
-                                                        for m in p["methods"]}
+    assert {(r["harness"], r["mode"], r["method"]) for r in recs} == {(p["harness"], p["mode"], m)
+                                                                      for p in tiny_run["points"] for m in p["methods"]}
     assert tiny_run["meta"]["kv_fill"]["source_shape"][-1] == 64
 
 
-def test_dense_outputs_equal_the_resident_cache(tiny_run: dict) -> None:
-    p = _point(tiny_run, "dense")
+@pytest.mark.parametrize("harness", ["fill", "forward"])
+def test_dense_outputs_equal_the_resident_cache(tiny_run: dict, harness: str) -> None:
+    p = _point(tiny_run, "dense", harness)
     assert p["verification"]["reference"] == "dynamic_gpu"
     for name in ("ibpcache", "ibpcache_raw"):
         m = p["methods"][name]
         assert m["tokens_equal"] and m["logits_equal"] and m["max_abs_logit_diff"] == 0.0, name
         assert m["first_diff_step"] is None
     ours = p["methods"]["ibpcache"]
-    assert ours["ratio"] > 1.0 and ours["stored_bytes"] < ours["raw_bytes"]  # real KV rows compress
-    assert "host_target" in p["targets"]
+    assert ours["ratio"] > 1.0 and ours["stored_bytes"] < ours["raw_bytes"]  # real (or the model's own) KV compresses
+    assert p["targets"]["host_target"]["met"]
+    assert "prefill_ibpcache_over_ibpcache_raw" in p["targets"]
 
 
-def test_sparse_paths_agree(tiny_run: dict) -> None:
-    p = _point(tiny_run, "sparse")
+@pytest.mark.parametrize("harness", ["fill", "forward"])
+def test_sparse_paths_agree(tiny_run: dict, harness: str) -> None:
+    p = _point(tiny_run, "sparse", harness)
     raw, ours = p["methods"]["ibpcache_raw"], p["methods"]["ibpcache"]
     assert p["verification"]["reference"] == "ibpcache_raw"
     assert ours["tokens_equal"] and ours["logits_equal"] and ours["selected_k_equal"]
@@ -130,6 +137,8 @@ def test_host_estimates_round_pinned_blocks() -> None:
     assert host_estimate("hf_offloaded", cfg, 16, 32768, 2) == raw + 2 * (1 << 30)
     assert host_estimate("infinigen_cpu_gather", cfg, 16, 32769, 2) == 2 * raw  # one token over: 2 GiB blocks
     assert host_estimate("dynamic_gpu", cfg, 16, 32768, 2) == 0
+    # without reserve_tokens (the forward harness) the CPU-gather store grows 1.5x at the first step: 1 + 2 GiB
+    assert host_estimate("infinigen_cpu_gather", cfg, 16, 32768, 2, reserved=False) == 3 * raw
 
 
 def test_bench_llm_dispatches_on_shape() -> None:
@@ -153,5 +162,9 @@ def test_plan_lists_every_run_and_what_would_not_fit() -> None:
     assert skips[(32768, "dense", "dynamic_gpu")].startswith("GPU")  # 68.7 GB of KV + 16 GB of weights
     assert skips[(8192, "dense", "dynamic_gpu")] is None
     assert all(v is None for k, v in skips.items() if k[2] != "dynamic_gpu")
+    both = plan(parse_args(["--shape", "llama8b", "--contexts", "131072", "--batches", "1", "--harness",
+                            "fill,forward", "--max-host-gb", "115", "--gpu-gb", "80"]))
+    assert {r["harness"] for r in both} == {"fill", "forward"} and len(both) == 2 * (5 + 3)
+    assert all(r["skip"] is None for r in both), "128k tokens at batch 1 (17.2 GB of KV) fit every method"
     tight = plan(parse_args(["--shape", "llama8b", "--contexts", "32768", "--max-host-gb", "60"]))
     assert all(r["skip"] and r["skip"].startswith("host") for r in tight if r["method"] != "dynamic_gpu")

@@ -6,25 +6,33 @@ saved nothing. Here every append's encoded rows are written back to back, so hos
 reads shrink with the codec ratio.
 
 Layout. Rows are addressed by (side, slot): side 0 is K, 1 is V; the slot of (token t, batch b, head h) is chosen by
-the caller (the KV manager numbers them token-major). Per (side, slot) the store keeps a *position* (int64: chunk
-index << 40 | byte offset, see ``kernels/layout.py``) and a stored length (int32), on the device on CUDA. Bytes live
-in host chunks (page-locked on CUDA, allocated at their exact size). An append of m rows per side stores its 2m rows
-in the order K0 V0 K1 V1 ... as ONE contiguous run that never straddles chunks: it goes at the cursor if it fits
-what is left of the cursor's chunk, otherwise at offset 0 of the next chunk (:func:`place`). Rewriting slots after
-a crop rewinds the cursor to the position of the first rewritten K row (everything after it is dead).
+the caller (the KV manager numbers them token-major). An append of m rows per side stores its 2m rows in the order
+K0 V0 K1 V1 ... at consecutive *virtual* byte offsets: a running sum of stored lengths, continued by the next
+append (rewriting slots after a crop starts at the first rewritten K row instead: everything after it is dead).
+The virtual space is cut into chunks of ``chunk_bytes`` (a power of two, fixed per store): the row at virtual
+offset v lives in chunk ``v // chunk_bytes`` at offset ``v % chunk_bytes`` and may run past the chunk's end into
+its *margin* (every chunk is allocated with ``row_bytes + 16`` spare bytes: a row never straddles two
+allocations). Per (side, slot) the store keeps a *position* (int64: chunk << 40 | offset, ``kernels/layout.py``)
+and a stored length (int32), on the device on CUDA.
 
-Chunk sizes depend only on the chunk's index and on the append that opens it (:func:`chunk_capacity`), so the CPU
-path and the GPU path allocate the same chunks and put every row at the same position: the stored bytes are
-identical, which the tests check.
+Why this placement: it is a prefix sum, so a whole prompt is placed in parallel and may span any number of chunks,
+and every chunk is the same size, so page-locked chunks come from a per-process pool
+(:mod:`~ibpcache.cache.host_pool`): blocks pinned once, ahead of need on a background thread, and reused by the
+next store. The CPU path (Numba encoders, plain memory) and the GPU path place every row at the same position with
+the same bytes (:meth:`AppendStore.snapshot`; tests compare them).
 
-No host sync per decode step (CUDA). Two launches per append (``kernels/kv_packed.cu``): lengths, whose last block
+CUDA, no host sync per decode step. Two launches per append (``kernels/kv_packed.cu``): lengths, whose last block
 scans them and places the append on the device, then the encode. The host never learns where an append went until
 later; it keeps an upper bound of the cursor instead: every append issued moves the bound by its worst case (all
 rows raw), and the size kernel writes the real cursor and an append sequence number to a pinned mirror that the
-host reads without a sync (it can only lag, which keeps the bound conservative). A chunk is allocated when the
-bound says the next append might open it, after re-reading the mirror; so the host holds at most about one chunk
-more than the rows need. An append whose worst case exceeds the smallest chunk (a prompt) instead waits once for
-its lengths and allocates the chunk it needs at its exact size: host memory then tracks the stored bytes closely.
+host reads without a sync (it can only lag, which keeps the bound conservative). A chunk is added when the bound
+says an append might reach it, after re-reading the mirror; so the host holds at most about one chunk more than
+the rows need.
+
+A large append (worst case above one chunk: a prompt, a prefill piece) waits once between its two launches for its
+placement, has the encode write its rows into a device buffer and copies that buffer to its chunks with DMA copies
+(``cudaMemcpyAsync``): host memory is exactly the chunks the stored bytes need, the SMs are not held for the PCIe
+transfer, and on a side stream (the KV manager's prefill worker) the copy overlaps the model's next layer.
 
 Both backends hold their bytes in numpy views of the chunks, so inspecting a store (:meth:`AppendStore.snapshot`)
 is the same code on both.
@@ -45,16 +53,26 @@ from ..codec import Codec
 from ..errors import CapacityError, FormatError, InvalidArgumentError, InvalidTypeError, RowShapeError, UnsupportedError
 from ..exponent import ExponentCodec
 from ..kernels import layout as L
+from .host_pool import host_pool
+from .plan_codecs import ScatteredCost
 
-__all__ = ["AppendStore", "StagedChunks", "stage_layout", "RowCodec", "place", "chunk_capacity", "codec_method", "MIN_CHUNK_BYTES"]
+__all__ = ["AppendStore", "StagedChunks", "stage_layout", "copy_runs", "staged_copies", "measure_scattered", "RowCodec",
+           "chunk_bytes_for",
+           "chunk_margin", "to_position", "to_virtual", "chunks_needed", "codec_method", "MIN_CHUNK_BYTES",
+           "CHUNKS_PER_PROMPT"]
 
 RowCodec = Union[Codec, ExponentCodec]
 
 MIN_CHUNK_BYTES = 16 << 10
-"""Floor of the smallest chunk; the real minimum also holds 8 tokens' worst case (see :class:`AppendStore`)."""
+"""Floor of the smallest chunk; the real minimum also holds 8 tokens' worst case (see :func:`chunk_bytes_for`)."""
+
+CHUNKS_PER_PROMPT = 64
+"""A store sized for a prompt of W worst-case bytes gets chunks of about W / 64 (within the size limits): the last,
+partly filled chunk (all the slack over the stored bytes) stays a small share of the store, while a long prompt
+gets the largest chunks (few copies, few table entries)."""
 
 _PAD = 16
-"""Spare bytes after each chunk: the IBP decoder reads whole aligned 16-byte blocks."""
+"""Spare bytes after a row's margin: the IBP decoder reads whole aligned 16-byte blocks."""
 
 _SHIFT = L.KVP_POS_SHIFT
 _OFF = L.KVP_OFF_MASK
@@ -73,25 +91,51 @@ def codec_method(codec: RowCodec) -> int:
     raise InvalidTypeError(f"codec: expected an ibpcache Codec or ExponentCodec, got {type(codec).__name__}")
 
 
-def chunk_capacity(index: int, min_bytes: int, max_bytes: int, total: int = 0) -> int:
-    """Usable bytes of chunk ``index`` when an append of ``total`` bytes opens it.
-
-    Chunk 0 is a placeholder (capacity 0). From chunk 1 on, sizes double every 4 chunks from ``min_bytes`` up to
-    ``max_bytes`` (the last chunk, partly filled, stays a small share of what is held), and a chunk is never smaller
-    than the append that opens it (rounded up to 16 bytes)."""
-    if index <= 0:
-        return 0
-    base = min(max_bytes, min_bytes << min(40, (index - 1) // 4))
-    return max(base, -(-int(total) // 16) * 16)
+def chunk_margin(row_bytes: int) -> int:
+    """Bytes allocated after every chunk: a row that starts before the chunk's end may run up to ``row_bytes - 1``
+    past it, and decoders read up to 16 bytes past a row (whole aligned blocks)."""
+    return -(-int(row_bytes) // 16) * 16 + _PAD
 
 
-def place(cursor: int, total: int, cap_of_chunk: int) -> int:
-    """Position of an append of ``total`` bytes made at ``cursor`` (the host twin of ``ibp_kvp_size``'s rule): at the
-    cursor if it fits its chunk's capacity ``cap_of_chunk``, else at offset 0 of the next chunk."""
-    c, off = cursor >> _SHIFT, cursor & _OFF
-    if off + total > cap_of_chunk:
-        return (c + 1) << _SHIFT
-    return cursor
+def chunk_bytes_for(rows_per_token: int, row_bytes: int, min_bytes: "int | None" = None,
+                    max_bytes: int = 4 << 20, expected_bytes: int = 0) -> int:
+    """Virtual bytes per chunk of a store (a power of two): about ``expected_bytes / CHUNKS_PER_PROMPT`` (the worst
+    case of the append the store is created for), at least ``min_bytes`` (default: 16 KiB or 8 tokens' worst case,
+    whichever is larger) and at most ``max_bytes`` (rounded up to powers of two)."""
+    lo = _pow2ceil(max(MIN_CHUNK_BYTES, 2 * 8 * rows_per_token * row_bytes) if min_bytes is None else min_bytes)
+    hi = max(lo, _pow2ceil(max_bytes))
+    return min(hi, max(lo, _pow2ceil(int(expected_bytes) // CHUNKS_PER_PROMPT)))
+
+
+def to_position(v: "int | np.ndarray", shift: int) -> "int | np.ndarray":
+    """The position (chunk << 40 | offset) of virtual offset ``v`` in a store of ``2**shift``-byte chunks."""
+    return ((v >> shift) << _SHIFT) | (v & ((1 << shift) - 1))
+
+
+def to_virtual(p: "int | np.ndarray", shift: int) -> "int | np.ndarray":
+    """The virtual offset of position ``p`` (inverse of :func:`to_position`)."""
+    return ((p >> _SHIFT) << shift) | (p & _OFF)
+
+
+def chunks_needed(end: int, shift: int) -> int:
+    """Chunks that rows placed below virtual offset ``end`` can start in (each may run into its chunk's margin)."""
+    return 0 if end <= 0 else ((int(end) - 1) >> shift) + 1
+
+
+def staged_copies(base: int, end: int, shift: int, row_bytes: int) -> "list[tuple[int, int, int, int]]":
+    """The DMA copies that move a large append's rows, encoded into a device buffer that holds virtual bytes
+    ``[base, end)``, to their chunks: ``(chunk, offset in the chunk, offset in the buffer, bytes)``.
+
+    Chunk c gets the append's bytes from ``max(c * C, base)`` up to where the last row starting in it may end
+    (``(c + 1) * C + row_bytes``, inside its margin); bytes copied past a row's end belong to rows of the next chunk
+    and are never read there. Bytes before ``base`` (earlier appends' rows) are never touched."""
+    size = 1 << shift
+    out = []
+    for c in range(base >> shift, chunks_needed(end, shift)):
+        lo, hi = max(c * size, base), min(end, (c + 1) * size + row_bytes)
+        if hi > lo:
+            out.append((c, lo - c * size, lo - base, hi - lo))
+    return out
 
 
 @dataclass
@@ -104,89 +148,93 @@ class StagedChunks:
     """
 
     buffer: torch.Tensor  # uint8 on the device: the chunks back to back (16-byte aligned), padding included
-    offsets: torch.Tensor  # int64 [n] on the device: where chunk c starts in ``buffer`` (chunk 0 is empty)
+    offsets: torch.Tensor  # int64 [n] on the device: where chunk c starts in ``buffer``
     nbytes: int  # bytes the copies move host -> device
     ready: "torch.cuda.Event"  # recorded on ``stream`` after the copies
     stream: "torch.cuda.Stream"  # where the copies were enqueued
 
 
-def stage_layout(caps: "list[int]", bound: int) -> tuple[np.ndarray, np.ndarray]:
+def stage_layout(n_chunks: int, shift: int, row_bytes: int, bound: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     """Bytes to copy of each chunk and where each goes in a staging buffer (:meth:`AppendStore.stage_chunks`).
 
-    ``caps``: usable bytes per chunk (chunk 0 is the empty placeholder); ``bound``: a position at or past the end of
-    every stored row. Chunks before the bound's are copied whole, the bound's chunk up to the bound, later ones not
-    at all; each copy carries the decoder's padding (whose bytes exist in host memory after every chunk) and starts
-    16-byte aligned in the buffer, as chunks are in host memory, so the decoder's aligned block reads stay inside.
-    Returns int64 (sizes, offsets), one entry per chunk up to the bound's (at least one)."""
-    last, last_used = bound >> _SHIFT, bound & _OFF
-    n = min(len(caps), last + 1)
+    ``n_chunks`` chunks of ``2**shift`` virtual bytes exist, each allocated as ``block`` bytes (the chunk and its
+    margin); ``bound``: a virtual offset at or past the end of every stored row. Chunk c goes to ``c * block`` in the
+    buffer, as in a run of blocks in host memory (so copies of blocks adjacent in host memory merge into one,
+    :func:`copy_runs`); every chunk below the bound's is copied whole, the bound's up to where its rows may end (at
+    most ``row_bytes`` into its margin) plus the decoder's padding, whose bytes exist in host memory after every row
+    that can end there. Offsets are 16-byte aligned, as chunks are in host memory, so the decoder's aligned block
+    reads stay inside. Returns int64 (sizes, offsets), one entry per chunk a row can start in (at least one)."""
+    size = 1 << shift
+    n = min(n_chunks, chunks_needed(bound, shift))
     sizes = np.zeros(max(n, 1), dtype=np.int64)
-    for c in range(1, n):
-        used = caps[c] if c < last else min(caps[c], last_used)
-        sizes[c] = used + _PAD if used else 0
-    offsets = np.zeros_like(sizes)
-    np.cumsum(-(-sizes[:-1] // 16) * 16, out=offsets[1:])
+    for c in range(n):
+        used = min(bound, (c + 1) * size + row_bytes) - c * size
+        sizes[c] = block if c < n - 1 else min(block, used + _PAD)
+    offsets = np.arange(sizes.size, dtype=np.int64) * block
     return sizes, offsets
 
 
-class _Chunks:
-    """Host chunks: numpy views for the host side, page-locked (CUDA) so kernels read and write them in place."""
+def copy_runs(ptrs: "list[int]", sizes: np.ndarray, offsets: np.ndarray, block: int) -> "list[tuple[int, int, int]]":
+    """The copies of :func:`stage_layout`'s plan as (buffer offset, host address, bytes), merging chunks whose blocks
+    follow each other in host memory (a pool's blocks mostly do): a dense read of a 358 MB layer in 4 MiB chunks is a
+    few copies instead of ~90 (each a host call on the decode step's critical path)."""
+    runs: "list[list[int]]" = []
+    for c in range(min(len(ptrs), sizes.size)):
+        n = int(sizes[c])
+        if n == 0:
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and last[2] == block * (c - last[3]) and last[1] + last[2] == ptrs[c] \
+                and last[0] + last[2] == int(offsets[c]):
+            last[2] += n
+            continue
+        runs.append([int(offsets[c]), ptrs[c], n, c])
+    return [(off, ptr, n) for off, ptr, n, _ in runs]
 
-    def __init__(self, pinned: bool) -> None:
+
+class _Chunks:
+    """A store's host chunks, all of one block size (chunk + margin): numpy views for the host side; page-locked
+    blocks from the process's :func:`~ibpcache.cache.host_pool.host_pool` on CUDA, so kernels read and write them in
+    place and a released store's blocks serve the next one."""
+
+    def __init__(self, pinned: bool, block: int) -> None:
         self.pinned = pinned
-        self.caps: list[int] = [0]
-        self.arrays: "list[np.ndarray | None]" = [None]
-        self.ptrs: list[int] = [0]  # cudaHostAlloc pointers still to free (pinned only)
-        self.nbytes = 0
+        self.block = block
+        self.arrays: "list[np.ndarray]" = []
+        self.ptrs: list[int] = []  # pool blocks still held (pinned only)
 
     def __len__(self) -> int:
-        return len(self.caps)
+        return len(self.arrays)
 
-    def allocate(self, cap: int) -> tuple[int, np.ndarray]:
-        """A new chunk of ``cap`` usable bytes (+ padding); returns (address, view)."""
-        n = cap + _PAD
+    @property
+    def nbytes(self) -> int:
+        return len(self.arrays) * self.block
+
+    def add(self) -> int:
+        """One more chunk; its address."""
         if self.pinned:
-            from ..kernels._build import host_alloc
-
-            ptr = host_alloc(n)
-            arr = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
-        else:
-            arr = np.zeros(n, dtype=np.uint8)
-            ptr = arr.ctypes.data
-        self.nbytes += n
-        return ptr, arr
-
-    def set(self, index: int, cap: int) -> int:
-        """Give chunk ``index`` (the next one, or an existing one being replaced) a new allocation; its address.
-
-        A replaced chunk holds nothing live (the caller made sure, after a sync); its memory is freed now."""
-        ptr, arr = self.allocate(cap)
-        if index == len(self.caps):
-            self.caps.append(cap)
-            self.arrays.append(arr)
-            self.ptrs.append(ptr if self.pinned else 0)
+            ptr = host_pool().take(self.block)
+            self.ptrs.append(ptr)
+            self.arrays.append(np.ctypeslib.as_array((ctypes.c_uint8 * self.block).from_address(ptr)))
             return ptr
-        self.nbytes -= self.caps[index] + _PAD
-        if self.pinned:
-            from ..kernels._build import host_free
-
-            host_free(self.ptrs[index])
-            self.ptrs[index] = ptr
-        self.caps[index] = cap
-        self.arrays[index] = arr
-        return ptr
+        arr = np.zeros(self.block, dtype=np.uint8)
+        self.arrays.append(arr)
+        return arr.ctypes.data
 
 
-def _free_pinned(ptrs: list[int]) -> None:
-    """Free the chunks of a store that is gone (its owner synchronised; see :meth:`AppendStore.release`)."""
-    from ..kernels._build import host_free
-
-    for p in ptrs:
-        if p:
-            try:
-                host_free(p)
-            except Exception:  # noqa: BLE001 - interpreter teardown
-                pass
+def _give_back(ptrs: list[int], block: int, device: "torch.device | None") -> None:
+    """Return a store's blocks to the pool once the device is done with them (a weakref finalizer and
+    :meth:`AppendStore.release`): a kernel or copy enqueued earlier may still read or write them."""
+    if not ptrs:
+        return
+    try:
+        if device is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize(device)
+        pool = host_pool()
+        for p in ptrs:
+            pool.give(block, p)
+    except Exception:  # noqa: BLE001 - interpreter teardown: the process is going away with its memory
+        pass
     ptrs.clear()
 
 
@@ -197,15 +245,16 @@ class AppendStore:
         k_codec, v_codec: how each side is stored: an IBP :class:`~ibpcache.codec.Codec` (``Codec.raw`` for raw rows)
             or an :class:`~ibpcache.exponent.ExponentCodec`; both sides have rows of the same size.
         device: "cpu" (Numba encoders, plain memory) or a CUDA device (kernels, page-locked memory).
-        rows_per_token: rows per side one token adds (batch x KV heads) when the store is created: sizes the
-            smallest chunk so that a decode step never needs a sync.
-        min_chunk_bytes, max_chunk_bytes: chunk size range (powers of two; defaults: 16 KiB or 8 tokens' worst
-            case, whichever is larger, and 4 MiB).
+        rows_per_token: rows per side one token adds (batch x KV heads) when the store is created.
+        min_chunk_bytes, max_chunk_bytes, expected_bytes: the chunk size (:func:`chunk_bytes_for`): about
+            ``expected_bytes`` (the worst case of the first append: the prompt) / 64, within [min, max]
+            (defaults: 16 KiB or 8 tokens' worst case, whichever is larger, and 4 MiB).
         slots: slot capacity to allocate up front.
     """
 
     def __init__(self, k_codec: RowCodec, v_codec: RowCodec, device: "str | torch.device", *, rows_per_token: int,
-                 min_chunk_bytes: "int | None" = None, max_chunk_bytes: int = 4 << 20, slots: int = 0) -> None:
+                 min_chunk_bytes: "int | None" = None, max_chunk_bytes: int = 4 << 20, slots: int = 0,
+                 expected_bytes: int = 0) -> None:
         self.methods = (codec_method(k_codec), codec_method(v_codec))
         if k_codec.row_bytes != v_codec.row_bytes:
             raise InvalidArgumentError(f"K and V rows differ in size: {k_codec.row_bytes} vs {v_codec.row_bytes}")
@@ -220,16 +269,17 @@ class AppendStore:
         self.device = dev
         self.cuda = dev.type == "cuda"
         self.row_bytes = int(k_codec.row_bytes)
-        worst8 = 2 * 8 * rows_per_token * self.row_bytes
-        self.min_chunk = _pow2ceil(max(MIN_CHUNK_BYTES, worst8) if min_chunk_bytes is None else min_chunk_bytes)
-        self.max_chunk = max(self.min_chunk, _pow2ceil(max_chunk_bytes))
-        self._chunks = _Chunks(self.cuda)
+        self.chunk_bytes = chunk_bytes_for(rows_per_token, self.row_bytes, min_chunk_bytes, max_chunk_bytes,
+                                           expected_bytes)
+        self.chunk_shift = self.chunk_bytes.bit_length() - 1
+        self._chunks = _Chunks(self.cuda, self.chunk_bytes + chunk_margin(self.row_bytes))
         self.slot_cap = 0
         self.high_water = 0  # slots ever written: rewriting below it rewinds the cursor
-        self.cursor = 0  # CPU: exact; CUDA: see _bound
+        self.cursor = 0  # virtual offset where the next append goes (CPU: exact; CUDA: see _bound)
+        self._staged: "tuple[torch.Tensor, int, int] | None" = None  # a large append's device buffer, base, end
         if self.cuda:
             self._init_device()
-            self._finalizer = weakref.finalize(self, _free_pinned, self._chunks.ptrs)
+            self._finalizer = weakref.finalize(self, _give_back, self._chunks.ptrs, self._chunks.block, dev)
         else:
             self._pos = np.zeros((2, 0), dtype=np.int64)
             self._len = np.zeros((2, 0), dtype=np.int32)
@@ -244,14 +294,13 @@ class AppendStore:
         self._mirror_np = self._mirror.numpy()
         self._max_chunks = 64
         self._table = torch.zeros(self._max_chunks, dtype=torch.int64, device=dev)
-        self._caps = torch.zeros(self._max_chunks, dtype=torch.int64, device=dev)
         self._pos = torch.zeros((2, 0), dtype=torch.int64, device=dev)
         self._len = torch.zeros((2, 0), dtype=torch.int32, device=dev)
         self._scratch = torch.zeros(0, dtype=torch.int64, device=dev)
         self._tables: list[Any] = []  # device tables of the codecs, kept alive with the descriptor
         d = self._desc_host
         d[L.KVP_D_TABLE] = self._table.data_ptr()
-        d[L.KVP_D_CAPS] = self._caps.data_ptr()
+        d[L.KVP_D_CHUNK_SHIFT] = self.chunk_shift
         d[L.KVP_D_MAX_CHUNKS] = self._max_chunks
         d[L.KVP_D_STATE] = self._state.data_ptr()
         d[L.KVP_D_MIRROR] = self._mirror.data_ptr()
@@ -287,13 +336,6 @@ class AppendStore:
         self._desc_host[word] = value
         self._desc[word].fill_(int(value))
 
-    def _cap_at(self, c: int) -> int:
-        """Capacity of chunk ``c`` as the bound assumes it: allocated ones as they are, later ones their minimum."""
-        return self._chunks.caps[c] if c < len(self._chunks) else chunk_capacity(c, self.min_chunk, self.max_chunk)
-
-    def _bound_after(self, cursor: int, worst: int) -> int:
-        return place(cursor, worst, self._cap_at(cursor >> _SHIFT)) + worst
-
     def _refresh(self) -> None:
         """Read the pinned mirror (no sync): sequence number first, so the cursor read after is at least as new."""
         seq = int(self._mirror_np[L.KVP_MR_SEQ])
@@ -303,48 +345,30 @@ class AppendStore:
         for _ in range(min(seq - self._known_seq, len(self._history))):
             self._history.popleft()
         self._known_seq, self._known_cursor = seq, cur
-        bound = cur
-        for worst in self._history:
-            bound = self._bound_after(bound, worst)
-        self._bound = bound
+        self._bound = cur + sum(self._history)
 
     def _table_room(self, n_chunks: int) -> None:
-        """Grow the device chunk tables to hold ``n_chunks`` entries (copy, then point the descriptor at them)."""
+        """Grow the device chunk table to hold ``n_chunks`` entries (copy, then point the descriptor at it)."""
         if n_chunks <= self._max_chunks:
             return
         size = max(n_chunks, 2 * self._max_chunks)
-        for name, word in (("_table", L.KVP_D_TABLE), ("_caps", L.KVP_D_CAPS)):
-            old = getattr(self, name)
-            new = torch.zeros(size, dtype=torch.int64, device=self.device)
-            new[: old.numel()].copy_(old)
-            setattr(self, name, new)
-            self._set_desc(word, new.data_ptr())
+        new = torch.zeros(size, dtype=torch.int64, device=self.device)
+        new[: self._table.numel()].copy_(self._table)
+        self._table = new
+        self._set_desc(L.KVP_D_TABLE, new.data_ptr())
         self._max_chunks = size
         self._set_desc(L.KVP_D_MAX_CHUNKS, size)
 
-    def _open_chunk(self, c: int, total: int) -> None:
-        """Make chunk ``c`` exist with room for an append of ``total`` bytes (both backends; see chunk_capacity).
-
-        Only called where chunk ``c`` holds nothing live: it is new, or the cursor just left it behind."""
-        chunks = self._chunks
-        while len(chunks) < c:  # chunks the cursor skipped can only be ones the bound allocated already
-            self._alloc_chunk(len(chunks), 0)
-        if c < len(chunks) and chunks.caps[c] >= total:
-            return
-        self._alloc_chunk(c, total)
-
-    def _alloc_chunk(self, c: int, total: int) -> None:
-        cap = chunk_capacity(c, self.min_chunk, self.max_chunk, total)
-        ptr = self._chunks.set(c, cap)
-        if self.cuda:
-            self._table_room(c + 1)
-            self._table[c].fill_(ptr)
-            self._caps[c].fill_(cap)
-
-    def _chunks_for_bound(self, cursor: int) -> None:
-        """Allocate every chunk up to the one that holds position ``cursor`` (the bound), at its minimum size."""
-        while len(self._chunks) <= cursor >> _SHIFT:
-            self._alloc_chunk(len(self._chunks), 0)
+    def _chunks_for(self, end: int) -> None:
+        """Add chunks until every row placed below virtual offset ``end`` has its chunk."""
+        need = chunks_needed(end, self.chunk_shift)
+        if need > len(self._chunks) and self.cuda:
+            self._table_room(need)
+        while len(self._chunks) < need:
+            c = len(self._chunks)
+            ptr = self._chunks.add()
+            if self.cuda:
+                self._table[c].fill_(ptr)
 
     # -- capacity ------------------------------------------------------------------------------------------------
     def reserve(self, n_slots: int) -> None:
@@ -379,7 +403,7 @@ class AppendStore:
         """Device tensors a fetch reads that growth may replace: a reader on another stream keeps them alive."""
         if not self.cuda:
             return ()
-        return (self._desc, self._pos, self._len, self._table, self._caps, self._state)
+        return (self._desc, self._pos, self._len, self._table, self._state)
 
     # -- append ----------------------------------------------------------------------------------------------------
     def _check_append(self, keys: torch.Tensor, values: torch.Tensor, slot0: int) -> int:
@@ -407,8 +431,8 @@ class AppendStore:
         ``t0`` is the first token's index (the device keeps the token count for graph replays, see
         :meth:`launch_dynamic`). ``into``/``att_pos0``: attention buffers that also get the
         rows (CUDA: in the same launch). ``written`` (CUDA, int64 [1]): += stored bytes. Returns the stored bytes on
-        the CPU (0 on CUDA: counted on the device). No host sync on CUDA unless the worst case of the append exceeds
-        the smallest chunk (a prompt): then one, to allocate its chunk at the exact size.
+        the CPU (0 on CUDA: counted on the device). No host sync on CUDA unless the append's worst case exceeds one
+        chunk (a prompt): then one, between its two launches, on the current stream.
         """
         m = self._check_append(keys, values, slot0)
         if m == 0:
@@ -431,16 +455,17 @@ class AppendStore:
         rel = np.zeros(2 * m, dtype=np.int64)
         np.cumsum(inter[:-1], out=rel[1:])
         total = int(inter.sum())
-        cursor = int(self._pos[0, slot0]) if rewind else self.cursor
-        c = cursor >> _SHIFT
-        cap = self._chunks.caps[c] if c < len(self._chunks) else 0
-        base = place(cursor, total, cap)
-        self._open_chunk(base >> _SHIFT, total)
-        buf = self._chunks.arrays[base >> _SHIFT]
+        shift = self.chunk_shift
+        base = int(to_virtual(int(self._pos[0, slot0]), shift)) if rewind else self.cursor
+        self._chunks_for(base + total)
         for side in (0, 1):
-            offs = (base & _OFF) + rel[side::2]
-            self.codecs[side].encode_rows_at(rows[side], buf, offs, lens[side])
-            self._pos[side, slot0 : slot0 + m] = base + rel[side::2]
+            v = base + rel[side::2]
+            chunk = v >> shift
+            for c in np.unique(chunk):
+                sel = chunk == c
+                self.codecs[side].encode_rows_at(rows[side][sel], self._chunks.arrays[int(c)],
+                                                 v[sel] & (self.chunk_bytes - 1), lens[side][sel])
+            self._pos[side, slot0 : slot0 + m] = to_position(v, shift)
             self._len[side, slot0 : slot0 + m] = lens[side]
         self.cursor = base + total
         if into is not None:
@@ -461,33 +486,52 @@ class AppendStore:
             keys = keys.contiguous()
         if values.stride(3) != 1:
             values = values.contiguous()
-        if worst <= self.min_chunk:
+        if worst <= self.chunk_bytes:
             self.note_append(worst)
             kvp_append(self._desc, keys, values, slot0, t0, rewind=rewind, written=written, into=into,
                        att_pos0=att_pos0)
             return
-        # A prompt-sized append: place it, wait for its total, give it a chunk of its own size, then encode.
+        # A large append: place it, wait for its total, encode into a device buffer, copy that to its chunks.
         kvp_append(self._desc, keys, values, slot0, t0, rewind=rewind, written=written, into=into,
-                   att_pos0=att_pos0, before_encode=self._after_sync_place)
+                   att_pos0=att_pos0, before_encode=self._place_staged)
+        self._copy_staged()
 
-    def _after_sync_place(self) -> None:
-        """Between the two launches of a prompt-sized append: read where it went (one sync), open its chunk."""
+    def _place_staged(self) -> torch.Tensor:
+        """Between the two launches of a large append: read where it went (one sync on the current stream), add the
+        chunks it needs and return the device buffer its rows are encoded into."""
         st = self._state[: L.KVP_ST_TOTAL + 1].cpu()
         base, total = int(st[L.KVP_ST_BASE]), int(st[L.KVP_ST_TOTAL])
-        self._open_chunk(base >> _SHIFT, total)
+        end = base + total
+        self._chunks_for(end)
         self._issued += 1
-        self._known_seq, self._known_cursor = self._issued, base + total
+        self._known_seq, self._known_cursor = self._issued, end
         self._history.clear()
-        self._bound = base + total
+        self._bound = end
+        buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
+        self._staged = (buffer, base, end)
+        return buffer
+
+    def _copy_staged(self) -> None:
+        """Enqueue the DMA copies of the large append just encoded from its device buffer to its chunks (on the
+        current stream, after the encode; the buffer is freed to torch's allocator on that stream, which orders
+        its reuse after the copies)."""
+        from ..kernels._build import copy_device_to_host
+
+        buffer, base, end = self._staged
+        self._staged = None
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        src = buffer.data_ptr()
+        for c, c_off, b_off, n in staged_copies(base, end, self.chunk_shift, self.row_bytes):
+            copy_device_to_host(self._chunks.ptrs[c] + c_off, src + b_off, n, stream)
 
     def note_append(self, worst: int) -> None:
         """Host bookkeeping of one small append about to be enqueued (or replayed from a graph): move the cursor
-        bound by its worst case and make sure every chunk it might open exists. Never waits for the device."""
-        bound = self._bound_after(self._bound, worst)
-        if bound >> _SHIFT >= len(self._chunks):  # it might open a chunk: first see how far the device really is
+        bound by its worst case and make sure every chunk it might reach exists. Never waits for the device."""
+        bound = self._bound + worst
+        if chunks_needed(bound, self.chunk_shift) > len(self._chunks):  # first see how far the device really is
             self._refresh()
-            bound = self._bound_after(self._bound, worst)
-        self._chunks_for_bound(bound - 1)
+            bound = self._bound + worst
+        self._chunks_for(bound)
         self._bound = bound
         self._issued += 1
         self._history.append(worst)
@@ -519,8 +563,8 @@ class AppendStore:
         """CUDA: enqueue on ``stream`` (default: the current one) DMA copies of every chunk that may hold a stored
         row into one new device buffer, for :meth:`fetch` (``staged=``). Never waits for the device.
 
-        What is copied: whole chunks up to the one holding the host's bound of the device cursor, and that one up
-        to the bound (plus the decoder's padding): every row appended before this call, whatever appends are
+        What is copied (:func:`stage_layout`): every chunk up to the host's bound of the device cursor, up to where
+        its rows may end (plus the decoder's padding): every row appended before this call, whatever appends are
         still in flight on the device, as long as ``stream`` is ordered after them (the caller's job). Dead rows
         (rewritten after a crop) are copied too; a store whose rows are mostly live reads ~its stored bytes.
         """
@@ -530,16 +574,14 @@ class AppendStore:
             raise UnsupportedError("AppendStore.stage_chunks is the CUDA path; on the CPU use read_rows")
         stream = torch.cuda.current_stream(self.device) if stream is None else stream
         chunks = self._chunks
-        sizes, offsets = stage_layout(chunks.caps, self._bound)
-        n = sizes.size
+        sizes, offsets = stage_layout(len(chunks), self.chunk_shift, self.row_bytes, self._bound, chunks.block)
         total = int(offsets[-1] + sizes[-1])
         with torch.cuda.stream(stream):
             buffer = torch.empty(total + _PAD, dtype=torch.uint8, device=self.device)
             offs_dev = torch.from_numpy(offsets).pin_memory().to(self.device, non_blocking=True)
             base = buffer.data_ptr()
-            for c in range(1, n):
-                if sizes[c]:
-                    copy_host_to_device(base + int(offsets[c]), chunks.ptrs[c], int(sizes[c]), stream.cuda_stream)
+            for off, ptr, n in copy_runs(chunks.ptrs, sizes, offsets, chunks.block):
+                copy_host_to_device(base + off, ptr, n, stream.cuda_stream)
             ready = torch.cuda.Event()
             ready.record(stream)
         return StagedChunks(buffer, offs_dev, int(sizes.sum()), ready, stream)
@@ -571,10 +613,10 @@ class AppendStore:
         from ..kernels.kv_packed import kvp_append
 
         m = self._check_append(keys, values, slot0) if slot0 <= self.high_water else -1
-        if m < 0 or 2 * m * self.row_bytes > self.min_chunk:
+        if m < 0 or 2 * m * self.row_bytes > self.chunk_bytes:
             raise InvalidArgumentError(f"a captured append must be a decode step starting at the next free slot "
-                                       f"({self.high_water}) whose worst case fits the smallest chunk "
-                                       f"({self.min_chunk} bytes)")
+                                       f"({self.high_water}) whose worst case fits one chunk ({self.chunk_bytes} "
+                                       f"bytes)")
         if 2 * m > self._scratch.numel():  # growing it here would be captured (and replayed) too
             raise InvalidArgumentError("launch_dynamic: call prepare_capture first (scratch room)")
         kvp_append(self._desc, keys, values, slot0, t0, dyn=True, written=written, into=into, att_pos0=att_pos0)
@@ -632,24 +674,82 @@ class AppendStore:
                 arr = self._chunks.arrays[p >> _SHIFT]
                 parts.append(arr[(p & _OFF) : (p & _OFF) + n])
         data = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
-        return {"pos": pos, "len": lens, "data": data.copy(), "caps": list(self._chunks.caps)}
+        return {"pos": pos, "len": lens, "data": data.copy(), "chunks": len(self._chunks),
+                "chunk_bytes": self.chunk_bytes}
 
     @property
     def host_nbytes(self) -> int:
-        """Host memory the chunks hold (capacity + padding; exact allocations)."""
+        """Host memory the chunks hold (each chunk with its margin)."""
         return self._chunks.nbytes
+
+    @property
+    def host_slack_bound(self) -> int:
+        """What the chunks may hold beyond the stored bytes by design: the free part of one chunk (the last) and
+        every chunk's margin (CUDA may hold a chunk more, added ahead of a bound the rows did not reach)."""
+        return self.chunk_bytes + len(self._chunks) * (self._chunks.block - self.chunk_bytes)
 
     @property
     def device_nbytes(self) -> int:
         """GPU bytes of metadata: per-slot positions and lengths, chunk tables, descriptor, codec tables."""
         if not self.cuda:
             return 0
-        total = self.slot_cap * 2 * (8 + 4) + 2 * self._max_chunks * 8 + self._scratch.numel() * 8
+        total = self.slot_cap * 2 * (8 + 4) + self._max_chunks * 8 + self._scratch.numel() * 8
         return total + sum(c.metadata_nbytes for c in self.codecs if codec_method(c) != L.KVP_RAW)
 
-    def release(self) -> None:
-        """Free the host chunks now (CUDA: after the device finished with them). The store is unusable after."""
+    def release(self, stream_only: bool = False) -> None:
+        """Give the host chunks back now (CUDA: to the pool, after the device finished with them). The store is
+        unusable after. ``stream_only``: every kernel and copy that used the store was on the current stream, so
+        waiting for that stream is enough (a device-wide sync would also wait for another thread's work)."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self._finalizer()
-        self._chunks = _Chunks(self.cuda)
+            if stream_only:
+                torch.cuda.current_stream(self.device).synchronize()
+                self._finalizer.detach()
+                _give_back(self._chunks.ptrs, self._chunks.block, None)
+            else:
+                self._finalizer()  # synchronises the device first
+        self._chunks = _Chunks(self.cuda, self._chunks.block)
+
+
+def measure_scattered(codec: Any, sample: torch.Tensor, rows_per_token: int, *, store_bytes: int = 64 << 20,
+                      tokens: int = 400, repeats: int = 7) -> ScatteredCost:
+    """Time the packed store's fetch of ``tokens`` selected tokens per (batch, head) row, raw rows against rows of
+    ``codec``, on ``sample``'s GPU (CUDA events on the current stream, alternating, medians).
+
+    The stores hold ~``store_bytes`` of raw rows (``sample`` [N, D] tiled, in the real token-major slot layout of
+    ``rows_per_token`` rows per token), so the reads miss caches and translation buffers as a real layer's do; one
+    fetch reads the same random tokens from both. The pinned blocks go back to the pool afterwards."""
+    dev = sample.device
+    raw_codec = Codec.raw(sample.dtype, tuple(sample.shape[1:]))
+    row_bytes = raw_codec.row_bytes
+    n_tok = max(tokens + 1, store_bytes // (2 * row_bytes * rows_per_token))
+    reps = -(-(n_tok * rows_per_token) // sample.shape[0])
+    x = sample.repeat(reps, 1)[: n_tok * rows_per_token].view(n_tok, 1, rows_per_token, -1).permute(1, 2, 0, 3)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    idx = torch.rand((1, rows_per_token, n_tok), device=dev, generator=gen).argsort(-1)[..., :tokens]
+    idx = idx.sort(-1).values.contiguous()
+    out = [torch.empty((1, rows_per_token, tokens, x.shape[-1]), dtype=x.dtype, device=dev) for _ in range(2)]
+    stores = []
+    for c in (raw_codec, codec):
+        store = AppendStore(c, c, dev, rows_per_token=rows_per_token, slots=n_tok * rows_per_token,
+                            expected_bytes=2 * x.numel() * x.element_size())
+        store.append(x, x, 0, 0)
+        stores.append(store)
+    times: "list[list[float]]" = [[], []]
+    try:
+        for r in range(repeats + 2):  # two untimed rounds: kernels loaded, pages touched once
+            for i, store in enumerate(stores):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                store.fetch(idx, tokens, out[0], out[1])
+                b.record()
+                b.synchronize()
+                if r >= 2:
+                    times[i].append(a.elapsed_time(b) / 1e3)
+        coded_bytes = stores[1].stored_bytes(n_tok * rows_per_token)
+    finally:
+        for store in stores:  # everything here ran on the current stream (the prefill worker's: not the model's)
+            store.release(stream_only=True)
+    rows = 2 * rows_per_token * tokens
+    med = [sorted(t)[len(t) // 2] / rows for t in times]
+    ratio = 2 * n_tok * rows_per_token * row_bytes / max(1, coded_bytes)
+    return ScatteredCost(med[0], med[1], ratio, codec.method)

@@ -8,8 +8,15 @@ sample of the prompt (IBP, exponent coding or raw, whichever stores the sample s
 :func:`~ibpcache.cache.plan_codecs.choose_row_codecs`), and each append's rows are encoded on the GPU and packed back
 to back in pinned host memory, so host memory and PCIe bytes shrink with the ratio. A fetch turns token indices
 into (position, length) pairs on the GPU and decodes K and V in one launch; an append is two launches. Neither
-waits for the device (a prompt-sized append waits once). A layer's decode step can be captured in a CUDA graph
+waits for the device. A layer's decode step can be captured in a CUDA graph
 (:meth:`KVOffloadManager.capture_decode_step`).
+
+Prefill (time to first token): a layer's prompt (and any large append: a prefill piece) goes to a worker thread
+that fits the layer's codecs on a sample, places and encodes the rows on its own stream into a device buffer and
+copies that to pooled pinned chunks (:mod:`~ibpcache.cache.host_pool`), while the caller's thread goes on launching
+the model's next layers. The caller never waits for it unless it reads or appends to that layer (or too many
+bytes are in flight); every operation on a layer first waits for that layer's jobs and orders the current stream
+after them.
 
 The manager knows the decoder's KV geometry only (layers, KV heads, head dim, dtype), never a model:
 :class:`ibpcache.loaders.kv.IBPOffloadedCache` (a transformers ``Cache``) puts it under ``model.generate``.
@@ -17,6 +24,7 @@ The manager knows the decoder's KV geometry only (layers, KV heads, head dim, dt
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,12 +35,14 @@ import torch
 from ..codec import Codec
 from ..errors import (CapacityError, DeviceError, InvalidArgumentError, InvalidIdsError, InvalidTypeError,
                       RowDtypeError, StateError)
-from .append_store import AppendStore, RowCodec, StagedChunks
+from .append_store import (AppendStore, RowCodec, StagedChunks, chunk_bytes_for, chunk_margin,
+                           measure_scattered)
+from .host_pool import host_pool
 from .cpu_gather_store import CpuGatherStore
 from .kv_slots import SlotLayout
-from .plan_codecs import ROW_METHODS, RowCodecChoice, choose_row_codecs
+from .plan_codecs import ROW_METHODS, RowCodecChoice, ScatteredCost, apply_scattered_cost, choose_row_codecs
 
-__all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES"]
+__all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES", "PREFILLS"]
 
 TRANSFERS = ("zero_copy", "cpu_gather", "host")
 """``zero_copy``: GPU reads packed pinned host rows through UVA and decodes them (ours). ``cpu_gather``: InfiniGen's
@@ -42,6 +52,13 @@ path, the CPU gathers the rows into a staging buffer and copies it in bulk (base
 DENSE_FETCHES = ("bulk", "zero_copy")
 """How a fetch of every token reads a GPU store (see ``KVOffloadManager(dense_fetch=...)``)."""
 
+PREFILLS = ("auto", "async", "sync")
+"""Who stores a prompt (see ``KVOffloadManager(prefill=...)``)."""
+
+_ASYNC_MIN_BYTES = 1 << 20
+"""Appends whose worst case (all rows raw) reaches this go to the prefill worker, as does every layer's first: the
+hand-off costs ~0.1 ms, which a decode step's small append would not win back."""
+
 _KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -50,6 +67,21 @@ def _identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ..
     codec = Codec.raw(dtype, row_shape)
     assert codec.row_bytes == row_bytes, (codec.row_bytes, row_bytes)
     return codec
+
+
+_SCATTERED_COSTS: "dict[tuple, ScatteredCost]" = {}
+
+
+def scattered_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int = 64 << 20) -> ScatteredCost:
+    """:func:`~ibpcache.cache.append_store.measure_scattered` once per process, GPU, row geometry, codec method and
+    power-of-two store size (what the cost depends on; the codec's own tables barely matter), measured with the first
+    layer's codec and sample that asks, on a store of ``store_bytes`` raw bytes (the layer's prompt size, up to
+    512 MiB: the reads then spread over as many pages as a real layer's)."""
+    size = min(int(store_bytes), 512 << 20)
+    key = (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, codec.method, size.bit_length())
+    if key not in _SCATTERED_COSTS:  # per power-of-two store size too: how far reads spread changes what they cost
+        _SCATTERED_COSTS[key] = measure_scattered(codec, sample, rows_per_token, store_bytes=size)
+    return _SCATTERED_COSTS[key]
 
 
 @dataclass
@@ -81,7 +113,8 @@ class _LayerState:
 
     kv: "AppendStore | None" = None
     gather: "CpuGatherStore | None" = None
-    prompt: "tuple[torch.Tensor, torch.Tensor] | None" = None  # kept back until flush() (see defer_prompt_bytes)
+    job: "Future | None" = None  # the layer's latest prefill-worker job (jobs run in order: waiting for it waits all)
+    job_done: "torch.cuda.Event | None" = None  # CUDA: recorded on the worker's stream after that job's copies
     n_tokens: int = 0
     fit_s: float = 0.0
     choices: tuple = ()  # (K, V) RowCodecChoice of the planner
@@ -121,10 +154,18 @@ class KVOffloadManager:
             reads of small rows do not); ``"zero_copy"`` decodes straight from pinned host memory (no device
             buffer for the chunks). Selected tokens (sparse) are always read zero-copy; a captured decode step
             (:meth:`capture_decode_step`) too.
-        defer_prompt_bytes: keep copies of the prompts (compressed managers only), up to this many bytes, and fit
-            all their codecs together at :meth:`flush` (called by any read and by the next append): a GPU
-            prefill then waits for the GPU twice instead of twice per layer. 0 fits each layer at its first
-            append; None (default) means 1 GiB on CUDA and 0 on the CPU.
+        prefill: who stores a layer's first append (its prompt) and every append of >= 1 MiB worst case:
+            ``"async"`` a worker thread on its own CUDA stream (fit on a sample, encode into a device buffer, DMA to
+            pooled pinned chunks) while the caller goes on; ``"sync"`` the caller, on its stream (one host sync
+            per such append); ``"auto"`` (default): async on CUDA with the zero-copy store, sync otherwise (the
+            CPU path can be asked for ``"async"``: the same ordering, a thread running the Numba encoders).
+        prefill_inflight_bytes: device bytes of appended rows the worker may hold before :meth:`append` waits for
+            it (backpressure); None: half the device memory free when the manager is created.
+        scattered_reads: the stores will mostly be read by selections of a few hundred tokens per head (sparse
+            mode). With compression on the zero-copy path, each layer and side then keeps its codec only where the
+            store's own fetch of selected coded rows, timed against raw rows on this GPU once per process and
+            geometry (:func:`~ibpcache.cache.append_store.measure_scattered`), is faster at the layer's ratio; else
+            it stores raw rows (``stats()["codecs"]`` shows the costs compared).
     """
 
     def __init__(
@@ -146,8 +187,10 @@ class KVOffloadManager:
         codec: str = "auto",
         timing: bool = False,
         count_bytes: bool = True,
-        defer_prompt_bytes: "int | None" = None,
         dense_fetch: str = "bulk",
+        prefill: str = "auto",
+        prefill_inflight_bytes: "int | None" = None,
+        scattered_reads: bool = False,
     ) -> None:
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("batch_size", batch_size), ("sample_rows", sample_rows)):
@@ -179,6 +222,8 @@ class KVOffloadManager:
             raise InvalidArgumentError(f"dense_fetch must be one of {DENSE_FETCHES}, got {dense_fetch!r}")
         if codec not in ROW_METHODS:
             raise InvalidArgumentError(f"codec must be one of {ROW_METHODS}, got {codec!r}")
+        if prefill not in PREFILLS:
+            raise InvalidArgumentError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
         if compress and codec == "exponent" and dtype not in (torch.float16, torch.bfloat16):
             raise RowDtypeError(f"codec='exponent' codes bfloat16/float16 rows, not {dtype} (use 'auto', 'ibp' or "
                                 "'raw')")
@@ -191,11 +236,21 @@ class KVOffloadManager:
         self.dense_fetch = dense_fetch
         self.timing = bool(timing)
         self.count_bytes = bool(count_bytes)
-        if defer_prompt_bytes is None:
-            defer_prompt_bytes = 1 << 30 if dev.type == "cuda" else 0
-        self.defer_prompt_bytes = int(defer_prompt_bytes) if compress else 0
-        self._pending: list[int] = []  # layers whose prompt waits for flush(), in append order
-        self._pending_bytes = 0
+        if prefill == "auto":
+            prefill = "async" if transfer == "zero_copy" else "sync"
+        if prefill == "async" and transfer == "cpu_gather":
+            raise InvalidArgumentError("prefill='async' stores through the packed store; transfer='cpu_gather' (the "
+                                       "InfiniGen baseline) stores its prompts as the baseline does: prefill='sync'")
+        self.prefill = prefill
+        self.scattered_reads = bool(scattered_reads)
+        if prefill_inflight_bytes is None:
+            prefill_inflight_bytes = torch.cuda.mem_get_info(dev)[0] // 2 if dev.type == "cuda" else 1 << 30
+        self.prefill_inflight_bytes = max(1, int(prefill_inflight_bytes))
+        self._inflight = 0  # bytes held by queued worker jobs
+        self._inflight_cond = threading.Condition()
+        self._worker: "ThreadPoolExecutor | None" = None
+        self._prefill_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and prefill == "async" else None
+        self._pin_chunk: "int | None" = None  # the stores' chunk size, once the first prompt fixed it
         self.row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
         self.rows_per_token = batch_size * num_kv_heads
         self._layers = [_LayerState() for _ in range(num_layers)]
@@ -207,6 +262,22 @@ class KVOffloadManager:
         self._copy = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-cpu-gather") if transfer == "cpu_gather" else None
         self._reset_counters()
+        if self._prefill_stream is not None:  # compile the kernels the first prompt needs while the model computes
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-prefill")
+            self._worker.submit(self._load_kernels)
+
+    def _load_kernels(self) -> None:
+        """Worker thread: build (or load from CuPy's cache) the modules a prompt's store uses, ahead of its first job:
+        in a fresh process that takes seconds (NVRTC), which the first prefill then does not wait for. A build error
+        is not reported here: the job that needs the module raises it."""
+        from ..kernels._build import get_function
+
+        symbols = [("kv_packed.cu", "ibp_kvp_size")]
+        if self.compress:  # the fit's size kernels
+            symbols += [("exponent.cu", "ibp_exp_sizes_e2"), ("bitpack.cu", "ibp_bitcount")]
+        with torch.cuda.device(self.device):
+            for src, symbol in symbols:
+                get_function(src, symbol, self.device.index)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def _reset_counters(self) -> None:
@@ -254,11 +325,108 @@ class KVOffloadManager:
 
     def codecs(self, layer: int) -> "tuple[RowCodec, RowCodec] | None":
         """The (K, V) codecs chosen for ``layer`` (None before its first append)."""
-        st = self._state(layer)
-        self._flush_pending()
+        st = self._ready(self._state(layer))
         if st.kv is not None:
             return st.kv.codecs
         return None if st.gather is None else st.gather.codecs
+
+    # -- the prefill worker -----------------------------------------------------------------------
+    def _ready(self, st: _LayerState) -> _LayerState:
+        """Wait for the layer's prefill-worker jobs (re-raising their errors) and order the current stream after
+        their device work. Every operation that touches a layer's store starts here."""
+        job = st.job
+        if job is not None:
+            job.result()
+            if st.job is job:
+                st.job = None
+        ev, st.job_done = st.job_done, None
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return st
+
+    def _ready_all(self) -> None:
+        for st in self._layers:
+            self._ready(st)
+
+    def flush(self) -> None:
+        """Wait until every append handed to the prefill worker is stored (errors it met are raised here). Reads
+        and appends of a layer wait for that layer's jobs by themselves; this is for timing a whole prefill."""
+        self._ready_all()
+
+    def _is_async(self, st: _LayerState, worst: int) -> bool:
+        return self.prefill == "async" and (worst >= _ASYNC_MIN_BYTES or (st.kv is None and st.job is None))
+
+    def _submit(self, layer: int, st: _LayerState, keys: torch.Tensor, values: torch.Tensor,
+                into: "tuple[torch.Tensor, torch.Tensor] | None", donate: bool) -> None:
+        """Hand an append to the prefill worker; the caller only does the slot bookkeeping and the attention copy."""
+        n = keys.shape[2]
+        if not donate:  # the caller may reuse its buffers once append returns
+            keys, values = keys.clone(), values.clone()
+        if into is not None:
+            into[0][:, :, -n:].copy_(keys)
+            into[1][:, :, -n:].copy_(values)
+        first = st.kv is None and st.job is None
+        t0 = st.n_tokens
+        slot0 = st.slots.place(t0, n, self.batch_size, self.num_kv_heads, self.device)
+        st.n_tokens += n
+        if layer == 0 and not first:
+            self.decode_steps += 1
+        nbytes = 2 * keys.numel() * keys.element_size()
+        if layer == 0:
+            self._pin_ahead(nbytes)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        with self._inflight_cond:
+            while self._inflight and self._inflight + nbytes > self.prefill_inflight_bytes:
+                self._inflight_cond.wait()
+            self._inflight += nbytes
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-prefill")
+        st.job = self._worker.submit(self._job, st, keys, values, slot0, t0, ready, nbytes)
+
+    def _job(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int,
+             ready: "torch.cuda.Event | None", nbytes: int) -> None:
+        """Worker thread: store an append on the worker's stream (after the caller's stream made the rows)."""
+        try:
+            if ready is None:
+                self._store(st, keys, values, slot0, t0)
+                return
+            stream = self._prefill_stream
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                try:
+                    self._store(st, keys, values, slot0, t0)
+                finally:  # the rows' memory is reused only after what this stream enqueued read them
+                    keys.record_stream(stream)
+                    values.record_stream(stream)
+                done = torch.cuda.Event()
+                done.record(stream)
+                st.job_done = done
+        finally:
+            with self._inflight_cond:
+                self._inflight -= nbytes
+                self._inflight_cond.notify_all()
+
+    def _pin_ahead(self, raw: int) -> None:
+        """At layer 0's prompt (or prefill piece) of ``raw`` bytes (K + V): ask the pinned pool to have the blocks
+        every layer's will need (raw size / a conservative ratio) pinned by its background thread, while the model
+        computes. Under-estimating costs the worker a synchronous pin, never the caller."""
+        if self.device.type != "cuda" or self.transfer != "zero_copy":
+            return
+        if self._pin_chunk is None:  # the stores' chunk size follows from their first append (all alike)
+            self._pin_chunk = chunk_bytes_for(self.rows_per_token, self.row_bytes, None, self.host_chunk_bytes, raw)
+        chunk = self._pin_chunk
+        ratio = 1.25 if self.compress else 1.0
+        host_pool().prepare(chunk + chunk_margin(self.row_bytes),
+                            self.num_layers * (-(-int(raw / ratio) // chunk) + 1))
+
+    def _store(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int) -> None:
+        """Fit the layer's codecs if it has no store yet, then append (a large append syncs once, on this stream)."""
+        if st.kv is None and st.gather is None:
+            self._fit_layer(st, keys, values)
+        self._write(st, keys, values, slot0, t0, None)
 
     # -- writing ----------------------------------------------------------------------------------
     def _check_kv(self, x: object, name: str) -> torch.Tensor:
@@ -278,22 +446,27 @@ class KVOffloadManager:
         """[B, H, n, D] -> token-major typed rows [n * B * H, D] (slot order)."""
         return x.permute(2, 0, 1, 3).reshape(-1, self.head_dim).contiguous()
 
-    def _fit_sample(self, rows: torch.Tensor) -> torch.Tensor:
-        """``sample_rows`` rows drawn (with replacement) where the rows live: no host round trip, no sync."""
-        n = rows.shape[0]
-        if n <= self.sample_rows:
-            return rows
-        gen = self._generators.get(rows.device)
+    def _fit_sample(self, x: torch.Tensor) -> torch.Tensor:
+        """``sample_rows`` token-major rows of ``x`` [B, H, n, D] drawn with replacement, where x lives (no host round
+        trip, no sync): the rows ``_rows(x)[idx]`` would give, gathered without copying the whole prompt."""
+        b, h, n = x.shape[0], x.shape[1], x.shape[2]
+        total = n * b * h
+        if total <= self.sample_rows:
+            return self._rows(x)
+        gen = self._generators.get(x.device)
         if gen is None:
-            gen = self._generators[rows.device] = torch.Generator(device=rows.device).manual_seed(0)
-        return rows[torch.randint(0, n, (self.sample_rows,), device=rows.device, generator=gen)]
+            gen = self._generators[x.device] = torch.Generator(device=x.device).manual_seed(0)
+        idx = torch.randint(0, total, (self.sample_rows,), device=x.device, generator=gen)
+        tok, bh = idx // (b * h), idx % (b * h)
+        return x[bh // h, bh % h, tok]
 
-    def _make_codecs(self, prompts: "list[tuple[torch.Tensor, torch.Tensor]]") -> "list[tuple[RowCodecChoice, RowCodecChoice]]":
-        """(K, V) codec choices per layer, made together on samples of the layers' prompts (the engine's planner)."""
+    def _make_codecs(self, samples: "list[torch.Tensor]", prompt_bytes: int = 0) -> "list[RowCodecChoice]":
+        """Codec choices for ``samples`` (K0, V0, K1, V1, ... rows; the engine's planner); for scattered reads on the
+        GPU, each checked against the measured cost of fetching its rows from a store of ``prompt_bytes`` (raw where
+        coded rows fetch slower)."""
         if not self.compress:
             ident = RowCodecChoice(_identity_codec(self.row_bytes, self.dtype, (self.head_dim,)), "raw", {})
-            return [(ident, ident)] * len(prompts)
-        samples = [self._fit_sample(self._rows(x)) for kv in prompts for x in kv]  # k0, v0, k1, v1, ...
+            return [ident] * len(samples)
         method = self.codec_method
         choices: list[RowCodecChoice] = []
         if self.chunk_bytes == "auto_once" and "k" not in self._chunk_once and method in ("auto", "ibp"):
@@ -305,18 +478,28 @@ class KVOffloadManager:
         else:
             chunks = [self.chunk_bytes] * (len(samples) - len(choices))
         choices += choose_row_codecs(samples[len(choices):], method, self.threshold, chunks)
-        return [(choices[2 * i], choices[2 * i + 1]) for i in range(len(prompts))]
+        if self._measures_scattered():
+            choices = [apply_scattered_cost(c, None if c.method == "raw" else
+                                            scattered_cost(c.codec, x, self.rows_per_token, max(prompt_bytes, 1 << 20)))
+                       for c, x in zip(choices, samples)]
+        return choices
+
+    def _measures_scattered(self) -> bool:
+        """Whether codecs are checked against the measured cost of scattered reads (sparse mode's GPU store)."""
+        return self.scattered_reads and self.transfer == "zero_copy" and self.device.type == "cuda"
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
-               into: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> None:
+               into: "tuple[torch.Tensor, torch.Tensor] | None" = None, *, donate: bool = False) -> None:
         """Store new tokens' K/V ([B, H, n, D] each) after the layer's existing tokens.
 
-        The first append of a layer (the prompt) also fits that layer's K and V codecs on a sample of
-        its rows — right away, or with every other kept-back prompt at :meth:`flush` (``defer_prompt_bytes``);
-        the time this takes is kept per layer (``stats()['fit_s']``). Later appends (decode steps) are
-        compressed on the GPU and written to pinned memory without a host sync.
+        The first append of a layer (the prompt) also fits that layer's K and V codecs on a sample of its rows (the
+        time this takes is kept per layer: ``stats()['fit_s']``). With ``prefill="async"`` it, and any append of
+        >= 1 MiB worst case, is stored by the prefill worker: this call returns at once (a copy of the rows on the
+        current stream, none with ``donate``). Other appends (decode steps) are compressed on the GPU and written to
+        pinned memory without a host sync.
         ``into``: the [B, H, W, D] buffers :meth:`take` returned; their last n token positions get the new
         tokens too (on the zero-copy path in the same launch as the append).
+        ``donate``: the caller will not write ``keys``/``values`` again, so the worker may read them as they are.
         """
         st = self._state(layer)
         keys, values = self._check_kv(keys, "keys"), self._check_kv(values, "values")
@@ -326,35 +509,27 @@ class KVOffloadManager:
         if n == 0:
             return
         # A prefetch not taken is stale after this append (take matches on the token count); retiring it orders
-        # the current stream after its reads, so a chunk this append replaces is never freed under a copy.
+        # the current stream after its reads, so chunks this append changes are never read half-written.
         self._retire(st)
-        first = st.kv is None and st.gather is None and st.prompt is None
-        if first and self.defer_prompt_bytes > 0:  # keep it on the GPU; flush() fits and stores it
-            st.prompt = (keys.clone(), values.clone())  # the caller may reuse its buffers
-            st.n_tokens += n
-            self._pending.append(layer)
-            self._pending_bytes += 2 * keys.numel() * keys.element_size()
-            if into is not None:
-                into[0][:, :, -n:].copy_(keys)
-                into[1][:, :, -n:].copy_(values)
-            if self._pending_bytes >= self.defer_prompt_bytes:
-                self.flush()
+        if self._is_async(st, 2 * keys.numel() * keys.element_size()):
+            self._submit(layer, st, keys, values, into, donate)
             return
-        self._flush_pending()
+        self._ready(st)
+        first = st.kv is None and st.gather is None
         if first:
-            self._fit_layers([(st, keys, values)])
+            self._fit_layer(st, keys, values)
         elif layer == 0:
             self.decode_steps += 1
-        self._write(st, keys, values, st.n_tokens, into)
+        t0 = st.n_tokens
+        slot0 = st.slots.place(t0, n, self.batch_size, self.num_kv_heads, self.device)
+        self._write(st, keys, values, slot0, t0, into)
         st.n_tokens += n
 
-    def _write(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, t0: int,
+    def _write(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int,
                into: "tuple[torch.Tensor, torch.Tensor] | None") -> None:
-        """Store [B, H, n, D] keys/values as tokens ``t0 .. t0 + n - 1``, after the slots of tokens ``< t0``.
-
-        Slots of tokens cropped away are reused; a batch size other than the previous tokens' starts a segment."""
+        """Store [B, H, n, D] keys/values as tokens ``t0 .. t0 + n - 1`` from slot ``slot0`` (placed by the layer's
+        :class:`SlotLayout`: slots of tokens cropped away are reused; a new batch size starts a segment)."""
         n = keys.shape[2]
-        slot0 = st.slots.place(t0, n, self.batch_size, self.num_kv_heads, self.device)
         need = slot0 + n * self.rows_per_token
         reserve = max(need, self.reserve_tokens * self.rows_per_token)
         if st.kv is not None:
@@ -380,48 +555,26 @@ class KVOffloadManager:
                 st.appended = torch.cuda.Event()
             st.appended.record()
 
-    def flush(self) -> None:
-        """Fit and store every prompt kept back (``defer_prompt_bytes``): all their codecs in one batched fit.
-
-        Called by every read and by the first decode-step append; the transformers adapter
-        (:class:`~ibpcache.loaders.kv.IBPOffloadedCache`) calls it at the end of the prefill so that the prefill's
-        time includes the fit.
-        """
-        if not self._pending:
-            return
-        layers, self._pending, self._pending_bytes = self._pending, [], 0
-        items = [(self._layers[i], *self._layers[i].prompt) for i in layers]
-        self._fit_layers(items)
-        for st, keys, values in items:
-            st.prompt = None
-            self._write(st, keys, values, 0, None)
-
-    def _flush_pending(self) -> None:
-        if self._pending:
-            self.flush()
-
-    def _fit_layers(self, items: "list[tuple[_LayerState, torch.Tensor, torch.Tensor]]") -> None:
-        """Fit the layers' K and V codecs on their prompts and create their stores.
-
-        Timed alone (queued GPU work is drained first); each layer is charged an equal share of the time."""
+    def _fit_layer(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Fit the layer's K and V codecs on its prompt and create its store (timed on its own: the current stream
+        is drained first, so ``fit_s`` is the fit's time, not the model's)."""
         cuda = self.device.type == "cuda"
         if cuda and self.compress:
             torch.cuda.current_stream(self.device).synchronize()
         t0 = time.perf_counter()
-        codecs = self._make_codecs([(k, v) for _, k, v in items])
-        for (st, _, _), (k_choice, v_choice) in zip(items, codecs):
-            st.choices = (k_choice, v_choice)
-            if self.transfer == "cpu_gather":
-                st.gather = CpuGatherStore(k_choice.codec, v_choice.codec, self.device)
-            else:
-                st.kv = AppendStore(k_choice.codec, v_choice.codec, self.device, rows_per_token=self.rows_per_token,
-                                    max_chunk_bytes=self.host_chunk_bytes,
-                                    slots=self.reserve_tokens * self.rows_per_token)
+        samples = [self._fit_sample(x) for x in (keys, values)] if self.compress else [keys, values]
+        k_choice, v_choice = self._make_codecs(samples, 2 * keys.numel() * keys.element_size())
+        st.choices = (k_choice, v_choice)
+        if self.transfer == "cpu_gather":
+            st.gather = CpuGatherStore(k_choice.codec, v_choice.codec, self.device)
+        else:
+            st.kv = AppendStore(k_choice.codec, v_choice.codec, self.device, rows_per_token=self.rows_per_token,
+                                max_chunk_bytes=self.host_chunk_bytes,
+                                slots=self.reserve_tokens * self.rows_per_token,
+                                expected_bytes=2 * keys.numel() * keys.element_size())
         if cuda and self.compress:
             torch.cuda.current_stream(self.device).synchronize()
-        share = (time.perf_counter() - t0) / len(items) if self.compress else 0.0
-        for st, _, _ in items:
-            st.fit_s = share
+        st.fit_s = time.perf_counter() - t0 if self.compress else 0.0
 
     # -- reading ----------------------------------------------------------------------------------
     def _check_idx(self, token_idx: object, n_tokens: int) -> torch.Tensor:
@@ -532,8 +685,7 @@ class KVOffloadManager:
         :class:`InvalidIdsError` (checking them costs one host sync). One launch for K and V (zero-copy) on the
         current stream.
         """
-        st = self._state(layer)
-        self._flush_pending()
+        st = self._ready(self._state(layer))
         idx = self._check_idx(token_idx, st.n_tokens)
         k = idx.shape[-1]
         if out is None:
@@ -562,8 +714,7 @@ class KVOffloadManager:
 
         ``extra_tokens`` leaves room for the current step's tokens so attention gets one buffer, no concat.
         """
-        st = self._state(layer)
-        self._flush_pending()
+        st = self._ready(self._state(layer))
         if extra_tokens < 0:
             raise InvalidArgumentError(f"extra_tokens must be >= 0, got {extra_tokens}")
         out = self._alloc(st.n_tokens + extra_tokens)
@@ -580,10 +731,13 @@ class KVOffloadManager:
         GPU paths run on a side stream that first waits for the current stream (so it sees every append),
         and record an event; :meth:`take` makes the current stream wait for that event. No device-wide
         sync. Indices are trusted here (they come from the selector); validate with :meth:`fetch`.
-        On the CPU path nothing runs ahead: :meth:`take` reads synchronously.
+        On the CPU path nothing runs ahead: :meth:`take` reads synchronously. Nor while the prefill worker is still
+        storing the layer: this never waits for it (:meth:`take` does, then reads).
         """
         st = self._state(layer)
-        self._flush_pending()
+        if st.job is not None and not st.job.done():
+            return
+        self._ready(st)
         self._retire(st)
         if self.device.type != "cuda" or st.n_tokens == 0:
             return
@@ -658,7 +812,7 @@ class KVOffloadManager:
         identity slot layout, as many slots per token, and its next slot is the store's next free one (an eager
         append, crop, reorder or batch change in between makes this False: capture again or append eagerly)."""
         st = self._state(layer)
-        if st.kv is not store or st.slots.row0 is not None or st.prompt is not None:
+        if st.kv is not store or st.slots.row0 is not None or st.job is not None:
             return False
         segments = st.slots.segments
         if not segments or segments[-1][2] != self.rows_per_token or segments[-1][0] > t0:
@@ -668,8 +822,7 @@ class KVOffloadManager:
 
     def before_graph_append(self, layer: int) -> None:
         """Host bookkeeping before a replay of :meth:`graph_append` (room for its slots and chunks; never waits)."""
-        st = self._state(layer)
-        self._flush_pending()
+        st = self._ready(self._state(layer))
         self._retire(st)
         st.kv.prepare_dynamic(self.rows_per_token)
 
@@ -683,22 +836,30 @@ class KVOffloadManager:
 
     def layer_store(self, layer: int) -> "AppendStore | None":
         """The layer's packed store (None before its prompt or on the CPU-gather path): a captured fetch reads its
-        descriptor, so a graph is only valid while this is the same object."""
-        return self._state(layer).kv
+        descriptor, so a graph is only valid while this is the same object. None too while the prefill worker is
+        still storing the layer (never waits for it)."""
+        st = self._state(layer)
+        return st.kv if self._settled(st) else None
+
+    def _settled(self, st: _LayerState) -> bool:
+        """Whether the layer has no unfinished prefill-worker job (then :meth:`_ready` has run: no waiting)."""
+        if st.job is not None and not st.job.done():
+            return False
+        self._ready(st)
+        return True
 
     def can_graph_fetch(self, layer: int) -> bool:
         """Whether :meth:`graph_fetch` may be captured for ``layer`` now: a zero-copy CUDA store in the identity slot
         layout (a beam reorder or batch selection makes reads go through a slot table that may be replaced)."""
         st = self._state(layer)
-        return (self.transfer == "zero_copy" and st.kv is not None and st.kv.cuda and st.slots.row0 is None
-                and st.n_tokens > 0)
+        return (self.transfer == "zero_copy" and self._settled(st) and st.kv is not None and st.kv.cuda
+                and st.slots.row0 is None and st.n_tokens > 0)
 
     def adopt_prefetch(self, layer: int, token_idx: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor],
                        extra_tokens: int, done: "torch.cuda.Event", refs: tuple = ()) -> None:
         """A fetch enqueued elsewhere (a replayed graph, ending at ``done``) becomes ``layer``'s prefetch: :meth:`take`
         with the same ``token_idx`` object returns ``out`` after the current stream waited for ``done``."""
-        st = self._state(layer)
-        self._flush_pending()
+        st = self._ready(self._state(layer))
         self._retire(st)
         self._set_pending(st, token_idx, out, extra_tokens, done, refs)
 
@@ -747,8 +908,7 @@ class KVOffloadManager:
 
         Returns [B, H, k + extra_tokens, D] buffers whose last ``extra_tokens`` positions are left unset.
         """
-        st = self._state(layer)
-        self._flush_pending()
+        st = self._ready(self._state(layer))
         p, st.pending = st.pending, None
         if p is not None and p.matches(token_idx, st.n_tokens, extra_tokens):
             ev = p.done_event()
@@ -784,9 +944,9 @@ class KVOffloadManager:
         return st.slots.table(st.n_tokens, self.batch_size, self.num_kv_heads, self.device)
 
     def _layers_for(self, layer: "int | None") -> "list[_LayerState]":
-        self._flush_pending()
         states = self._layers if layer is None else [self._state(layer)]
         for st in states:
+            self._ready(st)
             self._retire(st)  # a prefetch started before the change read the old order
         return states
 
@@ -859,16 +1019,18 @@ class KVOffloadManager:
     def stats(self) -> dict:
         """Memory and traffic so far. Synchronises the device (reads GPU counters and timing events).
 
-        ``host_bytes``: host memory held (packed store: its chunks, within a small slack of ``stored_bytes``);
+        ``host_bytes``: host memory held (packed store: its chunks, within ``host_slack_allowed_bytes`` of
+        ``stored_bytes``: one chunk per layer and the chunks' margins); ``chunk_bytes``: the stores' chunk size;
         ``stored_bytes``/``raw_bytes``: KV bytes as stored / uncompressed; ``codecs``: per layer the (K, V) method
         the planner chose and the sample sizes it compared;
         ``gpu_bytes``: per-row metadata and tables on the GPU; ``pcie_read_bytes(_per_step)``: bytes the
         fetches moved host->GPU (zero-copy reads: the rows' stored bytes; bulk dense reads: the chunk bytes copied,
         i.e. the stored bytes plus chunk tails and padding); ``fit_s``: total prefill fit time;
         ``transfer_s_per_step``: GPU time of all timed transfers divided by the decode steps (``timing=True``;
-        a transfer overlapped with compute still counts in full).
+        a transfer overlapped with compute still counts in full); ``prefill``: who stored the prompts;
+        ``host_pool``: the process's pinned block pool (CUDA: bytes pinned, free, time spent pinning).
         """
-        self._flush_pending()
+        self._ready_all()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for st in self._layers:
@@ -878,13 +1040,16 @@ class KVOffloadManager:
         if self._dev_read is not None:
             read += int(self._dev_read)
             written += int(self._dev_written)
-        stored = raw = host = gpu = 0
+        stored = raw = host = gpu = slack = 0
+        chunk_bytes = []
         for st in self._layers:
             n_slots = st.slots.slot_of_token(st.n_tokens)  # physical slots in use (rows beams dropped included)
             raw += 2 * st.n_tokens * self.rows_per_token * self.row_bytes
             store = st.kv if st.kv is not None else st.gather
             if st.kv is not None:
                 st.kv.check()  # a kernel's status word (never expected to be set) becomes an exception here
+                slack += st.kv.host_slack_bound
+                chunk_bytes.append(st.kv.chunk_bytes)
             if store is not None:
                 stored += store.stored_bytes(n_slots)
                 host += store.host_nbytes
@@ -898,6 +1063,8 @@ class KVOffloadManager:
             "tokens": self._layers[0].n_tokens,
             "decode_steps": self.decode_steps,
             "host_bytes": host,
+            "host_slack_allowed_bytes": slack if chunk_bytes else None,
+            "chunk_bytes": max(chunk_bytes) if chunk_bytes else None,
             "gpu_bytes": gpu,
             "raw_bytes": raw,
             "stored_bytes": stored,
@@ -910,18 +1077,30 @@ class KVOffloadManager:
             "codecs": [tuple(c.as_dict() for c in st.choices) for st in self._layers],
             "transfer_s_total": transfer_s if self._timings else None,
             "transfer_s_per_step": transfer_s / steps if self._timings else None,
+            "prefill": self.prefill,
+            "sparse_reads": self.scattered_reads,
+            "host_pool": host_pool().stats() if self.device.type == "cuda" else None,
         }
 
     def reset(self) -> None:
         """Forget every stored token (codecs are refitted at the next prompt)."""
-        for st in self._layers:
-            if st.pending is not None and st.pending.future is not None:
-                st.pending.future.result()
+        self._wait_workers()
         self._release_stores()  # waits for the device: side-stream prefetches may still read the chunks
         self._layers = [_LayerState() for _ in range(self.num_layers)]
-        self._pending, self._pending_bytes = [], 0
         self._chunk_once.clear()
+        self._pin_chunk = None
         self._reset_counters()
+
+    def _wait_workers(self) -> None:
+        """Let every prefill job and CPU gather finish (their errors no longer matter: the stores are dropped)."""
+        for st in self._layers:
+            for fut in (st.job, st.pending.future if st.pending is not None else None):
+                if fut is not None:
+                    try:
+                        fut.result()
+                    except Exception:  # noqa: BLE001 - reset/close discard what the job was storing
+                        pass
+            st.job = None
 
     def _release_stores(self) -> None:
         if self.device.type == "cuda":
@@ -932,10 +1111,14 @@ class KVOffloadManager:
                     store.release()
 
     def close(self) -> None:
-        """Stop the gather thread (cpu_gather only) and free the host chunks. The manager is unusable afterwards."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop the worker threads (the prefill worker, cpu_gather's gather thread) and give the host chunks back.
+        The manager is unusable afterwards."""
+        self._wait_workers()
+        for name in ("_pool", "_worker"):
+            pool = getattr(self, name)
+            if pool is not None:
+                pool.shutdown(wait=True)
+                setattr(self, name, None)
         self._release_stores()
 
 
@@ -953,8 +1136,7 @@ class KVStepGraph:
     def __init__(self, mgr: KVOffloadManager, layer: int, max_tokens: int) -> None:
         from ..kernels._build import get_function
 
-        st = mgr._state(layer)
-        mgr._flush_pending()
+        st = mgr._ready(mgr._state(layer))
         mgr._retire(st)
         if mgr.transfer != "zero_copy" or st.kv is None or not st.kv.cuda:
             raise InvalidArgumentError("capture_decode_step: needs transfer='zero_copy' on CUDA and a layer that holds "

@@ -1,12 +1,21 @@
-"""Row codecs of the packed KV store: per layer and K/V, the codec that stores a sample of its rows smallest.
+"""Row codecs of the packed KV store: per layer and K/V, the codec that stores a sample of its rows smallest, and,
+for stores read by scattered selections (sparse mode), raw rows where decoding them costs more than it saves.
 
 IBP, exponent coding (bf16/fp16) or raw, counted on real rows (the prompt's) rather than assumed: the KV manager
 fits its codecs here at prefill (:func:`choose_row_codecs`).
+
+Why a second decision for sparse reads: a dense read copies whole chunks (fewer bytes, fewer copies) and decodes
+from device memory, so compression always pays there. A sparse read pulls a few hundred rows per head from all over
+host memory, one row per page and translation; there the bytes a codec saves may buy less than its decode costs
+(issue 23: 61.7 ms per token compressed against 54.5 raw in the plain loop). So the choice is measured
+(``append_store.measure_scattered``: the store's own fetch kernel, raw against coded rows, on this GPU; the planner
+imports no store) and applied per layer and side by its stored ratio (:func:`prefer_raw_for_scattered`);
+``stats()["codecs"]`` says what was chosen and why.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -14,7 +23,8 @@ import torch
 from ..codec import Codec
 from ..errors import InvalidArgumentError, RowDtypeError
 
-__all__ = ["ROW_METHODS", "RowCodecChoice", "choose_row_codecs"]
+__all__ = ["ROW_METHODS", "RowCodecChoice", "choose_row_codecs", "ScatteredCost", "prefer_raw_for_scattered",
+           "apply_scattered_cost"]
 
 ROW_METHODS = ("auto", "ibp", "exponent", "raw")
 """What :func:`choose_row_codecs` accepts: one method for every tensor, or ``auto`` to pick per tensor."""
@@ -28,9 +38,13 @@ class RowCodecChoice:
     method: str  # "ibp", "exponent" or "raw"
     sizes: dict  # method -> stored bytes of the sample (candidates that were measured)
     ibp_chunk_bytes: Optional[int] = None  # chunk size the IBP fit chose (reused by later fits), if one ran
+    scattered: Optional[dict] = None  # sparse reads: the fetch costs compared (see apply_scattered_cost)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "sizes": dict(self.sizes)}
+        out: dict[str, Any] = {"method": self.method, "sizes": dict(self.sizes)}
+        if self.scattered is not None:
+            out["scattered"] = dict(self.scattered)
+        return out
 
 
 def choose_row_codecs(samples: "list[torch.Tensor]", method: str = "auto", threshold: "float | str" = "auto",
@@ -71,3 +85,44 @@ def choose_row_codecs(samples: "list[torch.Tensor]", method: str = "auto", thres
         best = min(sizes, key=lambda k: (sizes[k], ("raw", "ibp", "exponent").index(k)))
         out.append(RowCodecChoice(codecs[best], best, sizes, ibp_codec.chunk_bytes))
     return out
+
+
+@dataclass(frozen=True)
+class ScatteredCost:
+    """A scattered fetch's measured time per row (the store's fetch kernel, selected tokens of every head): raw rows,
+    and rows of one codec whose sample stored ``coded_ratio`` times fewer bytes."""
+
+    raw_s: float
+    coded_s: float
+    coded_ratio: float
+    method: str  # the codec measured: "exponent" or "ibp"
+
+
+def prefer_raw_for_scattered(cost: ScatteredCost, ratio: float) -> "tuple[bool, float]":
+    """Whether raw rows fetch at least as fast as coded rows of stored ``ratio`` (raw bytes / stored bytes), and the
+    coded time predicted per row.
+
+    Model: a raw row's time is its transfer (``raw_s`` for ``row_bytes``); a coded row's is the transfer of its
+    stored bytes plus a decode cost, which the measurement gives: ``coded_s - raw_s / coded_ratio``. So a layer that
+    compresses less than the calibration's rows pays more per byte saved. Ties go to raw (compression must not
+    cost)."""
+    decode = cost.coded_s - cost.raw_s / cost.coded_ratio
+    predicted = decode + cost.raw_s / max(ratio, 1e-9)
+    return predicted >= cost.raw_s, predicted
+
+
+def apply_scattered_cost(choice: RowCodecChoice, cost: "ScatteredCost | None") -> RowCodecChoice:
+    """``choice`` for a store read by scattered selections: the same codec, or raw rows where the measured cost says
+    they fetch at least as fast (the comparison is kept in ``choice.scattered``)."""
+    if cost is None or choice.method == "raw" or choice.method != cost.method:
+        return choice
+    ratio = choice.sizes.get("raw", 0) / max(1, choice.sizes.get(choice.method, 0)) if choice.sizes else \
+        cost.coded_ratio
+    raw, predicted = prefer_raw_for_scattered(cost, ratio)
+    info = {"raw_ns_per_row": cost.raw_s * 1e9, "coded_ns_per_row_measured": cost.coded_s * 1e9,
+            "measured_ratio": cost.coded_ratio, "ratio": ratio, "coded_ns_per_row_predicted": predicted * 1e9,
+            "coded": choice.method, "chosen": "raw" if raw else choice.method}
+    if not raw:
+        return replace(choice, scattered=info)
+    codec = Codec.raw(choice.codec.dtype, tuple(choice.codec.row_shape))
+    return replace(choice, codec=codec, method="raw", scattered=info)

@@ -19,7 +19,7 @@ from ..errors import DeviceError, KernelBuildError
 
 __all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy", "sm_count",
            "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free", "host_register_read_only",
-           "host_unregister", "copy_host_to_device"]
+           "host_unregister", "copy_host_to_device", "copy_device_to_host"]
 
 _KERNEL_DIR = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
@@ -253,3 +253,10 @@ def copy_host_to_device(dst: int, src: int, nbytes: int, stream_ptr: int) -> Non
     ``dst`` on the raw CUDA stream ``stream_ptr`` (``cudaMemcpyAsync``; no sync). The copy engine moves a whole
     chunk at PCIe's bulk rate, which scattered zero-copy reads of small rows do not reach."""
     import_cupy().cuda.runtime.memcpyAsync(int(dst), int(src), int(nbytes), 1, int(stream_ptr))  # 1: host->device
+
+
+def copy_device_to_host(dst: int, src: int, nbytes: int, stream_ptr: int) -> None:
+    """Enqueue one DMA copy of ``nbytes`` from device memory ``src`` to page-locked host memory ``dst`` on the raw
+    CUDA stream ``stream_ptr`` (``cudaMemcpyAsync``; no sync): how a prefill's encoded KV rows leave the GPU without
+    keeping SMs busy for the PCIe transfer, so the copy overlaps the next layer's compute."""
+    import_cupy().cuda.runtime.memcpyAsync(int(dst), int(src), int(nbytes), 2, int(stream_ptr))  # 2: device->host

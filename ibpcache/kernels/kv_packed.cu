@@ -3,16 +3,21 @@
 // and written BACK TO BACK into pinned host chunks, so host memory and PCIe sectors shrink with the codec ratio.
 //
 // An append of n tokens (rows i in [0, m), m = n * BH, row i = token i / BH, (b, h) = i % BH, slot = slot0 + i)
-// stores 2m rows in the order K0 V0 K1 V1 ... (entry e = 2 i + side): the rows of later slots always follow, so a
-// crop can rewind the cursor to the position of its first dropped K row. Two launches, no host sync:
+// stores 2m rows in the order K0 V0 K1 V1 ... (entry e = 2 i + side) at consecutive VIRTUAL byte offsets: row e at
+// base + the stored lengths of the entries before it, and the next append starts where this one ends (a crop's
+// rewrite starts at its first dropped K row instead: rows of later slots always follow). Every chunk holds
+// C = 2^chunk_shift virtual bytes: the row at v lives in chunk v >> chunk_shift at offset v & (C - 1) and may run
+// past C into the margin every chunk has (row_bytes + 16 bytes). So placing an append is a prefix sum (no rule
+// that depends on what is left of a chunk), and chunks are fixed-size blocks a pool can hand out and take back.
+// Two launches per append, no host sync:
 //   ibp_kvp_size   stored length of every row (-> len[side][slot]); the LAST block to finish (a ticket counter in
-//                  the state) scans the lengths into scratch offsets, places the whole append (chunk rule below),
-//                  advances the device cursor and writes cursor + sequence number to a pinned mirror word pair
-//                  (the host reads it without a sync to learn how much headroom is really left);
-//   ibp_kvp_encode encodes every row at base + its offset (-> pos[side][slot]).
-// Chunk rule (the host's twin is append_store.place): if the append's total does not fit what is left of the
-// cursor's chunk, it starts at offset 0 of the next chunk. Chunk 0 has capacity 0, so the first append opens chunk 1.
-// A row never straddles chunks. ibp_kvp_fetch reads rows by (side, slot) -> (pos, len) and decodes them in one launch.
+//                  the state) scans the lengths into scratch offsets, places the append at the cursor, advances
+//                  it and writes cursor + sequence number to a pinned mirror word pair (the host reads it without
+//                  a sync to learn how far the device really is);
+//   ibp_kvp_encode encodes every row at base + its offset (-> pos[side][slot] = chunk << 40 | offset), into its
+//                  host chunk, or into a device staging buffer (a prompt: the store then copies that buffer to its
+//                  chunks with DMA copies, which overlap the next layer's compute without holding SMs).
+// ibp_kvp_fetch reads rows by (side, slot) -> (pos, len) and decodes them in one launch.
 //
 // Everything a kernel needs about the store comes from the descriptor D (int64, device; layout in
 // kernels/layout.py KVP_D_*, keep in sync): growing a table rewrites D, so a captured CUDA graph stays valid.
@@ -25,7 +30,7 @@
 #define KVP_IBP 1
 #define KVP_EXPONENT 2
 #define KVP_D_TABLE 0
-#define KVP_D_CAPS 1
+#define KVP_D_CHUNK_SHIFT 1
 #define KVP_D_MAX_CHUNKS 2
 #define KVP_D_POS 3
 #define KVP_D_LEN 4
@@ -171,6 +176,32 @@ __device__ __forceinline__ void kvp_where(const long long* state, int dyn, long 
     }
 }
 
+// Virtual offset <-> position (chunk << KVP_POS_SHIFT | offset inside the chunk), for chunks of 2^shift bytes.
+__device__ __forceinline__ long long kvp_virtual(long long p, int shift) {
+    return ((p >> KVP_POS_SHIFT) << shift) | (p & KVP_OFF_MASK);
+}
+
+__device__ __forceinline__ long long kvp_position(long long v, int shift) {
+    return ((v >> shift) << KVP_POS_SHIFT) | (v & ((1ll << shift) - 1));
+}
+
+// Where the encoder writes the row at virtual offset v: stage + (v - base) when a staging buffer is given, else its
+// host chunk; nullptr when that chunk is not allocated (the host keeps chunks ahead of the cursor; never seen
+// unless that bookkeeping is wrong).
+__device__ __forceinline__ unsigned char* kvp_dst(const long long* __restrict__ table, long long n_table, int shift,
+                                                  long long v, long long base, unsigned char* stage) {
+    if (stage != nullptr) return stage + (v - base);
+    const long long c = v >> shift;
+    const long long chunk = c < n_table ? table[c] : 0;
+    return chunk != 0 ? reinterpret_cast<unsigned char*>(chunk) + (v & ((1ll << shift) - 1)) : nullptr;
+}
+
+// A row fell in an unallocated chunk: sticky status bit, mirrored for the host.
+__device__ __forceinline__ void kvp_no_chunk(const long long* __restrict__ D, long long* state) {
+    atomicOr(reinterpret_cast<unsigned long long*>(state + KVP_ST_STATUS), (unsigned long long)KVP_STATUS_NO_CHUNK);
+    reinterpret_cast<volatile long long*>(D[KVP_D_MIRROR])[KVP_MR_STATUS] = KVP_STATUS_NO_CHUNK;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Append, launch 1: lengths, then (last block) offsets and placement.
 // ------------------------------------------------------------------------------------------------
@@ -240,18 +271,12 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
             part[t] = run;
             run += v;
         }
-        // placement (append_store.place is the host twin)
+        // placement: at the cursor, or, rewriting slots after a crop, where the first rewritten K row was
         const long long total = run;
-        long long cur = rewind ? __ldcg(reinterpret_cast<const long long*>(D[KVP_D_POS]) + slot0)
-                               : state[KVP_ST_CURSOR];
-        long long c = cur >> KVP_POS_SHIFT, off = cur & KVP_OFF_MASK;
-        const long long* caps = reinterpret_cast<const long long*>(D[KVP_D_CAPS]);
-        const long long cap = c < D[KVP_D_MAX_CHUNKS] ? caps[c] : 0;
-        if (off + total > cap) {
-            c += 1;
-            off = 0;
-        }
-        const long long base = (c << KVP_POS_SHIFT) | off;
+        const long long base =
+            rewind ? kvp_virtual(__ldcg(reinterpret_cast<const long long*>(D[KVP_D_POS]) + slot0),
+                                 (int)D[KVP_D_CHUNK_SHIFT])
+                   : state[KVP_ST_CURSOR];
         state[KVP_ST_BASE] = base;
         state[KVP_ST_TOTAL] = total;
         state[KVP_ST_CURSOR] = base + total;
@@ -275,7 +300,8 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
 }
 
 // ------------------------------------------------------------------------------------------------
-// Append, launch 2: encode every row at its position. att_k / att_v (nullable): contiguous [B, H, att_width, D]
+// Append, launch 2: encode every row at its place: its host chunk, or stage + (v - base) when stage is not null
+// (the caller then copies the stage to the chunks). att_k / att_v (nullable): contiguous [B, H, att_width, D]
 // attention buffers that also get the raw rows, token t of the append at att_pos0 + t (moved with the token
 // position when dyn, like the slots).
 // ------------------------------------------------------------------------------------------------
@@ -284,12 +310,12 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
                    long long k_sb, long long k_sh, long long k_st, long long v_sb, long long v_sh, long long v_st,
                    long long n_tokens, int heads, int bh_count, long long t0_arg, int dyn,
                    unsigned long long* written, unsigned char* k_att, unsigned char* v_att, long long att_width,
-                   long long att_pos0) {
+                   long long att_pos0, unsigned char* stage) {
     __shared__ uint4 smem[KVP_WARPS][KVP_STAGE_VEC];
     __shared__ u32 encbuf[KVP_WARPS][IBP_ENC_WORDS];
     const int lane = threadIdx.x & 31;
     const int wib = threadIdx.x >> 5;
-    unsigned char* stage = reinterpret_cast<unsigned char*>(smem[wib]);
+    unsigned char* stg = reinterpret_cast<unsigned char*>(smem[wib]);
     const int row_bytes = (int)D[KVP_D_ROW_BYTES];
     const long long slot_cap = D[KVP_D_SLOT_CAP];
     int* len_all = reinterpret_cast<int*>(D[KVP_D_LEN]);
@@ -299,17 +325,9 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
     const long long slot0 = state[KVP_ST_SLOT0];
     const long long t0 = state[KVP_ST_T0];
     const long long base = state[KVP_ST_BASE];
-    const long long c = base >> KVP_POS_SHIFT;
+    const int shift = (int)D[KVP_D_CHUNK_SHIFT];
     const long long* table = reinterpret_cast<const long long*>(D[KVP_D_TABLE]);
-    const long long chunk = c < D[KVP_D_MAX_CHUNKS] ? table[c] : 0;
-    if (chunk == 0) {  // the host keeps a chunk ahead of the cursor; never seen unless that bookkeeping is wrong
-        if (threadIdx.x == 0) {
-            atomicOr(reinterpret_cast<unsigned long long*>(state + KVP_ST_STATUS), (unsigned long long)KVP_STATUS_NO_CHUNK);
-            reinterpret_cast<volatile long long*>(D[KVP_D_MIRROR])[KVP_MR_STATUS] = KVP_STATUS_NO_CHUNK;
-        }
-        return;
-    }
-    unsigned char* dst0 = reinterpret_cast<unsigned char*>(chunk) + (base & KVP_OFF_MASK);
+    const long long n_table = D[KVP_D_MAX_CHUNKS];
     const long long att_shift = att_pos0 + (dyn ? t0 - t0_arg : 0);
     const long long m = n_tokens * bh_count;
     const KvpRows k_rows{k_src, k_sb, k_sh, k_st}, v_rows{v_src, v_sb, v_sh, v_st};
@@ -324,41 +342,48 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
             const long long i = i0 + lane;
             const bool mine = i < m;
             const int L = mine ? len[i] : 0;
-            const long long rel = mine ? scratch[2 * i + side] : 0;
+            const long long v = mine ? base + scratch[2 * i + side] : 0;
+            unsigned char* dst = mine ? kvp_dst(table, n_table, shift, v, base, stage) : nullptr;
             if (mine) {
-                pos[i] = base + rel;
-                const unsigned short* row = reinterpret_cast<const unsigned short*>(
-                    rows.row(i, bh_count, heads));
-                unsigned char* out = row_bytes <= KVP_STAGE_ROW ? stage + lane * KVP_STAGE_STRIDE : dst0 + rel;
-                ibp_exp_encode_row(row, s.elems, s.eshift, s.emask, s.raw_bits, row_bytes, L, s.code_len, s.code_rev,
-                                   out);
-                if (written != nullptr) atomicAdd(written, (unsigned long long)L);
+                pos[i] = kvp_position(v, shift);
+                if (dst == nullptr) kvp_no_chunk(D, state);
+                const unsigned short* row = reinterpret_cast<const unsigned short*>(rows.row(i, bh_count, heads));
+                if (row_bytes <= KVP_STAGE_ROW)
+                    ibp_exp_encode_row(row, s.elems, s.eshift, s.emask, s.raw_bits, row_bytes, L, s.code_len,
+                                       s.code_rev, stg + lane * KVP_STAGE_STRIDE);
+                else if (dst != nullptr)
+                    ibp_exp_encode_row(row, s.elems, s.eshift, s.emask, s.raw_bits, row_bytes, L, s.code_len,
+                                       s.code_rev, dst);
+                if (written != nullptr && dst != nullptr) atomicAdd(written, (unsigned long long)L);
             }
             __syncwarp();
             if (row_bytes <= KVP_STAGE_ROW) {  // coalesced write-out of the staged rows
                 for (int r = 0; r < 32; ++r) {
                     const int Lr = __shfl_sync(IBP_FULL, L, r);
-                    const long long relr = __shfl_sync(IBP_FULL, rel, r);
-                    unsigned char* d = dst0 + relr;
-                    for (int b = lane; b < Lr; b += 32) d[b] = stage[r * KVP_STAGE_STRIDE + b];
+                    unsigned char* d = reinterpret_cast<unsigned char*>(
+                        __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), r));
+                    if (d == nullptr) continue;  // the same for every lane: row r has no place (or no row)
+                    for (int b = lane; b < Lr; b += 32) d[b] = stg[r * KVP_STAGE_STRIDE + b];
                 }
                 __syncwarp();
             }
         } else {
             for (int r = 0; r < 32 && i0 + r < m; ++r) {
                 const long long i = i0 + r;
-                const long long rel = scratch[2 * i + side];
+                const long long v = base + scratch[2 * i + side];
+                unsigned char* dst = kvp_dst(table, n_table, shift, v, base, stage);  // the same for every lane
+                if (lane == 0) pos[i] = kvp_position(v, shift);
+                if (dst == nullptr) {
+                    if (lane == 0) kvp_no_chunk(D, state);
+                    continue;
+                }
                 const unsigned char* row = rows.row(i, bh_count, heads);
-                unsigned char* dst = dst0 + rel;
                 int L = row_bytes;
                 if (s.method == KVP_IBP)
                     L = ibp_encode_row_any(s.c, row, dst, row_bytes, s.nchunks, s.mask, s.bitval, encbuf[wib], lane);
                 else
                     kvp_copy(row, dst, row_bytes, lane);
-                if (lane == 0) {
-                    pos[i] = base + rel;
-                    if (written != nullptr) atomicAdd(written, (unsigned long long)L);
-                }
+                if (lane == 0 && written != nullptr) atomicAdd(written, (unsigned long long)L);
             }
         }
         unsigned char* att = side ? v_att : k_att;
@@ -450,6 +475,18 @@ extern "C" __global__ void __launch_bounds__(32 * KVP_WARPS)
                              (unsigned long long)KVP_STATUS_CORRUPT);
             }
             __syncwarp();
+        } else if (s.method == KVP_RAW && row_bytes <= KVP_STAGE_ROW) {
+            // Raw rows are staged like exponent rows: the loads of 8 rows are in flight together (a zero-copy read
+            // costs a PCIe round trip; copied one row at a time, a warp waited 32 of them, and rows at unaligned
+            // offsets (a raw side beside a coded one) went byte by byte). Then each row leaves shared memory as
+            // coalesced word stores, the warp on one row at a time.
+            ibp_stage_rows(src, L, stage, KVP_STAGE_STRIDE, lane);
+            __syncwarp();
+            for (int rr = 0; rr < 32 && r0 + rr < m; ++rr) {
+                unsigned char* dr = reinterpret_cast<unsigned char*>(
+                    __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), rr));
+                kvp_copy(stage + rr * KVP_STAGE_STRIDE, dr, row_bytes, lane);
+            }
         } else {
             for (int rr = 0; rr < 32 && r0 + rr < m; ++rr) {
                 const int Lr = __shfl_sync(IBP_FULL, L, rr);

@@ -51,14 +51,16 @@ def _check_desc(desc: torch.Tensor, device: torch.device) -> None:
 def kvp_append(desc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int, *,
                dyn: bool = False, rewind: bool = False, written: "torch.Tensor | None" = None,
                into: "tuple[torch.Tensor, torch.Tensor] | None" = None, att_pos0: int = 0,
-               before_encode: "Callable[[], None] | None" = None) -> None:
+               before_encode: "Callable[[], torch.Tensor | None] | None" = None) -> None:
     """Append ``keys``/``values`` ([B, H, n, D], same shape, rows contiguous) as slots ``slot0 + t * B * H + bh``.
 
     ``dyn``: take the first token from the store's device state instead (slots move with it; for graph replays).
     ``rewind``: start at the stored position of ``slot0``'s K row instead of the cursor (slots are being rewritten
     after a crop). ``written`` (int64 [1], device): += stored bytes. ``into``: contiguous [B, H, W, D] buffers that
-    also get the rows, token t at ``att_pos0 + t``. ``before_encode``: called between the two launches (the store
-    reads where a prompt-sized append went and gives it its chunk; the encode launch then writes it).
+    also get the rows, token t at ``att_pos0 + t``. ``before_encode``: called between the two launches; it may
+    return a contiguous uint8 CUDA buffer the encode then writes the rows to (row at virtual offset v goes to
+    ``buffer[v - base]``) instead of their host chunks (a prompt: the store reads where it went, sizes the buffer and
+    copies it to its chunks with DMA copies afterwards).
     """
     if keys.shape != values.shape or keys.dtype != values.dtype or keys.device != values.device:
         raise InvalidArgumentError(f"keys and values differ: {tuple(keys.shape)} {keys.dtype} {keys.device} vs "
@@ -89,11 +91,13 @@ def kvp_append(desc: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
     launch(_SRC, "ibp_kvp_size", dev, grid, THREADS, (
         _ptr(desc), _ptr(keys), _ptr(values), *strides, np.int64(n), np.int32(h), np.int32(b * h),
         np.int64(slot0), np.int64(t0), np.int32(dyn), np.int32(rewind)))
-    if before_encode is not None:
-        before_encode()
+    stage = before_encode() if before_encode is not None else None
+    if stage is not None and (stage.dtype != torch.uint8 or stage.device != keys.device or not stage.is_contiguous()):
+        raise InvalidArgumentError(f"stage: expected a contiguous uint8 buffer on {keys.device}, got "
+                                   f"{stage.dtype} on {stage.device}")
     launch(_SRC, "ibp_kvp_encode", dev, grid, THREADS, (
         _ptr(desc), _ptr(keys), _ptr(values), *strides, np.int64(n), np.int32(h), np.int32(b * h), np.int64(t0),
-        np.int32(dyn), _ptr(written), _ptr(att_k), _ptr(att_v), np.int64(width), np.int64(att_pos0)))
+        np.int32(dyn), _ptr(written), _ptr(att_k), _ptr(att_v), np.int64(width), np.int64(att_pos0), _ptr(stage)))
 
 
 def kvp_fetch(desc: torch.Tensor, idx: "torch.Tensor | None", k: int, out_k: torch.Tensor, out_v: torch.Tensor, *,

@@ -45,8 +45,10 @@ TOMBSTONE_KEY = -2
 """Hash table key of a bucket whose id was erased: lookups probe past it, inserts may reuse it."""
 
 # ---- The packed KV append store (ibpcache/cache/append_store.py, kernels/kv_packed.cu; keep in sync) -------------
-# A stored row's position is one int64: chunk index << KVP_POS_SHIFT | byte offset inside that pinned host chunk.
-# Chunk 0 is a placeholder of capacity 0, so an empty store's cursor (0) opens chunk 1 at its first append.
+# Rows are placed at *virtual* byte offsets (a running sum of stored lengths); every chunk of a store holds
+# 2**chunk_shift bytes of that space, so the row at virtual offset v lives in chunk v >> chunk_shift and may run past
+# the chunk's end into its margin (row_bytes + 16 bytes allocated after every chunk). A stored row's position is one
+# int64: chunk index << KVP_POS_SHIFT | byte offset inside that chunk (what a fetch reads).
 KVP_POS_SHIFT = 40
 KVP_OFF_MASK = (1 << KVP_POS_SHIFT) - 1
 
@@ -56,8 +58,8 @@ KVP_RAW, KVP_IBP, KVP_EXPONENT = 0, 1, 2
 # The store descriptor: an int64 tensor on the device the kernels read their pointers and codecs from, so that
 # growing a table rewrites descriptor entries (stream-ordered) instead of invalidating captured CUDA graphs.
 KVP_D_TABLE = 0  # int64 [max_chunks]: base address of each pinned chunk (0: not allocated)
-KVP_D_CAPS = 1  # int64 [max_chunks]: usable bytes of each chunk
-KVP_D_MAX_CHUNKS = 2
+KVP_D_CHUNK_SHIFT = 1  # log2 of the virtual bytes every chunk holds
+KVP_D_MAX_CHUNKS = 2  # entries of the chunk table
 KVP_D_POS = 3  # int64 [2, slot_cap]: position of the row of (side, slot)
 KVP_D_LEN = 4  # int32 [2, slot_cap]: stored bytes of the row of (side, slot)
 KVP_D_SLOT_CAP = 5
@@ -75,9 +77,9 @@ KVP_S_CODE_LEN, KVP_S_CODE_REV, KVP_S_LUT, KVP_S_MAX_BITS = 5, 6, 7, 8
 KVP_S_ESHIFT, KVP_S_EMASK, KVP_S_RAW_BITS, KVP_S_ELEMS = 9, 10, 11, 12
 
 # The device state words.
-KVP_ST_CURSOR = 0  # position where the next append starts (before the chunk rule)
+KVP_ST_CURSOR = 0  # virtual offset where the next append starts
 KVP_ST_SEQ = 1  # appends placed so far
-KVP_ST_BASE = 2  # position of the last append's first row
+KVP_ST_BASE = 2  # virtual offset of the last append's first row
 KVP_ST_TOTAL = 3  # stored bytes of the last append
 KVP_ST_DONE = 4  # blocks of the size kernel finished (the last one places the append and resets it)
 KVP_ST_STATUS = 5  # KVP_STATUS_* bits, sticky
@@ -89,7 +91,7 @@ KVP_STATE_WORDS = 16
 KVP_MR_CURSOR, KVP_MR_SEQ, KVP_MR_STATUS = 0, 1, 2
 KVP_MIRROR_WORDS = 4
 
-KVP_STATUS_NO_CHUNK = 1  # an append was placed in a chunk the host had not allocated (nothing written)
+KVP_STATUS_NO_CHUNK = 1  # a row fell in a chunk the host had not allocated (that row was not written)
 KVP_STATUS_CORRUPT = 2  # a fetched exponent-coded row ran past its stored length
 
 __all__ += [name for name in list(globals()) if name.startswith("KVP_")]

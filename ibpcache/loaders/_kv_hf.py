@@ -147,9 +147,12 @@ class IBPOffloadedCache(Cache):
     * refused: encoder-decoder configs (T5), encoders (BERT, ``is_decoder=False``), sliding-window or other
       non-full attention layers (Mistral's ``sliding_window``, Gemma's ``layer_types``), sparse mode without RoPE.
 
-    transformers: 5.x; tested with 5.17 (the GPU image) and 5.24 (CPU CI). ``crop`` follows the installed version's
-    convention (:func:`crop_target`), and the sparse-mode hooks find the cache under either keyword those versions
-    pass to decoder layers.
+    transformers: >= 5.0; tested with 5.17 (the GPU image: the GPU tests) and 5.24 (CPU CI: the CPU tests, chunked
+    prefill included). ``crop`` follows the installed version's convention (:func:`crop_target`), and the
+    sparse-mode hooks find the cache under either keyword those versions pass to decoder layers.
+
+    Sparse mode also tells the manager its stores are read by scattered selections (``scattered_reads``): on CUDA
+    a layer and side is stored raw where the GPU measures a fetch of its selected coded rows slower than of raw rows.
 
     Args:
         config: the model config (see above; a composite config's text decoder is used).
@@ -157,7 +160,8 @@ class IBPOffloadedCache(Cache):
         model: the causal LM, for sparse mode's query speculation (hooks are removed by :meth:`close` or
             when the cache is garbage-collected).
         compress, codec, transfer, sample_rows, threshold, chunk_bytes, reserve_tokens, timing, count_bytes,
-            defer_prompt_bytes, dense_fetch: see :class:`KVOffloadManager`.
+            dense_fetch, prefill: see :class:`KVOffloadManager` (``prefill="auto"``: on CUDA a worker stores each
+            layer's prompt while the model computes the next layers, so the first token does not wait for it).
         alpha, partial_ratio, max_num_kv: InfiniGen's selection knobs (defaults 4, 0.2, 400).
         prefetch: overlap layer i+1's fetch with layer i's compute (GPU only).
         graphs: sparse mode on CUDA: replay each layer's speculation (and a zero-copy store's fetch) from a CUDA
@@ -170,8 +174,8 @@ class IBPOffloadedCache(Cache):
                  compress: bool = True, transfer: str = "auto", alpha: float = 4.0, partial_ratio: float = 0.2,
                  max_num_kv: int = 400, sample_rows: int = 4096, threshold: "float | str" = "auto",
                  chunk_bytes: "int | str" = "auto", reserve_tokens: int = 0, prefetch: bool = True,
-                 timing: bool = False, count_bytes: bool = True, defer_prompt_bytes: "int | None" = None,
-                 codec: str = "auto", dense_fetch: str = "bulk", graphs: bool = True) -> None:
+                 timing: bool = False, count_bytes: bool = True, codec: str = "auto", dense_fetch: str = "bulk",
+                 graphs: bool = True, prefill: str = "auto") -> None:
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         if transfer == "cpu_gather" and compress:
@@ -185,8 +189,8 @@ class IBPOffloadedCache(Cache):
         self._spec_graphs: "SpeculationGraphs | None" = None
         self._manager_kwargs = dict(compress=compress, codec=codec, transfer=transfer, sample_rows=sample_rows,
                                     threshold=threshold, chunk_bytes=chunk_bytes, reserve_tokens=reserve_tokens,
-                                    timing=timing, count_bytes=count_bytes,
-                                    defer_prompt_bytes=defer_prompt_bytes, dense_fetch=dense_fetch)
+                                    timing=timing, count_bytes=count_bytes, dense_fetch=dense_fetch,
+                                    prefill=prefill)
         self.manager: "KVOffloadManager | None" = None
         self.selector: "PartialKeySelector | None" = None
         self._selection: dict[int, torch.Tensor] = {}
@@ -282,7 +286,8 @@ class IBPOffloadedCache(Cache):
 
     def _make_manager(self, k: torch.Tensor) -> KVOffloadManager:
         return KVOffloadManager(self.num_layers, self.num_kv_heads, self.head_dim, k.dtype,
-                                batch_size=k.shape[0], device=k.device, **self._manager_kwargs)
+                                batch_size=k.shape[0], device=k.device, scattered_reads=self.mode == "sparse",
+                                **self._manager_kwargs)
 
     def _update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.manager is None:
@@ -294,9 +299,7 @@ class IBPOffloadedCache(Cache):
             # transposed views ([B, T, H, D] memory), and on CUDA SDPA's backend choice and kernels depend on
             # the strides, so returning k/v as they are changes the prefill's rounding (and greedy tokens).
             k, v = _like_dynamic_layer(k), _like_dynamic_layer(v)
-            m.append(i, k, v)  # on the GPU kept back until flush(): all layers' codecs are fitted together
-            if i == self.num_layers - 1:
-                m.flush()  # end of the prefill: the fit belongs to it
+            m.append(i, k, v, donate=True)  # fresh tensors nobody writes: the prefill worker stores them as they are
             if self.selector is not None:
                 q = self._prefill_q.pop(i, None)
                 if q is None:
@@ -311,7 +314,8 @@ class IBPOffloadedCache(Cache):
             if out is not None:
                 return out
         keys, values = m.take(i, idx, extra_tokens=q_len)
-        m.append(i, k, v, into=(keys, values))  # stores the new tokens and puts them after the fetched ones
+        # stores the new tokens and puts them after the fetched ones (the projections' outputs: never written again)
+        m.append(i, k, v, into=(keys, values), donate=True)
         if self.selector is not None:
             self.selector.append_keys(i, k)
         self._prefetch_next(i)
@@ -396,6 +400,12 @@ class IBPOffloadedCache(Cache):
         self._prefill_q.clear()
         for layer in self.layers:
             layer.reset()
+
+    def flush(self) -> None:
+        """Wait until the prefill worker stored every prompt handed to it (decoding never needs this: each layer's
+        read waits for that layer; a benchmark timing a whole prefill does)."""
+        if self.manager is not None:
+            self.manager.flush()
 
     def stats(self) -> dict:
         """The manager's :meth:`~KVOffloadManager.stats` plus the mode and the selection's GPU share."""

@@ -49,11 +49,11 @@ def _codec(method: str, x: torch.Tensor) -> Any:
     return Codec.fit(rows, method=method)
 
 
-def _slack(store: Any, max_append_bytes: int) -> int:
-    """Host bytes a store may hold beyond its stored bytes: the free part of its last chunk, and per chunk its 16
-    spare bytes, rounding to 16, and a tail shorter than the append that did not fit there."""
-    caps = store.snapshot(0)["caps"]
-    return caps[-1] + len(caps) * (32 + max_append_bytes)
+def _slack(store: Any) -> int:
+    """Host bytes a store may hold beyond its stored bytes: the free part of its last chunk and every chunk's margin
+    (a row may run past its chunk's end; decoders read 16 bytes past a row)."""
+    snap = store.snapshot(0)
+    return snap["chunk_bytes"] + snap["chunks"] * (store.row_bytes + 32)
 
 
 def _read_all(store: Any, n_slots: int, dtype: torch.dtype, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,17 +81,29 @@ def _fill(store: Any, k: torch.Tensor, v: torch.Tensor, prompt: int) -> int:
 # The placement rule and chunk sizes (shared by both backends)
 
 
-def test_place_and_chunk_capacity() -> None:
-    from ibpcache.cache.append_store import chunk_capacity, place
+def test_positions_chunk_sizes_and_staged_copies() -> None:
+    from ibpcache.cache.append_store import (chunk_bytes_for, chunk_margin, chunks_needed, staged_copies,
+                                             to_position, to_virtual)
 
     one = 1 << 40
-    assert place(0, 100, 0) == one  # the empty store's cursor is in the placeholder chunk 0: open chunk 1
-    assert place(one + 10, 90, 100) == one + 10  # fits exactly
-    assert place(one + 10, 91, 100) == 2 * one  # does not fit: next chunk, offset 0
-    assert chunk_capacity(0, 1024, 8192) == 0
-    caps = [chunk_capacity(i, 1024, 8192) for i in range(1, 18)]
-    assert caps[:4] == [1024] * 4 and caps[4:8] == [2048] * 4 and caps[12:] == [8192] * 5
-    assert chunk_capacity(3, 1024, 8192, total=5000) == 5008  # an append larger than the chunk gets its own size
+    assert to_position(0, 12) == 0 and to_position(4095, 12) == 4095 and to_position(4096, 12) == one
+    assert to_position(3 * 4096 + 7, 12) == 3 * one + 7
+    v = np.arange(0, 1 << 20, 997, dtype=np.int64)
+    assert np.array_equal(to_virtual(to_position(v, 12), 12), v)
+    assert [chunks_needed(e, 12) for e in (0, 1, 4096, 4097, 8192)] == [0, 1, 1, 2, 2]
+    assert chunk_margin(128) == 144 and chunk_margin(130) == 160
+    # 16 KiB floor, 8 tokens' worst case, ~1/64 of the expected first append, 4 MiB ceiling, powers of two
+    assert chunk_bytes_for(6, 128) == 16384
+    assert chunk_bytes_for(128, 256) == 1 << 19  # 8 tokens of 128 rows x 2 sides x 256 B
+    assert chunk_bytes_for(6, 128, expected_bytes=10 << 20) == 1 << 18
+    assert chunk_bytes_for(128, 256, expected_bytes=537 << 20) == 4 << 20
+    assert chunk_bytes_for(6, 128, min_bytes=300, max_bytes=1000) == 512
+    # a staged append's copies: each chunk from max(its start, base) up to a row past its end, never before base
+    copies = staged_copies(100, 9000, 12, 128)
+    assert copies == [(0, 100, 0, 4124), (1, 0, 3996, 4224), (2, 0, 8092, 808)]
+    assert staged_copies(4096, 4097, 12, 128) == [(1, 0, 0, 1)]
+    for c, off, b_off, n in staged_copies(5000, 30000, 12, 200):
+        assert off + n <= 4096 + 200 and b_off + n <= 25000 and (c << 12) + off == 5000 + b_off
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,7 +113,7 @@ def test_place_and_chunk_capacity() -> None:
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("k_method,v_method", METHOD_PAIRS)
 def test_roundtrip_real_kv_packed(chat_kv: Any, dtype: str, k_method: str, v_method: str) -> None:
-    from ibpcache.cache.append_store import AppendStore
+    from ibpcache.cache.append_store import AppendStore, to_virtual
 
     k, v = chat_kv(dtype)
     store = AppendStore(_codec(k_method, k[:, :, :200]), _codec(v_method, v[:, :, :200]), "cpu", rows_per_token=6,
@@ -111,14 +123,16 @@ def test_roundtrip_real_kv_packed(chat_kv: Any, dtype: str, k_method: str, v_met
     assert torch.equal(got_k.view(torch.int16), _rows(k).contiguous().view(torch.int16))
     assert torch.equal(got_v.view(torch.int16), _rows(v).contiguous().view(torch.int16))
     snap = store.snapshot(n)
-    # rows of one append are back to back, K0 V0 K1 V1 ...: within the prompt, position = base + running sum
-    pos, lens = snap["pos"][:, : 200 * 6], snap["len"][:, : 200 * 6].astype(np.int64)
+    # rows are back to back, K0 V0 K1 V1 ..., in slot order: virtual offset = running sum of stored lengths
+    virt = to_virtual(snap["pos"], store.chunk_shift)
+    lens = snap["len"].astype(np.int64)
     inter = np.stack([lens[0], lens[1]], axis=1).reshape(-1)
-    expect = pos[0, 0] + np.concatenate(([0], np.cumsum(inter)[:-1]))
-    assert np.array_equal(np.stack([pos[0], pos[1]], axis=1).reshape(-1), expect)
+    assert np.array_equal(np.stack([virt[0], virt[1]], axis=1).reshape(-1),
+                          np.concatenate(([0], np.cumsum(inter)[:-1])))
+    assert snap["chunks"] > 4, "the rows must span several chunks"
     assert snap["data"].size == store.stored_bytes(n) == int(snap["len"].sum())
-    # host memory: the prompt's chunk at its exact size, then small chunks, each with 16 spare bytes
-    assert store.host_nbytes <= store.stored_bytes(n) + _slack(store, 3 * 6 * 2 * 128)
+    # host memory: the stored bytes, the last chunk's free part and the chunks' margins
+    assert store.host_nbytes <= store.stored_bytes(n) + _slack(store)
     if "raw" not in (k_method, v_method) and dtype == "bf16":  # real bf16 KV: IBP ~1.2x, exponent ~1.45x
         want = 1.35 if (k_method, v_method) == ("exponent", "exponent") else 1.1
         assert store.host_nbytes < 2 * n * 128 / want, "bf16 KV rows must take less host memory than raw"
@@ -131,8 +145,8 @@ def test_reads_in_any_order_with_duplicates(chat_kv: Any) -> None:
     store = AppendStore(_codec("exponent", k), _codec("ibp", v), "cpu", rows_per_token=6, min_chunk_bytes=4096,
                         max_chunk_bytes=16384)
     store.reserve(314 * 6)
-    n = _fill(store, k, v, prompt=40)  # small chunks: decode appends cross many chunk ends
-    assert len(store.snapshot(n)["caps"]) > 8
+    n = _fill(store, k, v, prompt=40)  # small chunks: rows run across many chunk ends
+    assert store.snapshot(n)["chunks"] > 8
     gen = np.random.default_rng(0)
     slots = gen.integers(0, n, 777)
     out = np.zeros((800, 128), dtype=np.uint8)
@@ -264,9 +278,9 @@ def test_property_any_bits_roundtrip() -> None:
         assert torch.equal(got_k.view(torch.int16), _rows(ref_k).contiguous().view(torch.int16))
         assert torch.equal(got_v.view(torch.int16), _rows(ref_v).contiguous().view(torch.int16))
         snap = store.snapshot(n)
-        for c, cap in enumerate(snap["caps"]):  # no run of an append crosses its chunk's end
-            on_c = (snap["pos"] >> 40) == c
-            assert int(((snap["pos"] & ((1 << 40) - 1)) + snap["len"])[on_c].max(initial=0)) <= cap
+        end = (snap["pos"] & ((1 << 40) - 1)) + snap["len"]  # a row ends at most row_bytes past its chunk
+        assert int(end.max(initial=0)) <= snap["chunk_bytes"] + store.row_bytes
+        assert int((snap["pos"] >> 40).max(initial=0)) < snap["chunks"]
 
     check()
 
@@ -310,8 +324,8 @@ def test_manager_all_layers_bf16_ratio_and_host_bytes(chat_kv: Any) -> None:
             mgr.append(layer, k[layer : layer + 1, :, t : t + 1], v[layer : layer + 1, :, t : t + 1])
     st = mgr.stats()
     assert st["ratio"] >= 1.4, st["ratio"]
-    # slack per layer: the last chunk's free part, plus per chunk its 16 spare bytes and a tail shorter than a step
-    slack = sum(s.kv.min_chunk + len(s.kv._chunks.caps) * (16 + 6 * 128) for s in mgr._layers)
+    # slack per layer: the last chunk's free part and the chunks' margins
+    slack = sum(_slack(s.kv) for s in mgr._layers)
     assert st["host_bytes"] <= st["raw_bytes"] / st["ratio"] + slack
     assert slack < 0.15 * st["stored_bytes"]
     methods = {m["method"] for layer in st["codecs"] for m in layer}
@@ -347,8 +361,8 @@ def _snapshots_equal(a: dict, b: dict) -> None:
     assert np.array_equal(a["len"], b["len"]), "stored lengths differ"
     assert np.array_equal(a["pos"], b["pos"]), "positions differ"
     assert np.array_equal(a["data"], b["data"]), "stored bytes differ"
-    n = min(len(a["caps"]), len(b["caps"]))  # the GPU may hold one chunk more, allocated ahead
-    assert a["caps"][:n] == b["caps"][:n] and abs(len(a["caps"]) - len(b["caps"])) <= 1
+    assert a["chunk_bytes"] == b["chunk_bytes"]
+    assert 0 <= b["chunks"] - a["chunks"] <= 2  # the GPU (b) may hold a chunk or two more, added ahead
 
 
 @pytest.mark.gpu
@@ -372,7 +386,7 @@ def test_gpu_store_equals_cpu_store(chat_kv: Any, dtype: str, k_method: str, v_m
     n = 260 * 6
     gpu.check()
     _snapshots_equal(cpu.snapshot(n), gpu.snapshot(n))
-    assert gpu.host_nbytes <= cpu.host_nbytes + gpu.max_chunk + 16
+    assert gpu.host_nbytes <= cpu.host_nbytes + 2 * gpu._chunks.block
     cpu.release()
     gpu.release()
 
@@ -438,7 +452,7 @@ def test_gpu_staged_fetch_equals_zero_copy_fetch(chat_kv: Any, k_method: str, v_
     store.append(vd[:, :, 290:314], kd[:, :, 290:314], 290 * 6, 290)  # a crop to 290, then other rows (V, K swapped)
     want_k = torch.cat((k[:, :, :290], v[:, :, 290:]), 2)
     want_v = torch.cat((v[:, :, :290], k[:, :, 290:]), 2)
-    assert len(store._chunks.caps) > 10, "the rows must span many chunks"
+    assert len(store._chunks) > 10, "the rows must span many chunks"
     row0 = (torch.arange(314).view(-1, 1) * 6 + torch.tensor([3, 0])).cuda().contiguous()
     side = torch.cuda.Stream()
     for reorder in (False, True):
@@ -561,7 +575,7 @@ def test_gpu_decode_steps_never_sync(chat_kv: Any) -> None:
     mgr.flush()
     idx = torch.randint(0, 150, (2, 3, 20), device="cuda")
     step = mgr.capture_decode_step(1, max_tokens=314)
-    chunks_before = len(mgr._layers[0].kv._chunks.caps)
+    chunks_before = len(mgr._layers[0].kv._chunks)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -575,7 +589,7 @@ def test_gpu_decode_steps_never_sync(chat_kv: Any) -> None:
             got = step.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(mgr._layers[0].kv._chunks.caps) > chunks_before, "the steps must have added chunks"
+    assert len(mgr._layers[0].kv._chunks) > chunks_before, "the steps must have added chunks"
     assert torch.equal(buf[0].view(torch.int16), kd[:, :, :250].view(torch.int16))
     assert torch.equal(got[1].view(torch.int16), vd[:, :, :250].view(torch.int16))
     assert torch.equal(sel[0][:, :, :20].view(torch.int16),
@@ -585,52 +599,143 @@ def test_gpu_decode_steps_never_sync(chat_kv: Any) -> None:
 
 
 def test_stage_layout_covers_every_stored_byte_aligned() -> None:
-    """The bulk copy's plan: chunks before the bound's whole, the bound's up to the bound, none after; each copy
-    carries the decoder's 16 spare bytes and starts 16-byte aligned; copies never overlap."""
-    from ibpcache.cache.append_store import _PAD, stage_layout
+    """The bulk copy's plan: chunks below the bound's whole (chunk + margin, laid out as blocks are in host memory),
+    the bound's up to where its rows can end (a row's length into its margin at most) plus the decoder's 16 spare
+    bytes, none after; 16-byte aligned, never overlapping; copies of blocks adjacent in host memory merge."""
+    from ibpcache.cache.append_store import _PAD, chunk_margin, copy_runs, stage_layout
 
-    caps = [0, 4096, 100, 8192, 16384]
-    for bound, want in (((3 << 40) | 1000, [0, 4096 + _PAD, 100 + _PAD, 1000 + _PAD]),
-                        ((4 << 40) | 0, [0, 4096 + _PAD, 100 + _PAD, 8192 + _PAD, 0]),
-                        ((1 << 40) | 7, [0, 7 + _PAD]),
-                        (0, [0]),
-                        ((9 << 40) | 5, [0, 4096 + _PAD, 100 + _PAD, 8192 + _PAD, 16384 + _PAD])):
-        sizes, offs = stage_layout(caps, bound)
+    block = 4096 + chunk_margin(128)
+    for n_chunks, bound, want in ((5, 3 * 4096 + 1000, [block] * 3 + [1000 + _PAD]),
+                                  (5, 4 * 4096, [block] * 3 + [4096 + _PAD]),
+                                  (5, 4 * 4096 + 1, [block] * 4 + [1 + _PAD]),
+                                  (1, 7, [7 + _PAD]),
+                                  (0, 0, [0]),
+                                  (2, 9 * 4096 + 5, [block] * 2)):  # a bound past the chunks that exist
+        sizes, offs = stage_layout(n_chunks, 12, 128, bound, block)
         assert sizes.tolist() == want, bound
-        assert offs[0] == 0 and all(o % 16 == 0 for o in offs)
-        assert all(offs[c] + sizes[c] <= offs[c + 1] for c in range(len(sizes) - 1))
+        assert offs.tolist() == [c * block for c in range(len(want))] and block % 16 == 0
+        assert all(sz <= block for sz in sizes)  # inside the chunk and its margin
+    sizes, offs = stage_layout(5, 12, 128, 4 * 4096 + 1, block)
+    ptrs = [1 << 30, (1 << 30) + block, (1 << 30) + 2 * block, 5 << 30, (5 << 30) + block]
+    runs = copy_runs(ptrs, sizes, offs, block)
+    assert runs == [(0, ptrs[0], 3 * block), (3 * block, ptrs[3], block + 1 + _PAD)]
+    assert sum(n for _, _, n in runs) == int(sizes.sum())
+    shuffled = [ptrs[1], ptrs[0], ptrs[2], ptrs[3], ptrs[4]]  # blocks out of order: no merge across them
+    assert len(copy_runs(shuffled, sizes, offs, block)) == 4
 
 
-def test_cursor_bound_keeps_a_chunk_ahead_of_a_lagging_device() -> None:
+def test_cursor_bound_keeps_chunks_ahead_of_a_lagging_device() -> None:
     """The CUDA path's host bookkeeping (note_append / the pinned mirror), run against a simulated device that places
-    appends with the kernel's rule and publishes its cursor late: every chunk an append opens already exists and is
-    large enough, and the host never holds more than two chunks beyond the device's cursor."""
-    from ibpcache.cache.append_store import AppendStore, place
+    appends at its cursor and publishes the cursor late: every chunk a row lands in already exists, and the host
+    holds no more chunks than the worst cases of the appends the mirror has not shown yet need."""
+    from collections import deque
+
+    from ibpcache.cache.append_store import AppendStore, chunks_needed
     from ibpcache.codec import Codec
 
     codec = Codec.raw(torch.bfloat16, (64,))
     rng = np.random.default_rng(0)
     for lag in (0, 1, 7, 40):
         store = AppendStore(codec, codec, "cpu", rows_per_token=6, min_chunk_bytes=4096, max_chunk_bytes=16384)
+        assert store.chunk_bytes == 4096
         # the CUDA bookkeeping's fields, as _init_device makes them (the CPU store exact path is not used here)
         store._mirror_np = np.zeros(4, dtype=np.int64)
         store._issued, store._known_seq, store._known_cursor, store._bound = 0, 0, 0, 0
-        from collections import deque
-
         store._history = deque()
         device_cursor, done, published = 0, 0, []
         for step in range(3000):
             worst = int(rng.integers(1, 4)) * 768  # 1..3 tokens of 6 rows x 128 B
             store.note_append(worst)
             total = int(rng.integers(worst // 2, worst + 1))  # what the rows really took
-            base = place(device_cursor, total, store._chunks.caps[device_cursor >> 40])
-            c = base >> 40
-            assert c < len(store._chunks.caps), f"append {step} opened chunk {c}, which the host never allocated"
-            assert (base & ((1 << 40) - 1)) + total <= store._chunks.caps[c]
-            device_cursor = base + total
+            device_cursor += total
+            need = chunks_needed(device_cursor, 12)
+            assert need <= len(store._chunks), f"append {step} reached chunk {need - 1}, which the host never added"
             done += 1
             published.append((done, device_cursor))
             if len(published) > lag:  # the mirror shows the state of `lag` appends ago
                 seq, cur = published[-1 - lag]
                 store._mirror_np[1], store._mirror_np[0] = seq, cur
-            assert len(store._chunks.caps) - 1 <= (device_cursor >> 40) + 2
+            assert len(store._chunks) <= chunks_needed(device_cursor + (lag + 1) * 3 * 768, 12) + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sparse reads: raw rows where the measured scattered fetch of coded rows is slower (plan_codecs)
+
+
+def test_scattered_cost_model_and_choice(chat_kv: Any) -> None:
+    """The decision from measured costs (injected here): a coded row costs its stored bytes' transfer plus a decode
+    cost; raw wins ties; a layer compressing less than the measured rows pays more per byte saved."""
+    from ibpcache.cache.plan_codecs import (ScatteredCost, apply_scattered_cost, choose_row_codecs,
+                                            prefer_raw_for_scattered)
+
+    cost = ScatteredCost(raw_s=10e-9, coded_s=9e-9, coded_ratio=1.5, method="exponent")  # decode 2.33 ns, saves 3.33
+    assert prefer_raw_for_scattered(cost, 1.5) == (False, pytest.approx(9e-9))
+    assert prefer_raw_for_scattered(cost, 1.2)[0] is True  # 2.33 + 8.33 > 10: raw
+    assert prefer_raw_for_scattered(ScatteredCost(10e-9, 10e-9, 1.5, "exponent"), 1.5)[0] is True  # tie: raw
+    k, _ = chat_kv("bf16", (0, 29))
+    choice = choose_row_codecs([_rows(k[:1]).contiguous()], "auto")[0]
+    assert choice.method == "exponent"
+    kept = apply_scattered_cost(choice, cost)
+    assert kept.codec is choice.codec and kept.scattered["chosen"] == "exponent"
+    assert kept.as_dict()["scattered"]["ratio"] == pytest.approx(choice.sizes["raw"] / choice.sizes["exponent"])
+    slow = apply_scattered_cost(choice, ScatteredCost(10e-9, 12e-9, 1.5, "exponent"))
+    assert slow.method == "raw" and slow.codec.method == "raw" and slow.scattered["chosen"] == "raw"
+    assert slow.sizes == choice.sizes and slow.codec.row_bytes == choice.codec.row_bytes
+    assert apply_scattered_cost(choice, None) is choice
+    assert apply_scattered_cost(choice, ScatteredCost(1, 2, 1.5, "ibp")) is choice  # measured for another codec
+
+
+def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monkeypatch: Any) -> None:
+    """A sparse-mode manager asks the measured cost per layer and side (faked here: the GPU measures it) and stores
+    raw rows where coded rows fetch slower; reads stay exact; stats() reports the comparison."""
+    from ibpcache.cache import kv_manager
+    from ibpcache.cache.plan_codecs import ScatteredCost
+
+    asked: list = []
+
+    def fake_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int) -> ScatteredCost:
+        asked.append((codec.method, tuple(sample.shape), rows_per_token, store_bytes))
+        return ScatteredCost(10e-9, 12e-9, 1.45, codec.method)  # decoding costs more than it saves
+
+    monkeypatch.setattr(kv_manager, "scattered_cost", fake_cost)
+    monkeypatch.setattr(kv_manager.KVOffloadManager, "_measures_scattered", lambda self: self.scattered_reads)
+    k, v = chat_kv("bf16")
+    mgr = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu", scattered_reads=True)
+    mgr.append(0, k[:, :, :300], v[:, :, :300])
+    st = mgr.stats()
+    assert st["sparse_reads"] is True and len(asked) == 2 and asked[0][2] == 6
+    assert asked[0][3] == max(2 * 2 * 3 * 300 * 64 * 2, 1 << 20)  # a store of the prompt size (at least 1 MiB)
+    assert [c["method"] for c in st["codecs"][0]] == ["raw", "raw"] and st["ratio"] == 1.0
+    assert all(c["scattered"]["chosen"] == "raw" and c["scattered"]["coded"] == "exponent" for c in st["codecs"][0])
+    idx = torch.tensor([[[299, 0, 17]] * 3] * 2)
+    assert torch.equal(mgr.fetch(0, idx)[1].view(torch.int16),
+                       v.gather(2, idx[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
+    dense = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu")
+    dense.append(0, k[:, :, :300], v[:, :, :300])
+    assert dense.stats()["codecs"][0][0]["method"] == "exponent" and len(asked) == 2  # dense reads: not asked
+
+
+@pytest.mark.gpu
+def test_gpu_measured_scattered_cost_and_choice(chat_kv: Any) -> None:
+    """On the GPU: the measurement times the store's fetch of selected rows (positive, per row), the coded store of
+    real bf16 KV is smaller, and a sparse-mode manager's choice follows the measured model; reads stay exact."""
+    from ibpcache.cache.append_store import measure_scattered
+    from ibpcache.cache.kv_manager import KVOffloadManager
+
+    k, v = chat_kv("bf16")
+    rows = _rows(k).contiguous().cuda()
+    cost = measure_scattered(_codec("exponent", k), rows, 6, store_bytes=8 << 20, tokens=100, repeats=3)
+    assert cost.raw_s > 0 and cost.coded_s > 0 and cost.coded_ratio > 1.3 and cost.method == "exponent"
+    mgr = KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cuda", scattered_reads=True)
+    mgr.append(0, k[:, :, :300].cuda(), v[:, :, :300].cuda())
+    st = mgr.stats()
+    for c in st["codecs"][0]:
+        info = c["scattered"]
+        assert info["chosen"] == c["method"] in ("raw", "exponent")
+        assert info["chosen"] == ("raw" if info["coded_ns_per_row_predicted"] >= info["raw_ns_per_row"] else
+                                  info["coded"])
+    idx = torch.randint(0, 300, (2, 3, 50), device="cuda")
+    got = mgr.fetch(0, idx)
+    assert torch.equal(got[0].cpu().view(torch.int16),
+                       k.gather(2, idx.cpu()[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
+    mgr.close()

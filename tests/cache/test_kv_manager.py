@@ -95,32 +95,93 @@ def test_empty_selection_and_empty_layer(code_kv: Any) -> None:
     assert mgr.fetch_all(1)[0].shape == (2, 3, 0, 64)
 
 
-@pytest.mark.parametrize("budget", [1 << 30, 1])
-def test_deferred_prompts_store_what_immediate_fits_store(code_kv: Any, budget: int) -> None:
-    """Prompts kept back and fitted together (flush) give the same codecs, bytes and reads as per-layer fits."""
+def test_async_prefill_stores_what_sync_stores(code_kv: Any, monkeypatch: Any) -> None:
+    """The prefill worker (prefill="async", here on the CPU path: a thread running the Numba encoders) stores the same
+    codecs, positions and bytes as the caller's thread; the caller may overwrite its buffers once append returns,
+    unless it donated them; a read, a decode append or a reorder of a layer waits for that layer's jobs."""
+    from ibpcache.cache import kv_manager
+
+    monkeypatch.setattr(kv_manager, "_ASYNC_MIN_BYTES", 64 << 10)  # a 99-token piece (152 KB) goes to the worker
     k, v = code_kv("bf16")
-    now = _manager(torch.bfloat16, defer_prompt_bytes=0, chunk_bytes="auto_once")
-    later = _manager(torch.bfloat16, defer_prompt_bytes=budget, chunk_bytes="auto_once")
-    for mgr in (now, later):
+    sync = _manager(torch.bfloat16, chunk_bytes="auto_once")
+    worker = _manager(torch.bfloat16, chunk_bytes="auto_once", prefill="async")
+    assert (sync.prefill, worker.prefill) == ("sync", "async")
+    for mgr in (sync, worker):
         kk, vv = k[:, :, :300].clone(), v[:, :, :300].clone()
         mgr.append(0, kk, vv)
         kk.zero_()  # the manager must not depend on the caller's buffers
-        mgr.append(1, k[:, :, 100:300], v[:, :, 100:300])
-    assert later.seq_length(0) == 300 and later.seq_length(1) == 200
-    assert (later._pending == [0, 1]) == (budget > 1)
-    later.append(0, k[:, :, 300:301], v[:, :, 300:301])  # a decode step flushes every prompt first
-    now.append(0, k[:, :, 300:301], v[:, :, 300:301])
-    assert later._pending == []
+        mgr.append(1, k[:, :, 100:300].clone(), v[:, :, 100:300].clone(), donate=True)
+        assert mgr.seq_length(0) == 300 and mgr.seq_length(1) == 200  # counted at once, stored later
+        mgr.append(0, k[:, :, 300:301], v[:, :, 300:301])  # a decode step waits for layer 0's job first
+        mgr.append(1, k[:, :, 301:400], v[:, :, 301:400])  # a prefill piece: the worker's, the layer has a store
+    assert worker._layers[1].job is not None or worker._layers[1].kv is not None
     for layer in (0, 1):
-        for a, b in zip(now.codecs(layer), later.codecs(layer)):
+        for a, b in zip(sync.codecs(layer), worker.codecs(layer)):
             assert type(a) is type(b) and a.same_tables(b)
-            assert getattr(a, "chunk_bytes", None) == getattr(b, "chunk_bytes", None)
-    got = later.fetch_all(0)
+        sa, sb = sync._layers[layer].kv, worker._layers[layer].kv
+        n = sa.high_water
+        assert n == sb.high_water
+        x, y = sa.snapshot(n), sb.snapshot(n)
+        assert np.array_equal(x["pos"], y["pos"]) and np.array_equal(x["data"], y["data"])
+    got = worker.fetch_all(0)
     assert_same_bits(got[0], k[:, :, :301])
     assert_same_bits(got[1], v[:, :, :301])
-    assert_same_bits(later.fetch_all(1)[0], k[:, :, 100:300])
-    assert now.stats()["stored_bytes"] == later.stats()["stored_bytes"]
-    assert later.stats()["decode_steps"] == 1
+    got = worker.fetch_all(1)
+    assert_same_bits(got[0], torch.cat((k[:, :, 100:300], k[:, :, 301:400]), 2))
+    a, b = sync.stats(), worker.stats()
+    assert a["stored_bytes"] == b["stored_bytes"] and a["decode_steps"] == b["decode_steps"] == 1
+    assert b["fit_s"] > 0 and b["prefill"] == "async"
+    worker.close()
+    sync.close()
+
+
+def test_async_prefill_chunked_crop_reorder_and_errors(code_kv: Any, monkeypatch: Any) -> None:
+    """Prefill in pieces (each piece attends to the stored ones through take), then a crop and a beam reorder, with
+    the worker: every read returns the rows in order; an error met by the worker is raised by the next operation
+    on that layer, and the other layers keep working."""
+    from ibpcache.cache import kv_manager
+
+    monkeypatch.setattr(kv_manager, "_ASYNC_MIN_BYTES", 64 << 10)  # 100-token pieces (154 KB) go to the worker
+    k, v = code_kv("fp16")
+    mgr = _manager(torch.float16, prefill="async")
+    ref = _manager(torch.float16)
+    for m in (mgr, ref):
+        for t0 in range(0, 300, 100):  # three prefill pieces of 100 tokens per layer
+            for layer in (0, 1):
+                if t0 == 0:
+                    m.append(layer, k[:, :, :100], v[:, :, :100])
+                    continue
+                keys, values = m.take(layer, None, extra_tokens=100)
+                assert_same_bits(keys[:, :, :t0], k[:, :, :t0])
+                m.append(layer, k[:, :, t0 : t0 + 100], v[:, :, t0 : t0 + 100], into=(keys, values))
+                assert_same_bits(values, v[:, :, : t0 + 100])
+        m.crop(250)
+        m.append(0, v[:, :, 300:400], k[:, :, 300:400])  # rewrites the cropped slots (a piece: the worker's)
+        m.reorder(torch.tensor([1, 0]))
+    want = torch.cat((k[:, :, :250], v[:, :, 300:400]), 2).flip(0)
+    assert_same_bits(mgr.fetch_all(0)[0], want)
+    assert_same_bits(ref.fetch_all(0)[0], want)
+    assert mgr.stats()["stored_bytes"] == ref.stats()["stored_bytes"]
+    # an error inside the worker: the layer's store is gone (simulated), the next operation on it raises it
+    mgr._layers[1].kv = None
+    mgr._layers[1].gather = None
+    mgr._layers[1].choices = ()
+    real = mgr._fit_layer
+    mgr._fit_layer = lambda *a: (_ for _ in ()).throw(RuntimeError("fit failed"))  # type: ignore[method-assign]
+    mgr.append(1, k[:, :, :100], v[:, :, :100])
+    with pytest.raises(RuntimeError, match="fit failed"):
+        mgr.fetch_all(1)
+    mgr._fit_layer = real  # type: ignore[method-assign]
+    assert_same_bits(mgr.fetch_all(0)[0], want)
+    mgr.close()
+    ref.close()
+
+
+def test_prefill_argument_is_checked() -> None:
+    from ibpcache.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="prefill"):
+        _manager(torch.float16, prefill="later")
 
 
 def test_kv_kernel_launchers_reject_bad_input() -> None:
@@ -216,10 +277,10 @@ def test_host_and_stored_bytes_accounting(code_kv: Any) -> None:
     mgr.fetch_all(0)
     st = mgr.stats()
     assert st["tokens"] == 100 and st["decode_steps"] == 8  # 90 + 7 single appends + one 3-token append
-    # packed layout: host memory follows the stored bytes (prompt chunk at its exact size + one partly filled
-    # decode chunk of the smallest size), not the raw size
+    # packed layout: host memory follows the stored bytes (plus the last chunk's free part and every chunk's margin),
+    # not the raw size
     kv = mgr._layers[0].kv
-    slack = kv.min_chunk + len(kv._chunks.caps) * (16 + 2 * 3 * kv.row_bytes * 6)  # free part + per-chunk tails
+    slack = kv.chunk_bytes + len(kv._chunks) * (kv.row_bytes + 32)
     assert st["stored_bytes"] < st["host_bytes"] <= st["stored_bytes"] + slack
     assert st["host_bytes"] < st["raw_bytes"]
     assert st["pcie_read_bytes"] == st["stored_bytes"]  # one dense fetch moves exactly the stored bytes
@@ -326,3 +387,69 @@ def test_gpu_manager_counts_bytes_it_moves(code_kv: Any, compress: bool, dense_f
     assert after["pcie_write_bytes"] == after["stored_bytes"]
     assert after["dense_fetch"] == dense_fetch
     mgr.close()
+
+
+@pytest.mark.gpu
+def test_gpu_async_prefill_never_waits_and_stores_the_cpu_bytes(code_kv: Any) -> None:
+    """The prefill worker on CUDA: appending every layer's prompt returns while the device is still busy with work
+    queued before it (the caller never waits for the store), and what the worker stores (its stream, a staged encode
+    and DMA copies into pooled chunks) is the CPU store's bytes; decode steps and reads after it are exact."""
+    import time
+
+    k, v = code_kv("bf16")
+    kc, vc = k.cuda(), v.cuda()
+    host = _manager(torch.bfloat16, "cpu", host_chunk_bytes=1 << 15)
+    gpu = _manager(torch.bfloat16, "cuda", host_chunk_bytes=1 << 15)
+    assert gpu.prefill == "async"
+    gpu._worker.submit(lambda: None).result()  # the kernels it loads at construction are ready
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of device time on the caller's stream: the prompts' rows come after it
+    busy = torch.cuda.Event()
+    busy.record()
+    t0 = time.perf_counter()
+    for layer in (0, 1):
+        gpu.append(layer, kc[:, :, :300], vc[:, :, :300])
+    returned = time.perf_counter() - t0
+    assert not busy.query() and returned < 0.5, f"append waited for the device ({returned:.2f} s)"
+    for mgr, kk, vv in ((host, k, v), (gpu, kc, vc)):
+        if mgr is host:
+            for layer in (0, 1):
+                mgr.append(layer, kk[:, :, :300], vv[:, :, :300])
+        for t in range(300, 340):
+            for layer in (0, 1):
+                mgr.append(layer, kk[:, :, t : t + 1], vv[:, :, t : t + 1])
+    torch.cuda.synchronize()
+    for layer in (0, 1):
+        a, b = host._layers[layer].kv.snapshot(340 * 6), gpu._layers[layer].kv.snapshot(340 * 6)
+        assert np.array_equal(a["pos"], b["pos"]) and np.array_equal(a["data"], b["data"])
+        assert_same_bits(gpu.fetch_all(layer)[0], k[:, :, :340])
+    st = gpu.stats()
+    assert st["prefill"] == "async" and st["host_pool"]["in_use_blocks"] > 0 and st["fit_s"] > 0
+    host.close()
+    gpu.close()
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_blocks_are_reused_by_the_next_store(code_kv: Any) -> None:
+    """A closed manager's chunks go back to the process's pool; the next manager of the same shape pins nothing."""
+    import time
+
+    from ibpcache.cache.host_pool import host_pool
+
+    pool = host_pool()
+    k, v = code_kv("fp16")
+    kc, vc = k.cuda(), v.cuda()
+    pinned = []
+    for _ in range(2):
+        mgr = _manager(torch.float16, "cuda", host_chunk_bytes=1 << 15)
+        for layer in (0, 1):
+            mgr.append(layer, kc, vc)
+        mgr.flush()
+        while pool.stats()["pending_blocks"]:  # the background pins asked for at the prompt
+            time.sleep(0.01)
+        pinned.append(pool.stats()["pinned_bytes"])
+        assert_same_bits(mgr.fetch_all(1)[1], v)
+        in_use = pool.stats()["in_use_blocks"]
+        mgr.close()
+        assert pool.stats()["in_use_blocks"] < in_use  # the chunks went back
+    assert pinned[1] == pinned[0], "the second store pinned new memory instead of reusing the pool's blocks"

@@ -443,3 +443,31 @@ def test_bench_llm_quick_smoke(tmp_path: Any) -> None:
     assert all(r["tokens_equal_dense_ref"] for r in recs if r["mode"] == "dense")
     assert all(r["tokens_equal_other_sparse_paths"] for r in recs if r["mode"] == "sparse")
     assert (tmp_path / "bench_llm.png").is_file()
+
+
+@pytest.mark.gpu
+def test_bench_llm_shapes_both_harnesses_on_gpu(tmp_path: Any, shared_data_dir: Any) -> None:
+    """The real-shape benchmark's tiny shape on CUDA, both harnesses, every method: dense outputs (the forward
+    harness's prefill token and logits included) equal the resident DynamicCache's, sparse paths agree, and every
+    method reports its prefill time."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_llm.py"
+    res = subprocess.run([sys.executable, str(script), "--shape", "tiny", "--quick", "--repeats", "2",
+                          "--harness", "fill,forward", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "IBPCACHE_SHARED": str(shared_data_dir)})
+    assert res.returncode == 0, res.stderr[-4000:]
+    data = json.loads((tmp_path / "bench_llm_tiny.json").read_text())
+    assert {(p["harness"], p["mode"]) for p in data["points"]} == {(h, m) for h in ("fill", "forward")
+                                                                   for m in ("dense", "sparse")}
+    for p in data["points"]:
+        for name, m in p["methods"].items():
+            assert m.get("rounds") == 2 and m["prefill_s"] > 0, (p["harness"], p["mode"], name)
+            assert m["tokens_equal"] and m["logits_equal"], (p["harness"], p["mode"], name)
+        if p["mode"] == "dense":
+            assert p["verification"]["reference"] == "dynamic_gpu" and len(p["methods"]) == 5

@@ -415,6 +415,30 @@ def test_prompt_lookup_crops_and_equals_greedy(smollm2: Any, mode: str) -> None:
     _close(cache)
 
 
+@pytest.mark.parametrize("mode,prefill", [("dense", "sync"), ("dense", "async"), ("sparse", "async")])
+def test_chunked_prefill_equals_dynamic_cache(smollm2: Any, mode: str, prefill: str, monkeypatch: Any) -> None:
+    """transformers' chunked prefill (``prefill_chunk_size``): each piece attends to the stored ones (take + append
+    into); tokens and scores equal DynamicCache's under the same chunking. ``async``: the prefill worker stores every
+    piece (the size threshold lowered so small pieces go to it too)."""
+    from transformers import GenerationConfig
+
+    from ibpcache.cache import kv_manager
+
+    if not hasattr(GenerationConfig(), "prefill_chunk_size"):
+        pytest.skip("this transformers has no chunked prefill")
+    monkeypatch.setattr(kv_manager, "_ASYNC_MIN_BYTES", 1)
+    model, tok = smollm2
+    inputs = _prompts(tok, ["The quick brown fox jumps over the lazy dog, and then the dog", "Count: 1, 2, 3, 4"])
+    kw = dict(max_new_tokens=6, prefill_chunk_size=5, return_dict_in_generate=True, output_scores=True)
+    ref = _gen(model, inputs, _dyn(model), **kw)
+    cache = _ibp(model, mode, prefill=prefill, **_exact_kw(mode))
+    out = _gen(model, inputs, cache, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores))
+    assert cache.stats()["prefill"] == prefill
+    _close(cache)
+
+
 def test_assisted_decoding_equals_greedy(smollm2: Any) -> None:
     """generation tests' assisted decoding with a draft model (a second SmolLM2 copy in bfloat16, so its
     candidates are sometimes rejected): the output equals greedy decoding with DynamicCache."""
@@ -466,6 +490,25 @@ def test_gpu_beam_search_equals_dynamic_cache(smollm2_gpu: Any, transfer: str, c
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_chunked_prefill_equals_dynamic_cache(smollm2_gpu: Any, mode: str) -> None:
+    """Chunked prefill on CUDA: every piece of >= 1 MiB goes to the prefill worker (its own stream, staged encode and
+    DMA copies), smaller ones are appended by the caller; tokens equal DynamicCache's under the same chunking."""
+    from transformers import GenerationConfig
+
+    if not hasattr(GenerationConfig(), "prefill_chunk_size"):
+        pytest.skip("this transformers has no chunked prefill")
+    model, tok = smollm2_gpu
+    text = " ".join(["Fun fact: the ocean covers most of the planet and holds most of its water."] * 40)
+    inputs = {k: v.cuda() for k, v in _prompts(tok, [text] * 8).items()}
+    kw = dict(max_new_tokens=8, prefill_chunk_size=256)
+    ref = _gen(model, inputs, _dyn(model), **kw)
+    cache = _ibp(model, mode, **_exact_kw(mode))
+    assert torch.equal(_gen(model, inputs, cache, **kw), ref)
+    _close(cache)
+
+
+@pytest.mark.gpu
 def test_gpu_prompt_lookup_equals_greedy(smollm2_gpu: Any) -> None:
     model, tok = smollm2_gpu
     inputs = {k: v.cuda() for k, v in _prompts(tok, ["one two three four, one two three four, one two"]).items()}
@@ -492,9 +535,9 @@ def test_gpu_beam_peak_memory(smollm2_gpu: Any) -> None:
     inputs = {k: v.cuda() for k, v in _prompts(tok, [text]).items()}
     kw = dict(max_new_tokens=16, num_beams=4, num_return_sequences=4)
     peaks, outs = [], []
-    # defer_prompt_bytes=0: each layer's prompt goes to host memory at once instead of waiting on the GPU for one
-    # batched fit at the end of the prefill (the default trades that memory for fewer syncs)
-    for make in (lambda: _dyn(model), lambda: _ibp(model, "dense", defer_prompt_bytes=0)):
+    # prefill="sync": each layer's prompt goes to host memory before the next layer runs (the default prefill worker
+    # trades GPU memory held for a layer or more in flight for a first token that never waits for the store)
+    for make in (lambda: _dyn(model), lambda: _ibp(model, "dense", prefill="sync")):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
