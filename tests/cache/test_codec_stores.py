@@ -36,7 +36,7 @@ _SPECIALS = {torch.float32: [0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x7
 def dense_rows(minilm: torch.Tensor, dtype: torch.dtype, n: int = 1500, cols: int = 384) -> torch.Tensor:
     """Real MiniLM rows cast to ``dtype``, with -0.0, infinities, NaN payloads and denormals planted in a few rows
     (a codec must store every bit pattern, not only the ones it was fitted on)."""
-    x = minilm[OFF: OFF + n, :cols].to(dtype).contiguous()
+    x = minilm[OFF: OFF + n, :cols].to(dtype).clone()  # never a view: tests write into it
     ints = x.view(torch.int32 if dtype == torch.float32 else torch.int16)
     gen = torch.Generator().manual_seed(11)
     for k, pattern in enumerate(_SPECIALS[dtype]):
