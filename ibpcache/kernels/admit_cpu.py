@@ -1,0 +1,144 @@
+"""CPU twin of ``admit.cu``: the same per-step admission decisions in torch ops, on the same ``AdmitArgs``.
+
+Equal to the kernels up to the order of the copy list and of staging rows (the kernels claim them with atomic
+counters, here they follow the sorted positions); which rows are admitted, into which slots, and which are staged
+is identical (a GPU test compares the two). ``copy`` moves bytes between host addresses, so it needs CPU buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .admit import (FLAG_CAND, FLAG_HIT, FLAG_MISS, FLAG_OK, FREE_KEY, PROTECTED_KEY, STAT_ADMITTED,
+                    STAT_HITS, STAT_HOST_BYTES, STAT_REQUESTS, STAT_STAGED, WS_LIST, WS_STAGED, AdmitArgs,
+                    sample_slots, sketch_index)
+
+__all__ = ["count", "scan", "apply", "copy", "unstage"]
+
+_MAX_WORTH = 0x7FFFFFFF
+
+
+def _estimate(sketch: torch.Tensor, width: int, x: torch.Tensor) -> torch.Tensor:
+    return sketch[sketch_index(x, width)].amin(1).to(torch.int64)
+
+
+def count(keys: torch.Tensor, a: AdmitArgs, count_sketch: bool, count_stats: bool) -> None:
+    valid = (keys >= 0) & (keys < a.n_rows)
+    safe = torch.where(valid, keys, a.n_rows)
+    if count_sketch and keys.numel():
+        idx = sketch_index(safe, a.width)
+        ones = valid.to(torch.int32).unsqueeze(1).expand_as(idx).reshape(-1)
+        a.sketch.index_add_(0, idx.reshape(-1), ones)
+    slot = a.slot_of[safe].to(torch.int64)  # slot_of[n_rows] is the scratch entry, always -1
+    hit = valid & (slot >= 0)
+    a.last.index_put_((torch.where(hit, slot, a.n_slots),), a.stamp.expand_as(slot))
+    a.last[a.n_slots] = 0  # the scratch element keeps no stamp
+    if count_stats:
+        a.stats[STAT_REQUESTS] += valid.sum()
+        a.stats[STAT_HITS] += hit.sum()
+
+
+def scan(s: torch.Tensor, a: AdmitArgs, admit: bool) -> None:
+    n = s.numel()
+    a.flags[:n] = 0
+    if n == 0:
+        return
+    first = torch.ones(n, dtype=torch.bool)
+    first[1:] = s[1:] != s[:-1]
+    ok = first & (s >= 0) & (s < a.n_rows)
+    x = torch.where(ok, s, a.n_rows)
+    worth = a.prio[x.clamp(max=a.n_rows - 1)] if a.prio is not None else _estimate(a.sketch, a.width, x)
+    slot = a.slot_of[x].to(torch.int64)
+    hit = ok & (slot >= 0)
+    a.freq.index_put_((torch.where(hit, slot, a.n_slots),), worth)
+    miss = ok & (slot == -1)
+    flags = ok.to(torch.uint8) * FLAG_OK + hit.to(torch.uint8) * FLAG_HIT + miss.to(torch.uint8) * FLAG_MISS
+    if admit and a.n_slots > a.n_pinned:
+        length = a.host_len[x.clamp(max=a.n_rows - 1)] if a.host_len is not None else torch.full_like(x, a.row_bytes)
+        may = miss & (length <= a.slot_bytes)
+        v = sample_slots(x, a.stamp, a.samples, a.n_pinned, a.n_slots)  # [n, samples]
+        held = a.ids[v]
+        lv = a.last[v]
+        key = torch.where(held < 0, torch.full_like(lv, FREE_KEY),
+                          torch.where(lv >= a.protect, torch.full_like(lv, PROTECTED_KEY), lv if a.lru else a.freq[v]))
+        best, arg = key.min(1)  # the first minimal sample, as the kernel's strict < keeps it
+        bv = v.gather(1, arg.unsqueeze(1)).squeeze(1)
+        vworth = torch.where(a.ids[bv] < 0, torch.full_like(bv, -1), a.freq[bv])
+        cand = may & (best < PROTECTED_KEY) & (worth > vworth)
+        bidkey = (worth.clamp(max=_MAX_WORTH) << 32) | torch.arange(n, dtype=torch.int64)
+        a.bid.scatter_reduce_(0, torch.where(cand, bv, a.n_slots), torch.where(cand, bidkey, -1), "amax")
+        a.bid[a.n_slots] = -1
+        a.victim[:n] = torch.where(cand, bv, a.victim[:n])
+        a.key[:n] = torch.where(cand, bidkey, a.key[:n])
+        flags += cand.to(torch.uint8) * FLAG_CAND
+    a.flags[:n] = flags
+
+
+def apply(s: torch.Tensor, a: AdmitArgs, stage: bool) -> None:
+    n = s.numel()
+    if n == 0:
+        return
+    f = a.flags[:n]
+    miss = (f & FLAG_MISS) != 0
+    cand = (f & FLAG_CAND) != 0
+    v = torch.where(cand, a.victim[:n], a.n_slots)
+    take = cand & (a.bid[v] == a.key[:n])
+    x = torch.where(miss, s, a.n_rows)
+    length = (a.host_len[x.clamp(max=a.n_rows - 1)] if a.host_len is not None
+              else torch.full_like(x, a.row_bytes)).to(torch.int32)
+    tv = torch.where(take, v, a.n_slots)
+    old = a.ids[tv]
+    a.ids.index_put_((tv,), x)
+    a.freq.index_put_((tv,), a.key[:n] >> 32)
+    a.last.index_put_((tv,), a.stamp.expand_as(tv))
+    a.slot_of.index_put_((torch.where(take & (old >= 0), old, a.n_rows),), torch.tensor(-1, dtype=torch.int32))
+    a.slot_of.index_put_((torch.where(take, x, a.n_rows),), tv.to(torch.int32))
+    a.slot_len.index_put_((torch.where(take, tv, a.slot_len.numel() - 1),), length)
+    dst = a.slab_base + tv * a.slot_stride
+    if stage and a.stage_cap > 0:
+        want = miss & ~take
+        k = torch.cumsum(want.to(torch.int64), 0) - 1 + a.ws[WS_STAGED]
+        a.ws[WS_STAGED] += want.sum()
+        staged = want & (k < a.stage_cap)
+        ks = torch.where(staged, k, a.stage_cap)
+        a.stage_gid.index_put_((ks.clamp(max=a.stage_cap - 1)[staged],), x[staged])
+        a.slot_len.index_put_((torch.where(staged, a.n_slots + k, a.slot_len.numel() - 1),), length)
+        a.slot_of.index_put_((torch.where(staged, x, a.n_rows),), (-2 - ks).to(torch.int32))
+        dst = torch.where(staged, a.stage_base + ks * a.row_bytes, dst)
+    else:
+        staged = torch.zeros_like(take)
+    listed = take | staged
+    e = torch.cumsum(listed.to(torch.int64), 0) - 1 + a.ws[WS_LIST]
+    sel = e[listed]
+    a.list_gid[sel] = x[listed]
+    a.list_dst[sel] = dst[listed]
+    a.list_len[sel] = length[listed]
+    a.ws[WS_LIST] += listed.sum()
+    a.slot_of[a.n_rows] = -1
+    a.ids[a.n_slots] = -1
+    a.stats[STAT_ADMITTED] += take.sum()
+    a.stats[STAT_STAGED] += staged.sum()
+
+
+def copy(a: AdmitArgs, max_entries: int) -> None:
+    n = min(int(a.ws[WS_LIST]), max_entries)
+    if n == 0:
+        return
+    gid = a.list_gid[:n].tolist()
+    dst = a.list_dst[:n].tolist()
+    length = a.list_len[:n].tolist()
+    offs = a.host_offsets
+    total = 0
+    for g, d, ln in zip(gid, dst, length):
+        src = a.host_base + (int(offs[g]) if offs is not None else g * a.row_bytes)
+        ctypes.memmove(d, src, ln)
+        total += ln
+    a.stats[STAT_HOST_BYTES] += total
+
+
+def unstage(a: AdmitArgs) -> None:
+    n = min(int(a.ws[WS_STAGED]), a.stage_cap)
+    if n:
+        a.slot_of[a.stage_gid[:n]] = -1
