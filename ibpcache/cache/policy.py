@@ -187,14 +187,19 @@ class StaticPolicy(CachePolicy):
 # ------------------------------------------------------------------------------------------------
 
 
-def choose_slot_bytes(lengths: torch.Tensor, budget: int, row_bytes: int, align: int = 1) -> int:
+def choose_slot_bytes(lengths: torch.Tensor, budget: int, row_bytes: int, align: int = 1,
+                      coverage: "float | None" = None) -> int:
     """Slot size for a dynamic cache: the one that lets it hold the most rows.
 
     With slots of ``s`` bytes the cache has ``budget // s`` slots but only rows whose stored length is
-    ``<= s`` may enter. We pick ``s`` among the distinct stored lengths (rounded up to ``align``) to maximise
-    ``min(budget // s, number of rows with length <= s)``: the rows it can hold under uniform access. Ties
+    ``<= s`` may enter. Without ``coverage`` we pick ``s`` among the distinct stored lengths (rounded up to ``align``)
+    to maximise ``min(budget // s, number of rows with length <= s)``: the rows it can hold under uniform access. Ties
     go to the larger ``s`` (more rows eligible). A raw cache, or a dataset where many rows stay raw, gets
     ``s = row_bytes``; a very compressible one (Cora) gets slots close to its longest common compressed rows.
+
+    ``coverage`` (a fraction, e.g. 0.999): the smallest ``s`` that at least that share of the rows fit. For skewed
+    traffic: a row that fits no slot is lost to the cache however hot it is, while slots 3% larger cost 3% of the
+    capacity, which a Zipf-like hit rate (growing with the log of the capacity) barely notices.
     One histogram of the lengths (O(N), no sort: tables of tens of millions of rows are sized at a layout switch).
     """
     if lengths.numel() == 0 or budget <= 0:
@@ -204,6 +209,10 @@ def choose_slot_bytes(lengths: torch.Tensor, budget: int, row_bytes: int, align:
     cand = torch.nonzero(hist).reshape(-1)  # the distinct stored lengths, ascending
     eligible = torch.cumsum(hist, 0)[cand]
     sizes = torch.clamp((cand + align - 1) // align * align, min=1, max=max(row_bytes, 1))
+    if coverage is not None:
+        need = torch.tensor([float(coverage) * lens.numel()], dtype=torch.float64)
+        first = int(torch.searchsorted(eligible.to(torch.float64), need))  # the first size that many rows fit
+        return int(sizes[min(first, sizes.numel() - 1)])
     held = torch.minimum(torch.div(budget, sizes, rounding_mode="floor"), eligible)
     best = held.numel() - 1 - int(torch.argmax(torch.flip(held, (0,))))
     return int(sizes[best])
@@ -301,11 +310,14 @@ class FrequencySketch:
 @dataclass(frozen=True)
 class DeviceState:
     """What the device contract's kernels read and write of a policy (see ``kernels/admit.py`` AdmitArgs): the
-    per-slot arrays with their scratch element, the sketch (None for a static priority) or the priority per row."""
+    per-slot arrays with their scratch element, the first never-used slot (``fill``, int64 [1]; the device contract
+    never frees a slot, so they are a suffix until :meth:`SlotPolicy.reset`), the sketch (None for a static priority)
+    or the priority per row."""
 
     ids: torch.Tensor
     freq: torch.Tensor
     last: torch.Tensor
+    fill: torch.Tensor
     n_slots: int
     n_pinned: int
     lru: bool
@@ -346,6 +358,7 @@ class SlotPolicy(CachePolicy):
         self._ids = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=dev)
         self._freq = torch.zeros(n_slots + 1, dtype=torch.int64, device=dev)
         self._last = torch.zeros(n_slots + 1, dtype=torch.int64, device=dev)
+        self._fill = torch.zeros(1, dtype=torch.int64, device=dev)  # device contract: slots >= it never used
 
     @property
     def n_slots(self) -> int:
@@ -464,7 +477,7 @@ class SlotPolicy(CachePolicy):
         The caller makes sure there are enough (:meth:`resize`). Returned in that order."""
         n_slots = self.n_slots
         key = torch.empty(n_slots + 1, dtype=torch.int64, device=self.device)
-        key[:n_slots].copy_(self.victim_scores())
+        key[:n_slots].copy_(self._room_keys())
         key.index_fill_(0, torch.where(protect >= 0, protect, n_slots), _PROTECTED)
         return torch.topk(key[self.n_pinned:n_slots], n, largest=False, sorted=True).indices + self.n_pinned
 
@@ -491,16 +504,21 @@ class SlotPolicy(CachePolicy):
         self._last[:k] = last[:k]
 
     def reset(self, n_slots: int, n_pinned: "int | None" = None) -> None:
-        """Empty every slot and make ``n_slots`` of them (frequencies seen so far are kept)."""
+        """Empty every slot and make ``n_slots`` of them (frequencies seen so far are kept). Under the device contract
+        the never-used slots (from ``fill`` on, all of them now) go to the first misses in order, without bids."""
         if n_pinned is not None:
             self.n_pinned = int(n_pinned)
         self._alloc(n_slots)
+
+    def _room_keys(self) -> torch.Tensor:
+        """The eviction key :meth:`make_room` ranks by (the forced-admission contract)."""
+        return self.victim_scores()
 
     # -- device contract ----------------------------------------------------------------------------
     def device_state(self) -> DeviceState:
         """The state the per-step admission kernels work on (the arrays themselves, scratch element included)."""
         sk = self.sketch
-        return DeviceState(self._ids, self._freq, self._last, self.n_slots, self.n_pinned, self.lru, SAMPLES,
+        return DeviceState(self._ids, self._freq, self._last, self._fill, self.n_slots, self.n_pinned, self.lru, SAMPLES,
                            None if sk is None else sk.table, 1 if sk is None else sk.width, self._priority_table())
 
     def _priority_table(self) -> Optional[torch.Tensor]:
@@ -509,10 +527,19 @@ class SlotPolicy(CachePolicy):
 
 class LRUPolicy(SlotPolicy):
     """Least recently used: a slot's key is the batch it was last used in; a missed row enters only in place of a
-    row it is requested more often than (TinyLFU admission, so one-off rows do not flush the cache)."""
+    row it is requested more often than (TinyLFU admission, so one-off rows do not flush the cache).
+
+    Where every missed row must enter (the row cache's training batches) there is no admission filter, so eviction
+    goes by frequency class first: rows are grouped by the power of two of their request frequency, the rarest group
+    leaves first, least recent first within a group -- one-off rows pass through without flushing the hot ones, and
+    recency still decides among rows about as frequent."""
 
     kind = PolicyKind.LRU
     lru = True
+
+    def _room_keys(self) -> torch.Tensor:
+        level = torch.floor(2.0 * torch.log2(self.freq.clamp(min=0).to(torch.float64) + 1.0)).to(torch.int64)
+        return torch.where(self.slot_ids >= 0, (level << 40) + self.last, torch.full_like(self.last, FREE))
 
 
 class LFUPolicy(SlotPolicy):

@@ -76,6 +76,10 @@ _MAX_PENDING = 4
 _SLOT_ALIGN = 16
 """Stored-row slots start 16-byte aligned: the decoders read whole aligned 16-byte blocks."""
 
+_SLOT_COVERAGE = 0.999
+"""Share of the rows the inference cache's slots must fit (``choose_slot_bytes``): a row too long for a slot can
+never be cached, however hot, which costs a skewed workload more hit rate than a slightly larger slot does."""
+
 
 def check_adoptable_rows(rows: CompressedRows, shape: tuple[int, int], dtype: Optional[torch.dtype],
                          name: str = "rows") -> None:
@@ -151,7 +155,7 @@ class CachedRowManager:
         self.device = store.device
         self.num_embeddings = store.n_rows
         self.embedding_dim = store.dim
-        self.strategy = strategy
+        self.strategy = EvictionStrategy.coerce(strategy)
         self.pinned_ids = [int(i) for i in pinned_ids]
         self.n_pinned = len(self.pinned_ids)
         self.capacity = int(capacity)
@@ -570,7 +574,9 @@ class CachedRowManager:
         }
         out.update(self.store.stats())
         if self.fused is not None:
-            out.update(self.fused.stats())
+            fused = self.fused.stats()
+            out.update(fused)
+            out["prefetched_rows"] += fused["fused_prefetched_rows"]
         return out
 
     def print_comm_stats(self) -> None:
@@ -626,6 +632,7 @@ class _Workspace:
             self.victim = torch.zeros(self.cap, dtype=torch.int64, device=dev)
             self.key = torch.zeros(self.cap, dtype=torch.int64, device=dev)
             self.flags = torch.zeros(self.cap, dtype=torch.uint8, device=dev)
+            self.rank = torch.zeros(self.cap, dtype=torch.int64, device=dev)
             self.list_gid = torch.zeros(self.cap, dtype=torch.int64, device=dev)
             self.list_dst = torch.zeros(self.cap, dtype=torch.int64, device=dev)
             self.list_len = torch.zeros(self.cap, dtype=torch.int32, device=dev)
@@ -678,20 +685,20 @@ class FusedLookup:
         with _state_mode():
             self.errors = LookupErrors(pin=self.cuda)  # the kernel writes it through UVA
             self.counters = torch.zeros(4, dtype=torch.int64, device=dev)  # lookup kernel: requests, device, host, slab
-            self.adm_stats = torch.zeros(N_STATS, dtype=torch.int64, device=dev)
+            self.adm_stats = torch.zeros(N_STATS, dtype=torch.int64, device=dev)  # lookups' admission passes
+            self.pre_stats = torch.zeros(N_STATS, dtype=torch.int64, device=dev)  # prefetches' admission passes
             self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
-            self.scal = torch.zeros(2, dtype=torch.int64, device=dev)  # [stamp, protect] of the running pass
+            self.scal = torch.zeros(2, dtype=torch.int64, device=dev)  # [step stamp, first protected step] of a pass
             self._ws = {"lookup": _Workspace(dev), "prefetch": _Workspace(dev)}
         self.recent = RecentCounters()
         self.calls = 0
         self.prefetches = 0
-        self._stamp = 0
-        self._pending: deque[tuple[int, int]] = deque()  # (stamp, n) of prefetched batches not yet looked up
+        self._passes = 0  # admission passes so far (the device's step stamp, unless a captured lookup was replayed)
+        self._pending: deque[tuple[int, int]] = deque()  # (pass, n) of prefetched batches not yet looked up
         self._done: Optional[torch.cuda.Event] = None  # the last prefetch's end on the side stream
         self.slot_bytes = 0
         self.n_slots = 0
         self.stage_cap = 0
-        self._stage_rows = 0
         self.slot_len: Optional[torch.Tensor] = None
         self.stage_buf: Optional[torch.Tensor] = None
         self.stage_gid: Optional[torch.Tensor] = None
@@ -708,7 +715,8 @@ class FusedLookup:
         mgr, store = self.mgr, self.mgr.store
         budget = mgr.base_slots * store.row_bytes
         if self.compress_cache and store.compress:
-            self.slot_bytes = choose_slot_bytes(store.stored_lengths(), budget, store.row_bytes, _SLOT_ALIGN)
+            self.slot_bytes = choose_slot_bytes(store.stored_lengths(), budget, store.row_bytes, _SLOT_ALIGN,
+                                                coverage=_SLOT_COVERAGE)
         else:
             self.slot_bytes = store.row_bytes
         self.n_slots = max(budget // self.slot_bytes, 1) if budget >= self.slot_bytes else 0
@@ -747,15 +755,17 @@ class FusedLookup:
         mgr, store, ws = self.mgr, self.mgr.store, self._ws[role]
         st = mgr.policy.device_state()
         return AdmitArgs(
-            slot_of=mgr.slot_table, ids=st.ids, freq=st.freq, last=st.last, n_slots=st.n_slots, n_pinned=st.n_pinned,
+            slot_of=mgr.slot_table, ids=st.ids, freq=st.freq, last=st.last, fill=st.fill, n_slots=st.n_slots,
+            n_pinned=st.n_pinned,
             lru=st.lru, samples=st.samples, sketch=st.sketch if st.sketch is not None else self.slot_len[:0],
             width=st.width, prio=st.prio, slot_len=self.slot_len, slot_stride=self.slot_bytes,
             slot_bytes=self.slot_bytes, slab_base=mgr.cached_weight.data_ptr(),
             stage_base=self.stage_buf.data_ptr(), stage_cap=self.stage_cap if stage else 0,
             stage_gid=self.stage_gid, host_base=store.data.data_ptr(), host_offsets=store.offsets_dev,
             host_len=store.lengths_dev, row_bytes=store.row_bytes, n_rows=mgr.num_embeddings, stamp=self.scal[0],
-            protect=self.scal[1], stats=self.adm_stats, ws=ws.ws, bid=ws.bid[: st.n_slots + 1], victim=ws.victim,
-            key=ws.key, flags=ws.flags, list_gid=ws.list_gid, list_dst=ws.list_dst, list_len=ws.list_len)
+            protect=self.scal[1], stats=self.adm_stats if role == "lookup" else self.pre_stats, ws=ws.ws, bid=ws.bid[: st.n_slots + 1], victim=ws.victim,
+            key=ws.key, flags=ws.flags, rank=ws.rank, list_gid=ws.list_gid, list_dst=ws.list_dst,
+            list_len=ws.list_len)
 
     # -- keys: the global row of every id, bad ids a sentinel ------------------------------------------
     def keys(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, include_last: bool,
@@ -786,10 +796,14 @@ class FusedLookup:
         return torch.where(ok, ids + layout.table_base[table], n_rows)
 
     # -- the admission pass ----------------------------------------------------------------------------
-    def _set_stamp(self, stamp: int) -> None:
-        protect = self._pending[0][0] if self._pending else stamp
-        self.scal[0].fill_(stamp)
-        self.scal[1].fill_(min(protect, stamp))
+    def _next_pass(self) -> None:
+        """A new pass: the device's step stamp moves on by one (in the stream, so a captured and replayed lookup keeps
+        stamping newer steps), and the protected steps start at the oldest prefetched batch not yet looked up (its
+        distance in passes is known here; 0 without one)."""
+        self._passes += 1
+        back = self._passes - self._pending[0][0] if self._pending else 0
+        self.scal[0].add_(1)
+        torch.sub(self.scal[0], back, out=self.scal[1])
 
     def _pass(self, keys: torch.Tensor, role: str, *, count_sketch: bool, count_stats: bool,
               stage: bool) -> torch.Tensor:
@@ -802,11 +816,14 @@ class FusedLookup:
         a.bid.fill_(-1)
         k.count(keys, a, count_sketch, count_stats)
         s, perm = torch.sort(keys)
+        n = keys.numel()
         k.scan(s, a, True)
+        admit_gpu.rank(n, a)
         k.apply(s, a, stage and self.stage_cap > 0)
-        k.copy(a, keys.numel())
+        admit_gpu.advance_fill(n, a)
+        k.copy(a, n)
         if count_sketch:
-            self.mgr.policy.counted(keys.numel())
+            self.mgr.policy.counted(n)
         return perm
 
     # -- the lookup -----------------------------------------------------------------------------------
@@ -830,11 +847,12 @@ class FusedLookup:
         self._enter(n, stage, "lookup")
         if self._done is not None and self.cuda and not capturing:
             torch.cuda.current_stream(mgr.device).wait_event(self._done)  # the prefetch's rows are in place
-        if self._pending and self._pending[0][1] != n:  # not the batch that was prefetched: forget those
+        if capturing or (self._pending and self._pending[0][1] != n):  # not the batch that was prefetched
             self._pending.clear()
         prefetched = bool(self._pending)
-        stamp = self._pending.popleft()[0] if prefetched else self._next_stamp()
-        self._set_stamp(stamp)
+        if prefetched:
+            self._pending.popleft()
+        self._next_pass()
         keys = self.keys(ids, offsets, bag_size, include_last, layout)
         perm = self._pass(keys, "lookup", count_sketch=not prefetched, count_stats=True, stage=stage)
         order = perm if in_order and kind == "single" else None
@@ -853,10 +871,6 @@ class FusedLookup:
             self.planner.record(kind, n_bags, way, start, end)
         self.calls += 1
 
-    def _next_stamp(self) -> int:
-        self._stamp += 1
-        return self._stamp
-
     @_in_state_mode
     def prefetch(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, include_last: bool,
                  layout: Any) -> None:
@@ -866,14 +880,13 @@ class FusedLookup:
         n = ids.numel()
         with self.mgr.order.exclusive():  # allocations on the caller's stream, before the side stream runs
             self._enter(n, False, "prefetch")
-            stamp = self._next_stamp()
-            if len(self._pending) >= _MAX_PENDING:  # prefetched and never looked up: stop protecting them
-                self._pending.popleft()
-            self._pending.append((stamp, n))
         with self.mgr.on_side_stream(ids, *(t for t in (offsets,) if t is not None)) as side:
             if self.mgr.form != "stored":  # another thread trained in between: the next lookup admits them itself
                 return
-            self._set_stamp(stamp)
+            if len(self._pending) >= _MAX_PENDING:  # prefetched and never looked up: stop protecting them
+                self._pending.popleft()
+            self._pending.append((self._passes + 1, n))
+            self._next_pass()
             keys = self.keys(ids, offsets, bag_size, include_last, layout)
             self._pass(keys, "prefetch", count_sketch=True, count_stats=False, stage=False)
             if side:
@@ -920,6 +933,7 @@ class FusedLookup:
         store = self.mgr.store
         rows = self._rows_cpu(keys).view(store.dtype).view(keys.numel(), -1)
         flat = torch.arange(keys.numel())
+        psw = None if psw is None else psw.to(rows.dtype)  # torch's CPU embedding_bag weighs in the rows' dtype
         if offsets is None:  # fixed-size bags
             flat = flat.view(n_bags, -1)
             psw = None if psw is None else psw.view(n_bags, -1)
@@ -932,7 +946,7 @@ class FusedLookup:
 
     # -- statistics -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        adm = self.adm_stats.tolist()
+        adm, pre = self.adm_stats.tolist(), self.pre_stats.tolist()
         requests, device_reads, zero_copy_bytes, slab_bytes = (int(v) for v in self.counters.tolist())
         window = self.recent.delta(self.adm_stats)
         recent = None
@@ -942,8 +956,9 @@ class FusedLookup:
         return {"fused_lookups": adm[STAT_REQUESTS], "fused_hits": adm[STAT_HITS],
                 "fused_hit_rate": adm[STAT_HITS] / max(adm[STAT_REQUESTS], 1), "fused_hit_rate_recent": recent,
                 "fused_recent_calls": window[0] if window is not None else 0,
-                "fused_admitted": adm[STAT_ADMITTED], "fused_staged": adm[STAT_STAGED],
-                "fused_host_bytes": adm[STAT_HOST_BYTES] + zero_copy_bytes,
+                "fused_admitted": adm[STAT_ADMITTED] + pre[STAT_ADMITTED], "fused_prefetched_rows": pre[STAT_ADMITTED],
+                "fused_staged": adm[STAT_STAGED],
+                "fused_host_bytes": adm[STAT_HOST_BYTES] + pre[STAT_HOST_BYTES] + zero_copy_bytes,
                 "fused_zero_copy_bytes": zero_copy_bytes, "fused_device_reads": device_reads,
                 "fused_raw_host_bytes": (adm[STAT_REQUESTS] - adm[STAT_HITS]) * rb,
                 "fused_cache_slots": self.n_slots, "fused_slot_bytes": self.slot_bytes,

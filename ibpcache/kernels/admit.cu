@@ -7,11 +7,14 @@
 //           of a resident row with the step, add requests / hits to the statistics;
 //   (torch sorts the keys: equal keys become neighbours, rows come in address order)
 //   scan    thread per sorted position, the first of each distinct row decides: a resident row refreshes its slot's
-//           frequency; a missed one estimates its frequency (or takes its static priority), looks at `samples`
+//           frequency; a missed one estimates its frequency (or takes its static priority); while slots never used
+//           since the cache was emptied remain (fill < n_slots) it is flagged to take one (torch ranks the flagged
+//           positions: they take consecutive slots from fill on, no bids); otherwise it looks at `samples`
 //           pseudo-random victim slots and picks the lowest key (free < used: LFU frequency or LRU stamp <
 //           protected), and, if it is worth more than that victim (TinyLFU: strictly more frequent), bids for it
 //           with (worth << 32 | position) by atomicMax;
-//   apply   thread per sorted position: the highest bid of a slot wins it (policy state, row -> slot table, the
+//   apply   thread per sorted position: a flagged row takes slot fill + its rank (if below n_slots), the highest bid
+//           of a slot wins it (policy state, row -> slot table, the
 //           evicted row's entry cleared); other misses claim a row of the step's staging buffer; both go on the copy
 //           list (warp-aggregated atomic counters);
 //   copy    warp per list entry (count read on the device): the row's stored bytes from pinned host memory (UVA)
@@ -43,6 +46,7 @@ typedef unsigned long long u64;
 #define IBP_ADM_FLAG_HIT 2
 #define IBP_ADM_FLAG_MISS 4
 #define IBP_ADM_FLAG_CAND 8
+#define IBP_ADM_FLAG_FREE 16
 #define IBP_ADM_STAT_REQUESTS 0
 #define IBP_ADM_STAT_HITS 1
 #define IBP_ADM_STAT_ADMITTED 2
@@ -131,7 +135,8 @@ extern "C" __global__ void ibp_adm_scan(const i64* __restrict__ s, i64 n, i64 n_
                                         const int* __restrict__ sketch, u64 mask, const i64* __restrict__ prio,
                                         const i64* __restrict__ ids, i64* __restrict__ freq,
                                         const i64* __restrict__ last, i64 n_slots, i64 n_pinned, int lru,
-                                        int samples, const i64* __restrict__ stamp_p, const i64* __restrict__ protect_p,
+                                        int samples, const i64* __restrict__ fill_p, const i64* __restrict__ stamp_p,
+                                        const i64* __restrict__ protect_p,
                                         const int* __restrict__ host_len, int row_bytes, int slot_bytes, int admit,
                                         i64* __restrict__ bid, i64* __restrict__ victim_out, i64* __restrict__ key_out,
                                         unsigned char* __restrict__ flags_out) {
@@ -153,7 +158,11 @@ extern "C" __global__ void ibp_adm_scan(const i64* __restrict__ s, i64 n, i64 n_
     if (slot == -1) {
         flags |= IBP_ADM_FLAG_MISS;
         const int len = host_len != nullptr ? host_len[x] : row_bytes;
-        if (admit && len <= slot_bytes && n_slots > n_pinned) {
+        const i64 w = worth < 0 ? 0 : (worth < 0x7FFFFFFFLL ? worth : 0x7FFFFFFFLL);
+        if (admit && len <= slot_bytes && n_slots > n_pinned && *fill_p < n_slots) {
+            flags |= IBP_ADM_FLAG_FREE;  // never-used slots remain: they go to the misses in sorted order, no bids
+            key_out[p] = (w << 32) | p;
+        } else if (admit && len <= slot_bytes && n_slots > n_pinned) {
             const i64 stamp = *stamp_p;
             const i64 protect = *protect_p;
             i64 best = IBP_ADM_PROTECTED_KEY + 1;
@@ -177,7 +186,6 @@ extern "C" __global__ void ibp_adm_scan(const i64* __restrict__ s, i64 n, i64 n_
             if (best < IBP_ADM_PROTECTED_KEY) {
                 const i64 vworth = ids[bv] < 0 ? -1 : freq[bv];
                 if (worth > vworth) {
-                    const i64 w = worth < 0x7FFFFFFFLL ? worth : 0x7FFFFFFFLL;
                     const i64 key = (w << 32) | p;
                     atomicMax((long long*)&bid[bv], (long long)key);
                     victim_out[p] = bv;
@@ -192,7 +200,8 @@ extern "C" __global__ void ibp_adm_scan(const i64* __restrict__ s, i64 n, i64 n_
 
 extern "C" __global__ void ibp_adm_apply(const i64* __restrict__ s, i64 n, const unsigned char* __restrict__ flags,
                                          const i64* __restrict__ victim, const i64* __restrict__ key,
-                                         const i64* __restrict__ bid, i64* __restrict__ ids, i64* __restrict__ freq,
+                                         const i64* __restrict__ bid, const i64* __restrict__ rank,
+                                         const i64* __restrict__ fill_p, i64* __restrict__ ids, i64* __restrict__ freq,
                                          i64* __restrict__ last, const i64* __restrict__ stamp_p,
                                          int* __restrict__ slot_of, int* __restrict__ slot_len, i64 n_slots,
                                          i64 slot_stride, i64 slab_base, const int* __restrict__ host_len,
@@ -202,7 +211,8 @@ extern "C" __global__ void ibp_adm_apply(const i64* __restrict__ s, i64 n, const
     const i64 p = blockIdx.x * (i64)blockDim.x + threadIdx.x;
     const unsigned char f = p < n ? flags[p] : 0;
     const bool miss = (f & IBP_ADM_FLAG_MISS) != 0;
-    const bool take = (f & IBP_ADM_FLAG_CAND) != 0 && bid[victim[p]] == key[p];
+    const bool fresh = (f & IBP_ADM_FLAG_FREE) != 0 && *fill_p + rank[p] < n_slots;
+    const bool take = fresh || ((f & IBP_ADM_FLAG_CAND) != 0 && bid[victim[p]] == key[p]);
     i64 x = 0;
     int len = 0;
     i64 dst = 0;
@@ -211,7 +221,7 @@ extern "C" __global__ void ibp_adm_apply(const i64* __restrict__ s, i64 n, const
         len = host_len != nullptr ? host_len[x] : row_bytes;
     }
     if (take) {  // the slot's one winner: no other thread touches this slot, its old row or this row
-        const i64 v = victim[p];
+        const i64 v = fresh ? *fill_p + rank[p] : victim[p];
         const i64 old = ids[v];
         ids[v] = x;
         freq[v] = key[p] >> 32;

@@ -23,9 +23,9 @@ from ._build import device_index, launch
 
 __all__ = [
     "SKETCH_DEPTH", "SKETCH_MUL", "SAMPLE_MUL", "MIX_MUL", "FREE_KEY", "PROTECTED_KEY", "FLAG_OK", "FLAG_HIT",
-    "FLAG_MISS", "FLAG_CAND", "STAT_REQUESTS", "STAT_HITS", "STAT_ADMITTED", "STAT_STAGED", "STAT_HOST_BYTES",
-    "N_STATS", "WS_LIST", "WS_STAGED", "N_WS", "sketch_index", "sample_slots", "AdmitArgs", "count", "scan", "apply",
-    "copy", "unstage",
+    "FLAG_MISS", "FLAG_CAND", "FLAG_FREE", "STAT_REQUESTS", "STAT_HITS", "STAT_ADMITTED", "STAT_STAGED", "STAT_HOST_BYTES",
+    "N_STATS", "WS_LIST", "WS_STAGED", "N_WS", "sketch_index", "sample_slots", "AdmitArgs", "count", "scan", "rank",
+    "apply", "advance_fill", "copy", "unstage",
 ]
 
 _SRC = "admit.cu"
@@ -49,8 +49,9 @@ FREE_KEY = -(1 << 62)
 PROTECTED_KEY = 1 << 62
 """Victim key of a slot the current step (or a pending prefetched one) uses: never a victim."""
 
-# per-position flags written by the scan (IBP_ADM_FLAG_*)
-FLAG_OK, FLAG_HIT, FLAG_MISS, FLAG_CAND = 1, 2, 4, 8
+# per-position flags written by the scan (IBP_ADM_FLAG_*): a row (first of its run), resident, missed, bidding for a
+# victim, taking a never-used slot (while the cache still has some, missed rows take them in sorted order, no bids)
+FLAG_OK, FLAG_HIT, FLAG_MISS, FLAG_CAND, FLAG_FREE = 1, 2, 4, 8, 16
 # device statistics (int64, IBP_ADM_STAT_*): lookups counted, of them resident at the step's start, rows admitted,
 # rows staged, host bytes the copy read
 STAT_REQUESTS, STAT_HITS, STAT_ADMITTED, STAT_STAGED, STAT_HOST_BYTES = 0, 1, 2, 3, 4
@@ -104,7 +105,8 @@ def sample_slots(ids: torch.Tensor, stamp: torch.Tensor, samples: int, lo: int, 
 class AdmitArgs:
     """Everything the admission kernels read and write, as tensors on one CUDA device (see admit.cu).
 
-    Policy state (``ids``/``freq``/``last``: int64 [n_slots + 1], the last element a scratch target), the cache's row
+    Policy state (``ids``/``freq``/``last``: int64 [n_slots + 1], the last element a scratch target; ``fill``: int64
+    [1], slots at and after it never used since the cache was emptied), the cache's row
     -> slot table (``slot_of``: int32 [n_rows + 1]; -1 absent, >= 0 a slot, <= -2 staging row ``-2 - v``), the
     stored length of every slot and staging row (``slot_len``: int32 [n_slots + stage_cap + 1]), the host store
     (``host_len`` int32 [n_rows] or None when every row is ``row_bytes``; ``host_offsets`` int64 [n_rows] or None
@@ -115,6 +117,7 @@ class AdmitArgs:
     ids: torch.Tensor
     freq: torch.Tensor
     last: torch.Tensor
+    fill: torch.Tensor
     n_slots: int
     n_pinned: int
     lru: bool
@@ -142,6 +145,7 @@ class AdmitArgs:
     victim: torch.Tensor
     key: torch.Tensor
     flags: torch.Tensor
+    rank: torch.Tensor
     list_gid: torch.Tensor
     list_dst: torch.Tensor
     list_len: torch.Tensor
@@ -166,14 +170,34 @@ def count(keys: torch.Tensor, a: AdmitArgs, count_sketch: bool, count_stats: boo
 
 def scan(sorted_keys: torch.Tensor, a: AdmitArgs, admit: bool) -> None:
     """Pass 2 (thread per sorted position): the first of every distinct row decides -- a resident row refreshes its
-    slot's frequency; a missed one samples victims and, where the policy admits it, bids for the best (atomicMax)."""
+    slot's frequency; a missed one takes a never-used slot while there are some (flagged; ranked by :func:`rank`),
+    else samples victims and, where the policy admits it, bids for the best (atomicMax)."""
     n = sorted_keys.numel()
     launch(_SRC, "ibp_adm_scan", device_index(sorted_keys), _grid(n), _BLOCK,
            (_ptr(sorted_keys), np.int64(n), np.int64(a.n_rows), _ptr(a.slot_of), _ptr(a.sketch),
             np.uint64(a.width - 1), _ptr(a.prio), _ptr(a.ids), _ptr(a.freq), _ptr(a.last), np.int64(a.n_slots),
-            np.int64(a.n_pinned), np.int32(int(a.lru)), np.int32(a.samples), _ptr(a.stamp), _ptr(a.protect),
+            np.int64(a.n_pinned), np.int32(int(a.lru)), np.int32(a.samples), _ptr(a.fill), _ptr(a.stamp),
+            _ptr(a.protect),
             _ptr(a.host_len), np.int32(a.row_bytes), np.int32(a.slot_bytes), np.int32(int(admit)), _ptr(a.bid),
             _ptr(a.victim), _ptr(a.key), _ptr(a.flags)))
+
+
+def rank(n: int, a: AdmitArgs) -> None:
+    """Between scan and apply (torch, fixed shape): ``rank[p]`` = how many positions before p take a never-used slot
+    (an exclusive prefix count), so they take consecutive slots from ``fill`` on, in sorted order."""
+    if n == 0:
+        return
+    taking = (a.flags[:n] & FLAG_FREE) != 0
+    torch.cumsum(taking, 0, out=a.rank[:n])
+    a.rank[:n] -= taking.to(torch.int64)
+
+
+def advance_fill(n: int, a: AdmitArgs) -> None:
+    """After apply: the never-used slots taken this pass are used (torch, fixed shape)."""
+    if n == 0:
+        return
+    taken = a.rank[n - 1] + ((a.flags[n - 1] & FLAG_FREE) != 0).to(torch.int64)
+    torch.clamp(a.fill + taken, max=a.n_slots, out=a.fill)
 
 
 def apply(sorted_keys: torch.Tensor, a: AdmitArgs, stage: bool) -> None:
@@ -182,7 +206,8 @@ def apply(sorted_keys: torch.Tensor, a: AdmitArgs, stage: bool) -> None:
     list (device counters in ``ws``)."""
     n = sorted_keys.numel()
     launch(_SRC, "ibp_adm_apply", device_index(sorted_keys), _grid(n), _BLOCK,
-           (_ptr(sorted_keys), np.int64(n), _ptr(a.flags), _ptr(a.victim), _ptr(a.key), _ptr(a.bid), _ptr(a.ids),
+           (_ptr(sorted_keys), np.int64(n), _ptr(a.flags), _ptr(a.victim), _ptr(a.key), _ptr(a.bid), _ptr(a.rank),
+            _ptr(a.fill), _ptr(a.ids),
             _ptr(a.freq), _ptr(a.last), _ptr(a.stamp), _ptr(a.slot_of), _ptr(a.slot_len), np.int64(a.n_slots),
             np.int64(a.slot_stride), np.int64(a.slab_base), _ptr(a.host_len), np.int32(a.row_bytes),
             np.int64(a.stage_cap if stage else 0), np.int64(a.stage_base), _ptr(a.stage_gid), _ptr(a.ws),

@@ -11,11 +11,11 @@ import ctypes
 
 import torch
 
-from .admit import (FLAG_CAND, FLAG_HIT, FLAG_MISS, FLAG_OK, FREE_KEY, PROTECTED_KEY, STAT_ADMITTED,
+from .admit import (FLAG_CAND, FLAG_FREE, FLAG_HIT, FLAG_MISS, FLAG_OK, FREE_KEY, PROTECTED_KEY, STAT_ADMITTED,
                     STAT_HITS, STAT_HOST_BYTES, STAT_REQUESTS, STAT_STAGED, WS_LIST, WS_STAGED, AdmitArgs,
-                    sample_slots, sketch_index)
+                    advance_fill, rank, sample_slots, sketch_index)
 
-__all__ = ["count", "scan", "apply", "copy", "unstage"]
+__all__ = ["count", "scan", "rank", "apply", "advance_fill", "copy", "unstage"]
 
 _MAX_WORTH = 0x7FFFFFFF
 
@@ -58,21 +58,26 @@ def scan(s: torch.Tensor, a: AdmitArgs, admit: bool) -> None:
     if admit and a.n_slots > a.n_pinned:
         length = a.host_len[x.clamp(max=a.n_rows - 1)] if a.host_len is not None else torch.full_like(x, a.row_bytes)
         may = miss & (length <= a.slot_bytes)
-        v = sample_slots(x, a.stamp, a.samples, a.n_pinned, a.n_slots)  # [n, samples]
-        held = a.ids[v]
-        lv = a.last[v]
-        key = torch.where(held < 0, torch.full_like(lv, FREE_KEY),
-                          torch.where(lv >= a.protect, torch.full_like(lv, PROTECTED_KEY), lv if a.lru else a.freq[v]))
-        best, arg = key.min(1)  # the first minimal sample, as the kernel's strict < keeps it
-        bv = v.gather(1, arg.unsqueeze(1)).squeeze(1)
-        vworth = torch.where(a.ids[bv] < 0, torch.full_like(bv, -1), a.freq[bv])
-        cand = may & (best < PROTECTED_KEY) & (worth > vworth)
-        bidkey = (worth.clamp(max=_MAX_WORTH) << 32) | torch.arange(n, dtype=torch.int64)
-        a.bid.scatter_reduce_(0, torch.where(cand, bv, a.n_slots), torch.where(cand, bidkey, -1), "amax")
-        a.bid[a.n_slots] = -1
-        a.victim[:n] = torch.where(cand, bv, a.victim[:n])
-        a.key[:n] = torch.where(cand, bidkey, a.key[:n])
-        flags += cand.to(torch.uint8) * FLAG_CAND
+        bidkey = (worth.clamp(0, _MAX_WORTH) << 32) | torch.arange(n, dtype=torch.int64)
+        if int(a.fill) < a.n_slots:  # never-used slots remain: the misses take them in sorted order, no bids
+            a.key[:n] = torch.where(may, bidkey, a.key[:n])
+            flags += may.to(torch.uint8) * FLAG_FREE
+        else:
+            v = sample_slots(x, a.stamp, a.samples, a.n_pinned, a.n_slots)  # [n, samples]
+            held = a.ids[v]
+            lv = a.last[v]
+            key = torch.where(held < 0, torch.full_like(lv, FREE_KEY),
+                              torch.where(lv >= a.protect, torch.full_like(lv, PROTECTED_KEY),
+                                          lv if a.lru else a.freq[v]))
+            best, arg = key.min(1)  # the first minimal sample, as the kernel's strict < keeps it
+            bv = v.gather(1, arg.unsqueeze(1)).squeeze(1)
+            vworth = torch.where(a.ids[bv] < 0, torch.full_like(bv, -1), a.freq[bv])
+            cand = may & (best < PROTECTED_KEY) & (worth > vworth)
+            a.bid.scatter_reduce_(0, torch.where(cand, bv, a.n_slots), torch.where(cand, bidkey, -1), "amax")
+            a.bid[a.n_slots] = -1
+            a.victim[:n] = torch.where(cand, bv, a.victim[:n])
+            a.key[:n] = torch.where(cand, bidkey, a.key[:n])
+            flags += cand.to(torch.uint8) * FLAG_CAND
     a.flags[:n] = flags
 
 
@@ -83,8 +88,9 @@ def apply(s: torch.Tensor, a: AdmitArgs, stage: bool) -> None:
     f = a.flags[:n]
     miss = (f & FLAG_MISS) != 0
     cand = (f & FLAG_CAND) != 0
-    v = torch.where(cand, a.victim[:n], a.n_slots)
-    take = cand & (a.bid[v] == a.key[:n])
+    fresh = ((f & FLAG_FREE) != 0) & (a.fill + a.rank[:n] < a.n_slots)
+    v = torch.where(fresh, a.fill + a.rank[:n], torch.where(cand, a.victim[:n], a.n_slots))
+    take = fresh | (cand & (a.bid[v] == a.key[:n]))
     x = torch.where(miss, s, a.n_rows)
     length = (a.host_len[x.clamp(max=a.n_rows - 1)] if a.host_len is not None
               else torch.full_like(x, a.row_bytes)).to(torch.int32)
@@ -123,19 +129,17 @@ def apply(s: torch.Tensor, a: AdmitArgs, stage: bool) -> None:
 
 
 def copy(a: AdmitArgs, max_entries: int) -> None:
+    """Row by row, by address (a host ``memmove`` per row costs about a microsecond: faster here than any
+    tensor indexing over every byte)."""
     n = min(int(a.ws[WS_LIST]), max_entries)
     if n == 0:
         return
-    gid = a.list_gid[:n].tolist()
-    dst = a.list_dst[:n].tolist()
-    length = a.list_len[:n].tolist()
-    offs = a.host_offsets
-    total = 0
-    for g, d, ln in zip(gid, dst, length):
-        src = a.host_base + (int(offs[g]) if offs is not None else g * a.row_bytes)
-        ctypes.memmove(d, src, ln)
-        total += ln
-    a.stats[STAT_HOST_BYTES] += total
+    gid, length = a.list_gid[:n], a.list_len[:n].to(torch.int64)
+    src = (gid * a.row_bytes if a.host_offsets is None else a.host_offsets[gid]) + a.host_base
+    move = ctypes.memmove
+    for s_, d_, ln in zip(src.tolist(), a.list_dst[:n].tolist(), length.tolist()):
+        move(d_, s_, ln)
+    a.stats[STAT_HOST_BYTES] += length.sum()
 
 
 def unstage(a: AdmitArgs) -> None:

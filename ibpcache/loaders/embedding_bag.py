@@ -398,9 +398,10 @@ class _CachedBagBase(nn.Module):
         the caller's stream (the previous lookup included) and after the cache's last operation from any thread; the
         caller's later work (the dense part of its step) runs beside it, and the next cache operation waits for it.
 
-        Inference (the module in ``eval()`` mode, fused lookups on): the rows are admitted on the device with no host
-        sync, and the coming forward counts its ids once; rows of batches prefetched but not yet looked up are never
-        evicted. Bad ids are left for that forward to report.
+        Inference (fused lookups on, and the module in ``eval()`` mode, or under ``torch.no_grad()``, or its rows
+        frozen): the rows are admitted on the device with no host sync, and the coming forward counts its ids once;
+        rows of batches prefetched but not yet looked up are never evicted. Bad ids are left for that forward to
+        report.
 
         Training: call it after ``optimizer.step()`` and ``optimizer.zero_grad()`` (set_to_none, the default), never
         while a gradient is held or between a forward and its backward: admitting rows may evict rows whose gradients
@@ -414,7 +415,8 @@ class _CachedBagBase(nn.Module):
         _check_bag_shapes(input, offsets)
         ids = input.to(self.device, torch.int64, non_blocking=True)
         offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
-        if self.fused_inference and self.cache_op and self.max_norm is None and not self.training \
+        inference = not self.training or not torch.is_grad_enabled() or not self.cached_weight.requires_grad
+        if self.fused_inference and self.cache_op and self.max_norm is None and inference \
                 and self._no_training_pending():
             flat, offs, bag_size, _, layout = self._fused_inputs(ids.contiguous(), offs)
             fused = self.cache_weight_mgr.fused_lookup(self.stage_bytes, self.compress_cache)
