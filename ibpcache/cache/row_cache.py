@@ -822,8 +822,8 @@ class FusedLookup:
         k.apply(s, a, stage and self.stage_cap > 0)
         admit_gpu.advance_fill(n, a)
         k.copy(a, n)
-        if count_sketch:
-            self.mgr.policy.counted(n)
+        if count_sketch and not (self.cuda and torch.cuda.is_current_stream_capturing()):
+            self.mgr.policy.counted(n)  # the halving is host-timed: a captured lookup's replays do not age the sketch
         return perm
 
     # -- the lookup -----------------------------------------------------------------------------------
@@ -864,7 +864,8 @@ class FusedLookup:
         else:
             self._lookup_cpu(ids, keys, offsets, bag_size, n_bags, include_last, mode, psw, out, layout)
         self.kern.unstage(self._args("lookup", stage))
-        self.recent.push(self.adm_stats)
+        if not capturing:
+            self.recent.push(self.adm_stats)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

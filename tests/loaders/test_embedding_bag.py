@@ -776,7 +776,8 @@ def test_cuda_table_batched_one_decode_launch(minilm: torch.Tensor, monkeypatch:
 
 
 def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
-    """scripts/bench_dlrm.py end to end at a tiny size on the CPU (our methods; Colossal-AI needs CUDA)."""
+    """scripts/bench_dlrm.py end to end at a tiny size on the CPU (our methods; FBGEMM and Colossal-AI need CUDA):
+    every trace and dtype, two runs per configuration, forced settings where asked, hit rates and oracles."""
     import json
     import os
     import subprocess
@@ -787,8 +788,8 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     script = root / "scripts" / "bench_dlrm.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path), "--tables", "3", "--rows-per-table",
-           "400", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05", "--bags", "1,3", "--iters", "3",
-           "--warmup", "1"]
+           "400", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05,0.2", "--bags", "1,3", "--iters",
+           "3", "--warmup", "1", "--budget-s", "5", "--drift-period", "3"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     payload = json.loads((tmp_path / "bench_dlrm.json").read_text())
@@ -796,19 +797,25 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     ours = [r for r in records if r["method"].startswith("ibpcache")]
     assert ours and all(r["status"] == "ok" and r["verified"] for r in ours)
     assert {r["status"] for r in records if not r["method"].startswith("ibpcache")} == {"unavailable"}
-    assert {(p["bag"], p["batch"]) for p in payload["points"]} == {(1, 64), (3, 64)}
-    assert all(p["methods"]["ibpcache"]["M_lookups_per_s"] > 0 for p in payload["points"])
-    for p in payload["points"]:  # the paired default-vs-raw run the compression target reads
-        pair = p["methods"]["ibpcache"]["paired_vs_raw"]
-        assert pair["outputs_equal"] and pair["pairs"] == 3 and pair["speedup_vs_raw"] > 0
-        assert p["compression_speedup"] == pair["speedup_vs_raw"]
-        assert pair["same_layout_as_raw"] is False  # CPU: nothing to time, the table stays compressed
+    points = payload["points"]
+    assert {(p["trace"], p["dtype"]) for p in points} == {(t, d) for t in ("zipf-stable", "zipf-drift", "zipf")
+                                                          for d in ("fp32", "fp16")}
+    assert {(p["bag"], p["batch"], p["cache_ratio"]) for p in points} == {(b, 64, c) for b in (1, 3)
+                                                                          for c in (0.05, 0.2)}
+    for p in points:
+        m = p["methods"]["ibpcache"]
+        assert m["M_lookups_per_s"] > 0 and 0 <= m["hit_rate"] <= 1 and 0 < m["oracle_hit_rate"] <= 1
+        assert len(m["runs"]) == 2 and m["spread"] >= 0
+        forced = {k for k in p["methods"] if k in ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged")}
+        assert forced == (set() if (p["trace"], p["dtype"]) != ("zipf-stable", "fp32") else
+                          {"ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged"})
+    assert payload["meta"]["targets"]["lines"]
     assert (tmp_path / "bench_dlrm.png").exists()
 
 
 def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
-    """--train on the CPU: every one of ours trains, and the trained-weights check finds the whole table equal to
-    nn.EmbeddingBag's after the same SGD steps (the check is recorded on the smallest batch's points)."""
+    """--train on the CPU: every one of ours trains with SGD and with Adagrad, and the trained-weights check finds the
+    whole table equal to nn.EmbeddingBag's after the same steps (recorded on the smallest batch's points)."""
     import json
     import os
     import subprocess
@@ -820,14 +827,14 @@ def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
     cmd = [sys.executable, str(root / "scripts" / "bench_dlrm.py"), "--device", "cpu", "--out", str(tmp_path),
            "--tables", "3", "--rows-per-table", "400", "--entry-bytes", "512", "--batches", "64,32",
            "--cache-ratios", "0.05", "--bags", "1,3", "--iters", "2", "--warmup", "1", "--train", "--check-steps",
-           "3", "--methods", "ibpcache,ibpcache_raw,colossal"]
+           "3", "--methods", "ibpcache,ibpcache_raw,colossal", "--budget-s", "5"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads((tmp_path / "bench_dlrm.json").read_text())["records"]
     ours = [r for r in records if r["method"].startswith("ibpcache")]
     checked = [r for r in ours if "trained_weights" in r]
-    assert {(r["method"], r["bag"], r["batch"]) for r in checked} == {
-        (m, b, 32) for m in ("ibpcache", "ibpcache_raw") for b in (1, 3)}
+    assert {(r["method"], r["bag"], r["batch"], r["optimizer"]) for r in checked} == {
+        (m, b, 32, o) for m in ("ibpcache", "ibpcache_raw") for b in (1, 3) for o in ("sgd", "adagrad")}
     for r in checked:
         chk = r["trained_weights"]
         assert chk["status"] == "ok" and chk["steps"] == 3 and chk["bit_exact"] and chk["rows_differing"] == 0, chk
