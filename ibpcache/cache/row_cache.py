@@ -192,6 +192,7 @@ class CachedRowManager:
         self.order = StreamOrder(self.device)  # one operation at a time, from any thread or CUDA stream
         self.fused: "FusedLookup | None" = None
         self._side: "torch.cuda.Stream | None" = None
+        self._side_active = False  # an operation runs on the side stream now (it must not reallocate state)
         if self.n_pinned:
             self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
                         torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
@@ -502,8 +503,8 @@ class CachedRowManager:
     def _maybe_refit(self, force_check: bool = False) -> None:
         """Refit mask/bitval when the share of compressed rows fell below ``refit_threshold`` times its
         value at the last fit (rows drift away from the learned invariant bits while training)."""
-        if self.refit_threshold is None or not self.store.compress:
-            return
+        if self.refit_threshold is None or not self.store.compress or self._side_active:
+            return  # (on the side stream nothing is reallocated: see on_side_stream; the next check will tell)
         self._writebacks_since_check += 1
         if not force_check and self._writebacks_since_check < _REFIT_CHECK_EVERY:
             return
@@ -612,7 +613,11 @@ class CachedRowManager:
             if t.is_cuda:
                 t.record_stream(side)
         with torch.cuda.stream(side), self.order.exclusive():
-            yield True
+            self._side_active = True
+            try:
+                yield True
+            finally:
+                self._side_active = False
 
 
 class _Workspace:

@@ -431,6 +431,9 @@ class _CachedBagBase(nn.Module):
                              "that gradient belongs to")
         global_ids, bad, limits = self._global_ids(ids, offs)
         mgr = self.cache_weight_mgr
+        if mgr.form != "raw":  # a switch of forms reallocates the cache's state: on the caller's stream, not the side's
+            with mgr.order.exclusive():
+                mgr.use_raw()
         inputs = [t for t in (ids, offs, global_ids, bad) if t is not None]
         with mgr.on_side_stream(*inputs) as side:
             checks = _check_tensors(global_ids, bad, offs)
