@@ -710,6 +710,13 @@ class FusedLookup:
         self._src: Any = None
         self._src_key: tuple = ()
         self._tables: Any = None
+        self._full = False  # every slot used since the stored form began (see _cache_full)
+        self._form_gen = 0  # stored forms entered so far
+        self._fill_seen: Optional[int] = None  # the form a copy of the device's fill on its way to _fill_host is of
+        if self.cuda:
+            with _state_mode():
+                self._fill_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._fill_done = torch.cuda.Event()
         ways = {k: tuple(w[0] for w in v) for k, v in _WAYS.items()}
         ways.update({f"{k} unstaged": tuple(w[0] for w in v if not w[1]) for k, v in _WAYS.items()})
         self.planner = PathPlanner(ways)
@@ -735,6 +742,8 @@ class FusedLookup:
         fresh = mgr.form != "stored"
         if fresh:
             mgr.use_stored(self._slots_for)
+            self._full = False
+            self._form_gen += 1
         cap = min(n, self.stage_bytes // store.row_bytes) if stage else 0
         if fresh or self.slot_len is None or cap > self.stage_cap:
             self.stage_cap = max(cap, 0 if fresh or self.slot_len is None else self.stage_cap)
@@ -823,13 +832,35 @@ class FusedLookup:
         s, perm = torch.sort(keys)
         n = keys.numel()
         k.scan(s, a, True)
-        admit_gpu.rank(n, a)
+        full = self._cache_full()
+        if not full:  # never-used slots may remain: ranked, then counted as used (a full cache skips both)
+            admit_gpu.rank(n, a)
         k.apply(s, a, stage and self.stage_cap > 0)
-        admit_gpu.advance_fill(n, a)
+        if not full:
+            admit_gpu.advance_fill(n, a)
         k.copy(a, n)
         if count_sketch and not (self.cuda and torch.cuda.is_current_stream_capturing()):
             self.mgr.policy.counted(n)  # the halving is host-timed: a captured lookup's replays do not age the sketch
         return perm
+
+    def _cache_full(self) -> bool:
+        """Has every slot been used since the cache was emptied (the device's ``fill``, read without waiting: a copy
+        to pinned memory now, looked at once it completed)? Until then each pass ranks the never-used slots."""
+        if self._full:
+            return True
+        fill = self.mgr.policy.device_state().fill
+        if not self.cuda:
+            self._full = int(fill) >= self.n_slots
+            return self._full
+        if self._fill_seen is not None and self._fill_done.query():
+            # a copy made before the cache was last emptied says nothing about it now
+            self._full = self._fill_seen == self._form_gen and int(self._fill_host[0]) >= self.n_slots
+            self._fill_seen = None
+        if not self._full and self._fill_seen is None and not torch.cuda.is_current_stream_capturing():
+            self._fill_host.copy_(fill, non_blocking=True)  # the last copy has completed: the buffer is free
+            self._fill_done.record()
+            self._fill_seen = self._form_gen
+        return self._full
 
     # -- the lookup -----------------------------------------------------------------------------------
     @_in_state_mode
