@@ -880,9 +880,9 @@ class FusedLookup:
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+        if self._done is not None and self.cuda and not capturing:  # the prefetch's rows are in place, and nothing
+            torch.cuda.current_stream(mgr.device).wait_event(self._done)  # it reads is freed before it has run
         self._enter(n, stage, "lookup")
-        if self._done is not None and self.cuda and not capturing:
-            torch.cuda.current_stream(mgr.device).wait_event(self._done)  # the prefetch's rows are in place
         if capturing or (self._pending and self._pending[0][1] != n):  # not the batch that was prefetched
             self._pending.clear()
         prefetched = bool(self._pending)
