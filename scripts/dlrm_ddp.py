@@ -17,7 +17,8 @@ What happens:
 3. Each step, every rank takes its shard of the global batch (Zipf ids per table, dense features, labels; the same
    seeded data on every rank), looks the embeddings up (on CUDA one fused, sync-free launch), runs the dense part
    of a DLRM (bottom MLP, pairwise dot interaction, top MLP) wrapped in ``DistributedDataParallel`` and steps SGD;
-   after the step it prefetches its next shard's rows (FBGEMM TBE-style) into its GPU cache.
+   right after the lookup it prefetches its next shard's rows (FBGEMM TBE-style) into its GPU cache, on the cache's
+   side stream, so they are read while the dense part of the step runs (TorchRec's pipeline).
 
 The embedding tables are frozen here: an attached shared store is read-only (training would rewrite the owner's
 rows), so this is the pretrained-embeddings / dense-fine-tuning setting; trainable tables need a private store per
@@ -226,7 +227,7 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next shard's rows after a step")
+    p.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next shard's rows after a lookup")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the exactness checks (they decode the whole table on every rank)")
     p.add_argument("--tolerance", type=float, default=1e-4,
@@ -290,13 +291,13 @@ def main(argv: "list[str] | None" = None) -> int:
             t_start = timer.mark()
             with torch.no_grad():
                 out = emb(*inputs[step])  # the fused, sync-free lookup on CUDA
+            if prefetch and step + 1 < args.steps:  # TorchRec's pipeline: the next shard's rows are read on the
+                emb.prefetch(*inputs[step + 1])  # cache's side stream while this step's dense part runs
             t_lookup = timer.mark()
             loss = F.binary_cross_entropy_with_logits(ddp(dense, out), labels)
             opt.zero_grad()
             loss.backward()  # DDP all-reduces the dense gradients here
             opt.step()
-            if prefetch and step + 1 < args.steps:
-                emb.prefetch(*inputs[step + 1])  # the next shard's rows
             t_end = timer.mark()
             step_ms.append(timer.elapsed(t_start, t_end))
             lookup_ms.append(timer.elapsed(t_start, t_lookup))

@@ -54,8 +54,11 @@ def pool_ok() -> bool:
             for stage in (0, 4096, 1 << 20):
                 m = CachedEmbeddingBag(900, 96, _weight=wt.clone(), mode=mode, cache_ratio=0.03, device="cuda",
                                        stage_bytes=stage)
+                m.eval()
                 # run the staged path whenever a buffer exists (the planner would alternate while calibrating)
-                m.cache_weight_mgr.fused_lookup(m.refresh_every, stage).planner.fix("multi", stage > 0)
+                fused = m.cache_weight_mgr.fused_lookup(stage)
+                if stage:
+                    fused.planner.fix("multi", "staged")
                 ref = torch.nn.EmbeddingBag(900, 96, _weight=wt.clone().cuda(), mode=mode)
                 lengths = torch.randint(0, 7, (40,), generator=gen)
                 ids = torch.randint(0, 900, (int(lengths.sum()),), generator=gen).cuda()
@@ -65,8 +68,12 @@ def pool_ok() -> bool:
                     got = m(ids, offsets, per_sample_weights=psw)
                     ok &= torch.equal(got.view(torch.uint8), ref(ids, offsets, per_sample_weights=psw).view(torch.uint8))
                     single = torch.randint(0, 900, (50, 1), generator=gen).cuda()
-                    for _ in range(14):  # the order planner times both orders of one-id bags
-                        ok &= torch.equal(m(single).view(torch.uint8), ref(single).view(torch.uint8))
+                    kind = "single" if stage else "single unstaged"
+                    for way in fused.planner.ways[kind]:  # every way of one-id bags (order, staging)
+                        fused.planner.fix(kind, way)
+                        for _ in range(3):
+                            m.prefetch(single)  # the admission on the side stream, then the lookup after it
+                            ok &= torch.equal(m(single).view(torch.uint8), ref(single).view(torch.uint8))
                 m.check_errors()
     sizes = [300, 200, 400]
     tb = TableBatchedCachedEmbeddingBag(sizes, 96, _weight=w.clone(), mode="sum", cache_ratio=0.05, device="cuda",

@@ -1,14 +1,21 @@
-"""Path planner of the fused lookup: which of two ways runs a lookup faster, per kind and size, timed as it runs.
+"""Path planner of the fused lookup: which of a few ways runs a lookup step fastest, per kind and batch shape, timed
+as it runs.
 
-The embedding bags' fused inference lookup (``row_cache.FusedLookup``) can take one-id bags in row order or as given,
-and, with a staging buffer, read a step's missed rows once into it or every miss zero-copy. Which is faster depends
-on the batch size, the table and the machine, so :class:`PathPlanner` times both on the live traffic (CUDA events
-read only once they completed: never a sync) and keeps the faster per size class.
+The embedding bags' fused inference lookup (``row_cache.FusedLookup``) can stage a step's missed rows (each read from
+host memory once) or leave them to zero-copy reads, and take one-id bags in row order or as given. Which is faster
+depends on the batch, the table, the hit rate and the machine, so :class:`PathPlanner` times the ways on the live
+traffic and keeps the fastest. Decisions must not depend on which timings it happened to see (two identical modules
+must run alike), so: the ways are interleaved while timing (each sees the same cache states, also while the cache is
+still warming up), every way is timed ``trials`` times and the first timing of each is dropped (kernel builds,
+allocations), the medians decide, an incumbent is replaced only by a way faster by ``margin``, and every
+``recheck_every`` steps the ways are timed again (the traffic or the hit rate may have changed). Each batch shape
+(bag count) is planned on its own. Timings are CUDA events read once they have completed: never a sync.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 
@@ -17,81 +24,139 @@ from ..errors import InvalidArgumentError
 __all__ = ["PathPlanner"]
 
 
+@dataclass
+class _Plan:
+    """One (kind, shape)'s state: timings of the current round per way, events still running, the choice."""
+
+    n_ways: int
+    times: list = field(default_factory=list)
+    dropped: set = field(default_factory=set)
+    pending: list = field(default_factory=list)
+    choice: Optional[int] = None
+    calibrating: bool = True
+    since: int = 0
+    rounds: int = 0
+    medians: Optional[list] = None
+
+    def __post_init__(self) -> None:
+        self.times = [[] for _ in range(self.n_ways)]
+
+
 class PathPlanner:
-    """Picks between two ways of running a fused lookup, per kind of lookup and size class (powers of two of the
-    bag count), from timings on this machine: the first ``trials`` lookups of a class alternate the two, timed with
-    CUDA events read only once they have completed (never a sync), then the faster median wins for good.
+    """Picks one of a few ways per kind of lookup and batch shape from timings on this machine (see the module
+    docstring). ``ways``: kind -> the labels of its ways (the caller maps a way's index to what it does)."""
 
-    Kinds: ``"single"`` (one id per bag): take bags in row order (an argsort first; address-ordered host reads pay
-    off when many misses come from a large pinned table) or as given. ``"multi"`` (bags of several ids, only when a
-    staging buffer exists): read each missed row once into staging (CLAIM + STAGE) or every miss zero-copy.
-    """
+    def __init__(self, ways: dict[str, tuple[str, ...]], trials: int = 8, margin: float = 0.05,
+                 recheck_every: int = 2048) -> None:
+        if trials < 1 or recheck_every < 1 or not 0.0 <= margin < 1.0:
+            raise InvalidArgumentError(f"PathPlanner: trials and recheck_every must be >= 1 and margin in [0, 1), got "
+                                       f"{trials}, {recheck_every}, {margin}")
+        self.ways = {k: tuple(v) for k, v in ways.items()}
+        self.trials = int(trials)
+        self.margin = float(margin)
+        self.recheck_every = int(recheck_every)
+        self._plans: dict[tuple[str, int], _Plan] = {}
+        self._fixed: dict[str, int] = {}
 
-    LABELS = {"single": ("as given", "sorted"), "multi": ("zero-copy", "staged")}
+    def _plan(self, kind: str, n: int) -> _Plan:
+        key = (kind, int(n))
+        plan = self._plans.get(key)
+        if plan is None:
+            if kind not in self.ways:
+                raise InvalidArgumentError(f"kind must be one of {sorted(self.ways)}, got {kind!r}")
+            plan = self._plans[key] = _Plan(len(self.ways[kind]))
+            if plan.n_ways == 1:
+                plan.choice, plan.calibrating = 0, False
+        return plan
 
-    def __init__(self, trials: int = 6) -> None:
-        self.trials = trials
-        self._times: dict[tuple[str, int], dict[bool, list[float]]] = {}
-        self._pending: list[tuple[tuple[str, int], bool, Any, Any]] = []
-        self._choice: dict[tuple[str, int], bool] = {}
-        self._fixed: dict[str, bool] = {}
-
-    @staticmethod
-    def _key(kind: str, n: int) -> tuple[str, int]:
-        return kind, max(n, 1).bit_length()
-
-    def fix(self, kind: str, second: "bool | None") -> None:
-        """Pin a kind of lookup to one way for every size (``None`` lets the timings decide again)."""
-        if kind not in self.LABELS:
-            raise InvalidArgumentError(f"kind must be one of {sorted(self.LABELS)}, got {kind!r}")
-        if second is None:
+    def fix(self, kind: str, way: "int | str | None") -> None:
+        """Pin a kind of lookup to one way (its index or label) for every shape; ``None`` lets timings decide again."""
+        if kind not in self.ways:
+            raise InvalidArgumentError(f"kind must be one of {sorted(self.ways)}, got {kind!r}")
+        if way is None:
             self._fixed.pop(kind, None)
-        else:
-            self._fixed[kind] = bool(second)
+            return
+        if isinstance(way, str):
+            if way not in self.ways[kind]:
+                raise InvalidArgumentError(f"way must be one of {self.ways[kind]}, got {way!r}")
+            way = self.ways[kind].index(way)
+        if not 0 <= int(way) < len(self.ways[kind]):
+            raise InvalidArgumentError(f"way must be in [0, {len(self.ways[kind])}), got {way!r}")
+        self._fixed[kind] = int(way)
 
-    def calibrating(self, n: int, kind: str = "single") -> bool:
-        return kind not in self._fixed and self._key(kind, n) not in self._choice
+    def calibrating(self, kind: str, n: int) -> bool:
+        """Are the ways of this kind and shape being timed now?"""
+        return kind not in self._fixed and self._plan(kind, n).calibrating
 
-    def choose(self, n: int, capturing: bool = False, kind: str = "single") -> bool:
-        """The second way (sorted / staged)? Decided classes keep their choice; while calibrating, alternate (the
-        first way while a CUDA graph is being captured)."""
+    def timing(self, kind: str, n: int) -> bool:
+        """Should the caller time this step (and :meth:`record` it)?"""
+        return self.calibrating(kind, n)
+
+    def choose(self, kind: str, n: int, capturing: bool = False) -> int:
+        """The way to run this step: the chosen one, or while timing, the way with the fewest timings so far (so the
+        ways interleave); under CUDA graph capture the chosen one (or the first) and nothing is timed."""
         if kind in self._fixed:
             return self._fixed[kind]
-        key = self._key(kind, n)
+        plan = self._plan(kind, n)
         if not capturing:  # querying events is not allowed while a stream is being captured
-            self._collect()
-        if key in self._choice:
-            return self._choice[key]
+            self._collect(plan)
         if capturing:
-            return False
-        runs = self._times.setdefault(key, {False: [], True: []})
-        pending = sum(1 for k, *_ in self._pending if k == key)
-        done = len(runs[False]) + len(runs[True])
-        if done >= 2 * self.trials:
-            self._choice[key] = float(np.median(runs[True])) < float(np.median(runs[False]))
-            return self._choice[key]
-        return (done + pending) % 2 == 1
+            return plan.choice if plan.choice is not None else 0
+        if not plan.calibrating:
+            plan.since += 1
+            if plan.since < self.recheck_every:
+                return plan.choice
+            plan.calibrating = True  # time the ways again; the incumbent stays unless beaten by the margin
+            plan.times = [[] for _ in range(plan.n_ways)]
+            plan.dropped = set()
+        counts = [len(plan.times[w]) + sum(1 for p in plan.pending if p[0] == w) + (w in plan.dropped)
+                  for w in range(plan.n_ways)]
+        if min(len(t) for t in plan.times) >= self.trials:
+            self._decide(plan)
+            return plan.choice
+        return int(np.argmin(counts))
 
-    def record(self, n: int, second: bool, start: Any, end: Any, kind: str = "single") -> None:
-        self._pending.append((self._key(kind, n), second, start, end))
+    def record(self, kind: str, n: int, way: int, start: Any, end: Any) -> None:
+        """A timed step of ``way`` ran between CUDA events ``start`` and ``end``."""
+        if kind in self._fixed:
+            return
+        self._plan(kind, n).pending.append((int(way), start, end))
 
-    def _collect(self) -> None:
+    def _collect(self, plan: _Plan) -> None:
         keep = []
-        for key, second, start, end in self._pending:
-            if end.query():
-                self._times.setdefault(key, {False: [], True: []})[second].append(start.elapsed_time(end))
+        for way, start, end in plan.pending:
+            if not end.query():
+                keep.append((way, start, end))
+            elif way not in plan.dropped:  # a way's first timing pays for builds and allocations
+                plan.dropped.add(way)
             else:
-                keep.append((key, second, start, end))
-        self._pending = keep
+                plan.times[way].append(start.elapsed_time(end))
+        plan.pending = keep
 
-    def plan(self) -> dict[str, str]:
-        """For stats(): the way chosen per kind and size class (or "calibrating")."""
-        self._collect()
-        out = {}
-        for kind, b in sorted(set(self._times) | set(self._choice)):
-            label = f"{kind} {1 << (b - 1)}-{(1 << b) - 1} bags"
-            choice = self._choice.get((kind, b))
-            out[label] = "calibrating" if choice is None else self.LABELS[kind][int(choice)]
-        for kind, second in self._fixed.items():
-            out[f"{kind} (fixed)"] = self.LABELS[kind][int(second)]
+    def _decide(self, plan: _Plan) -> None:
+        med = [float(np.median(t)) for t in plan.times]
+        best = int(np.argmin(med))
+        if plan.choice is not None and med[best] > med[plan.choice] * (1.0 - self.margin):
+            best = plan.choice  # not faster by the margin: no switch (hysteresis)
+        plan.choice = best
+        plan.calibrating = False
+        plan.since = 0
+        plan.rounds += 1
+        plan.medians = med
+        plan.pending = []
+
+    def plan(self) -> dict[str, Any]:
+        """For stats(): per kind and shape the way chosen (or "calibrating") and the medians it was chosen by."""
+        out: dict[str, Any] = {}
+        for (kind, n), plan in sorted(self._plans.items()):
+            self._collect(plan)
+            label = f"{kind} {n} bags"
+            if plan.choice is None:
+                out[label] = "calibrating"
+            else:
+                out[label] = self.ways[kind][plan.choice]
+                if plan.medians is not None:
+                    out[label + " ms"] = {self.ways[kind][w]: round(m, 4) for w, m in enumerate(plan.medians)}
+        for kind, way in self._fixed.items():
+            out[f"{kind} (fixed)"] = self.ways[kind][way]
         return out

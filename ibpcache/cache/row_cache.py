@@ -1,31 +1,41 @@
-"""The engine's trainable row cache: raw rows on the compute device in front of a :class:`HostStore`.
+"""The engine's embedding-row cache: rows on the compute device in front of a :class:`HostStore`, for training and
+for inference.
 
 Where :class:`~ibpcache.cache.feature_cache.FeatureCache` is a read cache (a batch's surplus misses are served from
-the host store and may stay uncached), this cache makes EVERY row of a batch resident, because the rows are what an
-optimizer updates (Colossal-AI's ``CachedParamMgr`` role; the embedding bags in ``ibpcache.loaders.embedding_bag``
-are thin adapters over it):
+the host store and may stay uncached), this cache holds two kinds of rows in one budget of device memory, ``C`` raw
+rows' worth (the bytes of the ``cached_weight`` parameter), depending on what the module does:
 
-* :class:`CachedRowManager` owns ``C`` rows kept RAW on the compute device as one ``nn.Parameter``, an id -> slot
-  map, and the engine's slot policy (``policy.py``: the slot -> id map and a per-slot eviction score, for
-  :class:`~ibpcache.cache.policy.EvictionStrategy` LFU / LRU / DATASET). ``prepare_ids`` turns ids into slot
-  indices, reading misses through the host store's transfer path and writing evicted rows back re-compressed
-  (:meth:`HostStore.write_rows`, the engine's write-back).
-* an attached optimizer (:meth:`CachedRowManager.attach_optimizer`, ``row_optimizer.py``) keeps its per-row state
-  with the rows and replays the updates an evicted row missed when it returns, so training equals the same optimizer
-  over the full table;
-* :class:`FusedLookup` serves inference lookups over the same cache and host store in ONE kernel launch
-  (``kernels/lookup.cu``), with no host sync.
+* training (``form == "raw"``): decoded, trainable rows, one per slot, ``C`` slots. EVERY row of a batch becomes
+  resident, because the rows are what an optimizer updates (Colossal-AI's ``CachedParamMgr`` role;
+  :class:`CachedRowManager.prepare_unique`): misses are read through the host store's transfer path and evicted rows
+  written back re-compressed (:meth:`HostStore.write_rows`, the engine's write-back). An attached optimizer
+  (:meth:`CachedRowManager.attach_optimizer`, ``row_optimizer.py``) keeps its per-row state with the rows and replays
+  the updates an evicted row missed when it returns, so training equals the same optimizer over the full table.
+* inference (``form == "stored"``, :class:`FusedLookup`): rows kept AS STORED in the host store (IBP-compressed, or
+  raw), in slots of ``slot_bytes`` chosen for the stored lengths (:func:`~ibpcache.cache.policy.choose_slot_bytes`),
+  so the same bytes hold about ratio-times more hot rows. Every lookup admits rows on the device with no host sync
+  (``kernels/admit.cu``: frequency sketch, TinyLFU admission of the distinct misses into sampled victim slots, the
+  other misses staged once per step), then ONE pooled lookup launch (``kernels/lookup.cu``, index mode
+  ``SLOT_TABLE``) decodes slot, staged and host rows into the output.
 
-A batch with more distinct ids than cache rows is served by growing the parameter for that one batch (so the rows
-stay trainable: the optimizer step that follows updates them too) and shrinking it back at the start of the next
+Switching between the two forms empties the cache (a training forward after inference starts cold, an inference
+forward after training writes dirty rows back and brings every evicted row up to date with an attached optimizer's
+updates first), so each form's invariants hold on their own. Which rows stay is one :class:`SlotPolicy` (the
+slot -> row map, per-slot frequency and last use, a frequency sketch) in both forms.
+
+A training batch with more distinct ids than cache rows is served by growing the parameter for that one batch (so the
+rows stay trainable: the optimizer step that follows updates them too) and shrinking it back at the start of the next
 batch; Colossal-AI refuses such batches.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -34,20 +44,42 @@ from ..compressed import CompressedRows
 from ..errors import (InvalidArgumentError, InvalidTypeError, OptimizerStateError, RowDtypeError,
                       RowShapeError)
 from ..format import Layout
+from ..kernels import admit as admit_gpu
+from ..kernels import admit_cpu
+from ..kernels.admit import (N_STATS, N_WS, STAT_ADMITTED, STAT_HITS, STAT_HOST_BYTES, STAT_REQUESTS, STAT_STAGED,
+                             WS_LIST, AdmitArgs)
 from ..kernels.hashmap import IndexArgs
-from ..kernels.lookup import (SLOTS_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, Staging, lookup_pool,
+from ..kernels.lookup import (SLOT_TABLE_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, lookup_pool,
                               pool_supported)
 from .host_store import HostStore
 from .ordering import StreamOrder
 from .plan_path import PathPlanner
-from .policy import EvictionStrategy, SlotPolicy, row_policy
+from .policy import EvictionStrategy, SlotPolicy, choose_slot_bytes, row_policy
 from .row_optimizer import RowOptimizer, watch_unattached
+from .stats import RecentCounters
 
-__all__ = ["CachedRowManager", "Prepared", "FusedLookup", "BagLayout", "pool_supported", "check_adoptable_rows"]
+__all__ = ["CachedRowManager", "Prepared", "FusedLookup", "BagLayout", "pool_supported", "check_adoptable_rows",
+           "STAGE_BYTES"]
 
 _MIN = torch.iinfo(torch.int64).min
 _REFIT_CHECK_EVERY = 64
 """Write-back batches between two checks of the host store's compressed fraction (each check syncs)."""
+
+_RECENT_STEPS = 128
+"""Steps the ``*_hit_rate_recent`` statistics look back over (about)."""
+
+STAGE_BYTES = 64 << 20
+"""Default device bytes of the fused lookup's per-step staging buffer (rows read from host memory once per step)."""
+
+_MAX_PENDING = 4
+"""Prefetched batches whose rows stay protected until their lookup; older ones are forgotten."""
+
+_SLOT_ALIGN = 16
+"""Stored-row slots start 16-byte aligned: the decoders read whole aligned 16-byte blocks."""
+
+_SLOT_COVERAGE = 0.999
+"""Share of the rows the inference cache's slots must fit (``choose_slot_bytes``): a row too long for a slot can
+never be cached, however hot, which costs a skewed workload more hit rate than a slightly larger slot does."""
 
 
 def check_adoptable_rows(rows: CompressedRows, shape: tuple[int, int], dtype: Optional[torch.dtype],
@@ -63,6 +95,23 @@ def check_adoptable_rows(rows: CompressedRows, shape: tuple[int, int], dtype: Op
                             f"embedding_dim {tuple(shape)}")
     if dtype is not None and rows.dtype != dtype:
         raise RowDtypeError(f"{name}: CompressedRows hold {rows.dtype}, but dtype={dtype} was asked for")
+
+
+@contextlib.contextmanager
+def _state_mode() -> Iterator[None]:
+    """Cache state is created and updated outside inference mode (tensors made under ``torch.inference_mode`` could
+    not be updated in place by a later training step) and never records autograd."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def _in_state_mode(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _state_mode():
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 @dataclass
@@ -82,13 +131,14 @@ class Prepared:
 
 
 class CachedRowManager:
-    """The trainable row cache in front of a :class:`HostStore` (Colossal-AI's ``CachedParamMgr`` role).
+    """The row cache in front of a :class:`HostStore` (Colossal-AI's ``CachedParamMgr`` role, plus the inference form).
 
-    Slots ``[0, P)`` are pinned (the padding row, never evicted); ``[P, P + C)`` are the cache proper;
-    during an oversized batch the parameter grows past ``P + C`` until the next call. ``slot_of`` (int32,
-    ``[N]``, -1 = not cached) and ``id_of`` (int64, per slot, -1 = free: the policy's slot table) live on the cache
-    device. Which rows leave is the policy's call (:func:`~ibpcache.cache.policy.row_policy`), the same slot policies
-    FeatureCache uses, under the row cache's contract: every missed row enters.
+    Raw form: slots ``[0, P)`` are pinned (the padding row, never evicted); ``[P, P + C)`` are the cache proper;
+    during an oversized batch the parameter grows past ``P + C`` until the next call. ``slot_of`` (int32, ``[N]``, -1
+    = not cached; one scratch entry follows it in ``slot_table``) and ``id_of`` (int64, per slot, -1 = free: the
+    policy's slot table) live on the cache device. Which rows leave is the policy's call
+    (:func:`~ibpcache.cache.policy.row_policy`), under the row cache's contract: every missed row enters. The stored
+    form belongs to :class:`FusedLookup` (see the module docstring).
     """
 
     def __init__(
@@ -106,7 +156,7 @@ class CachedRowManager:
         self.device = store.device
         self.num_embeddings = store.n_rows
         self.embedding_dim = store.dim
-        self.strategy = strategy
+        self.strategy = EvictionStrategy.coerce(strategy)
         self.pinned_ids = [int(i) for i in pinned_ids]
         self.n_pinned = len(self.pinned_ids)
         self.capacity = int(capacity)
@@ -116,11 +166,14 @@ class CachedRowManager:
         dev = self.device
         self.cached_weight = torch.nn.Parameter(
             torch.zeros((self.base_slots, self.embedding_dim), dtype=store.dtype, device=dev))
-        self.slot_of = torch.full((self.num_embeddings,), -1, dtype=torch.int32, device=dev)
+        self.slot_table = torch.full((self.num_embeddings + 1,), -1, dtype=torch.int32, device=dev)
+        self.slot_of = self.slot_table[: self.num_embeddings]
         self.n_free = self.capacity
         self.freq = None if ids_freq_mapping is None else ids_freq_mapping.to(dev, torch.int64)
         self.policy: SlotPolicy = row_policy(strategy, self.base_slots, self.num_embeddings, dev,
                                              n_pinned=self.n_pinned, priority=self.freq)
+        self.form = "raw"
+        self.form_switches = 0
         self.dirty = False
         self._clean_version = self.cached_weight._version
         self.step = 0
@@ -137,18 +190,20 @@ class CachedRowManager:
         self.coalesce_sparse_grads = False
         self.prefetched_rows = 0  # rows admitted by prefetch (not counted as lookups)
         self.prefetch_write_backs = 0
-        self.order = StreamOrder(self.device)  # one forward at a time, from any thread or CUDA stream
+        self.order = StreamOrder(self.device)  # one operation at a time, from any thread or CUDA stream
         self.fused: "FusedLookup | None" = None
+        self._side: "torch.cuda.Stream | None" = None
+        self._side_active = False  # an operation runs on the side stream now (it must not reallocate state)
         if self.n_pinned:
             self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
                         torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
         self._warmup(warmup_ratio)
         watch_unattached(self)
 
-    def fused_lookup(self, refresh_every: int, stage_bytes: int = 0) -> "FusedLookup":
+    def fused_lookup(self, stage_bytes: int = STAGE_BYTES, compress_cache: bool = True) -> "FusedLookup":
         """The fused inference lookup over this cache and its host store (built on first use)."""
         if self.fused is None:
-            self.fused = FusedLookup(self, refresh_every, stage_bytes)
+            self.fused = FusedLookup(self, stage_bytes, compress_cache)
         return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
@@ -157,11 +212,11 @@ class CachedRowManager:
         """int64 per slot: the id it holds, -1 = free (the policy's slot table)."""
         return self.policy.slot_ids
 
-    def _place(self, ids: torch.Tensor, slots: torch.Tensor, scores: Optional[torch.Tensor] = None) -> None:
+    def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Load rows ``ids`` into ``slots`` (free, or emptied by eviction) and admit them to the policy."""
         self.store.read_into(ids, self._weight_u8(), slots)
         self.slot_of.index_put_((ids,), slots.to(torch.int32))
-        self.policy.admit(slots, ids, scores)
+        self.policy.admit(slots, ids)
 
     def _warmup(self, warmup_ratio: float) -> None:
         """Preload ``ceil(C * warmup_ratio)`` rows: the most frequent ones when frequencies are known,
@@ -176,9 +231,7 @@ class CachedRowManager:
         else:
             ids = torch.nonzero(~exclude).squeeze(1)[:k]
         slots = torch.arange(self.n_pinned, self.n_pinned + k, dtype=torch.int64, device=self.device)
-        # LFU counts uses; rows preloaded by dataset frequency start with that frequency as their count
-        seeded = self.strategy is EvictionStrategy.LFU and self.freq is not None
-        self._place(ids, slots, self.freq[ids] if seeded else None)
+        self._place(ids, slots)
         self.n_free -= k
 
     def _weight_u8(self) -> torch.Tensor:
@@ -188,7 +241,7 @@ class CachedRowManager:
     def is_dirty(self) -> bool:
         """May cached rows differ from their host copies? Set by training forwards, and by any in-place
         update of the parameter (optimizer steps bump its version counter), e.g. after a flush."""
-        return self.dirty or self.cached_weight._version != self._clean_version
+        return self.form == "raw" and (self.dirty or self.cached_weight._version != self._clean_version)
 
     def mark_clean(self) -> None:
         self.dirty = False
@@ -208,6 +261,54 @@ class CachedRowManager:
     def slots(self) -> int:
         return int(self.cached_weight.shape[0])
 
+    # -- the two forms ------------------------------------------------------------------------------
+    @_in_state_mode
+    def use_raw(self) -> None:
+        """Hold decoded, trainable rows (training, the non-fused lookups). From the stored form: the cache starts
+        empty (its rows were clean copies of host rows), the padding row pinned again."""
+        if self.form == "raw":
+            return
+        self._clear_slots()
+        self.policy.reset(self.base_slots, self.n_pinned)
+        self.form = "raw"
+        self.form_switches += 1
+        self.n_free = self.capacity
+        if self.n_pinned:
+            self._place(torch.tensor(self.pinned_ids, dtype=torch.int64, device=self.device),
+                        torch.arange(self.n_pinned, dtype=torch.int64, device=self.device))
+        self.mark_clean()
+
+    @_in_state_mode
+    def use_stored(self, n_slots: Callable[[], int]) -> None:
+        """Hold rows as stored in ``n_slots()`` slots (the fused inference lookup; ``n_slots`` is asked after the
+        host store is current). From the raw form every row leaves: written back if dirty, its optimizer state saved,
+        and every evicted row brought up to date with the attached optimizer's updates, since inference reads host
+        rows as they are."""
+        if self.form == "raw":
+            self._shrink()
+            slots = self.occupied_slots()
+            if slots.numel():
+                ids = self.id_of.index_select(0, slots)
+                if self.is_dirty():
+                    self.store.write_rows(ids, self._weight_u8().index_select(0, slots))
+                if self.optim is not None:
+                    self.optim.save(slots, ids)
+                self.slot_of.index_fill_(0, ids, -1)
+                self.evictions += int(slots.numel())
+            self.catch_up()
+            self.store.sync_host()
+            self.mark_clean()
+        else:
+            self._clear_slots()
+        self.policy.reset(n_slots(), 0)
+        self.form = "stored"
+        self.form_switches += 1
+
+    def _clear_slots(self) -> None:
+        slots, ids = self.policy.resident()
+        if ids.numel():
+            self.slot_of.index_fill_(0, ids, -1)
+
     # -- the per-batch path -----------------------------------------------------------------------
     @torch.no_grad()
     def prepare_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -215,9 +316,10 @@ class CachedRowManager:
         (Colossal-AI's ``prepare_ids``)."""
         return self.prepare_unique(ids).slots()
 
-    @torch.no_grad()
+    @_in_state_mode
     def prepare_unique(self, ids: torch.Tensor, checks: Sequence[torch.Tensor] = (),
-                       verify: Optional[Callable[[list], None]] = None, count: bool = True) -> "Prepared":
+                       verify: Optional[Callable[[list], None]] = None, count: bool = True,
+                       grow: bool = True) -> "Prepared":
         """Make the rows of ``ids`` (int64 on the cache device) resident and say where they are.
 
         ``checks`` (0-d int64 tensors, e.g. "some id is out of range") ride along with the one device sync
@@ -225,9 +327,12 @@ class CachedRowManager:
         Ids are only trusted after ``verify`` passed. Cost: one ``unique``, one sync, then (if anything
         misses) one top-k for the victims, one write-back encode (training only) and one decode launch.
         ``count=False`` (a prefetch): the rows are admitted and touched, but the lookup and its hits/misses are
-        not counted as one (``prefetched_rows`` counts the admissions).
+        not counted as one (``prefetched_rows`` counts the admissions). ``grow=False`` (a prefetch on a side stream):
+        the cache is never resized; misses beyond the free and evictable slots stay out (the lookup admits them).
         """
-        self._shrink()
+        self.use_raw()
+        if grow:
+            self._shrink()
         flat = ids.reshape(-1)
         if flat.numel() == 0:
             if checks and verify is not None:
@@ -251,18 +356,24 @@ class CachedRowManager:
         if count:
             self._tick()
             self.lookups += int(flat.numel())
+        self.policy.count(uniq, counts)
         n_miss, n_pinned_hits = vals[0], vals[1]
         pinned_pos = vals[3] if self.n_pinned and vals[2] else None
         n_uniq = int(uniq.numel())
         written = 0
         if n_miss:
             miss_pos = torch.nonzero(~hit).squeeze(1)
-            miss_ids = uniq.index_select(0, miss_pos)
-            dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - n_miss - n_pinned_hits)
-            slot_u.index_copy_(0, miss_pos, dest)
-        self.policy.touch(slot_u, counts)
+            avail = (self.slots - self.n_pinned) - (n_uniq - n_miss - n_pinned_hits)
+            if not grow and n_miss > avail:  # best effort: what fits without resizing
+                miss_pos = miss_pos[:avail]
+                n_miss = avail
+            if n_miss:
+                miss_ids = uniq.index_select(0, miss_pos)
+                dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - vals[0] - n_pinned_hits)
+                slot_u.index_copy_(0, miss_pos, dest)
+        self.policy.touch(slot_u[slot_u >= 0])
         if count:
-            self._record(n_uniq - n_miss, n_miss, written)
+            self._record(n_uniq - vals[0], vals[0], written)
         else:
             self.prefetched_rows += int(n_miss)
             self.prefetch_write_backs += int(written)
@@ -353,7 +464,8 @@ class CachedRowManager:
     def flush(self) -> None:
         """Write every cached row back to the host store (re-compressed), after bringing evicted rows up to date
         with an attached optimizer's updates. Rows stay cached, now clean."""
-        self._shrink()
+        if self.form == "raw":
+            self._shrink()
         self.catch_up()
         if self.is_dirty():
             slots = self.occupied_slots()
@@ -367,8 +479,8 @@ class CachedRowManager:
         """The current table (host rows with the cached, possibly newer, rows overlaid) as a CPU tensor."""
         self.catch_up()
         table = self.store.dense()
-        slots = self.occupied_slots()
-        if slots.numel():
+        slots = self.occupied_slots() if self.form == "raw" else self.occupied_slots()[:0]
+        if slots.numel():  # raw rows may be newer than the host's; stored ones are copies of them
             table.index_copy_(0, self.id_of.index_select(0, slots).cpu(),
                               self.cached_weight.data.index_select(0, slots).cpu())
         return table
@@ -379,6 +491,7 @@ class CachedRowManager:
         if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
             raise InvalidArgumentError(f"weight: expected shape {(self.num_embeddings, self.embedding_dim)}, "
                                        f"got {tuple(table.shape)}")
+        self.use_raw()  # stored rows would be copies of the old table
         self._shrink()
         self.catch_up()  # optimizer state current as of now: the new rows continue from it
         self.store.refit(table.to(self.store.dtype))
@@ -391,8 +504,8 @@ class CachedRowManager:
     def _maybe_refit(self, force_check: bool = False) -> None:
         """Refit mask/bitval when the share of compressed rows fell below ``refit_threshold`` times its
         value at the last fit (rows drift away from the learned invariant bits while training)."""
-        if self.refit_threshold is None or not self.store.compress:
-            return
+        if self.refit_threshold is None or not self.store.compress or self._side_active:
+            return  # (on the side stream nothing is reallocated: see on_side_stream; the next check will tell)
         self._writebacks_since_check += 1
         if not force_check and self._writebacks_since_check < _REFIT_CHECK_EVERY:
             return
@@ -402,8 +515,11 @@ class CachedRowManager:
 
     @torch.no_grad()
     def refit(self) -> None:
-        """Fit a new codec on the current table and re-encode the host store (cached rows stay valid)."""
-        self.store.refit(self.full_weight())
+        """Fit a new codec on the current table and re-encode the host store (raw cached rows stay valid; stored ones
+        are dropped, they were bytes of the old codec)."""
+        table = self.full_weight()
+        self.use_raw()
+        self.store.refit(table)
         self.refit_steps.append(self.step)
 
     # -- optimizer state that follows its rows ----------------------------------------------------
@@ -431,6 +547,8 @@ class CachedRowManager:
     def stats(self) -> dict[str, Any]:
         hits = int(sum(self.num_hits_history))
         misses = int(sum(self.num_miss_history))
+        recent_h = int(sum(self.num_hits_history[-_RECENT_STEPS:]))
+        recent_m = int(sum(self.num_miss_history[-_RECENT_STEPS:]))
         out = {
             "steps": self.step,
             "lookups": self.lookups,
@@ -438,12 +556,18 @@ class CachedRowManager:
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / max(hits + misses, 1),
+            "hit_rate_recent": recent_h / max(recent_h + recent_m, 1),
+            "recent_steps": min(len(self.num_hits_history), _RECENT_STEPS),
+            "form": self.form,
+            "form_switches": self.form_switches,
             "evictions": self.evictions,
             "write_backs": int(sum(self.num_write_back_history)) + self.prefetch_write_backs,
             "prefetched_rows": self.prefetched_rows,
             "cache_rows": self.capacity,
             "pinned_rows": self.n_pinned,
             "cached_rows": int((self.id_of >= 0).sum()),
+            "cache_slots": self.policy.n_slots,
+            "policy_bytes": self.policy.nbytes,
             "overflow_batches": self.overflow_batches,
             "overflow_rows_max": self.overflow_rows_max,
             "refit_steps": list(self.refit_steps),
@@ -452,7 +576,9 @@ class CachedRowManager:
         }
         out.update(self.store.stats())
         if self.fused is not None:
-            out.update(self.fused.stats())
+            fused = self.fused.stats()
+            out.update(fused)
+            out["prefetched_rows"] += fused["fused_prefetched_rows"]
         return out
 
     def print_comm_stats(self) -> None:
@@ -461,114 +587,423 @@ class CachedRowManager:
             print(f"{k}: {v}")
 
 
+    # -- a second stream for prefetches --------------------------------------------------------------
+    def side_stream(self) -> "torch.cuda.Stream":
+        """The cache's prefetch stream (made on first use)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+    @contextlib.contextmanager
+    def on_side_stream(self, *inputs: torch.Tensor) -> Iterator[bool]:
+        """Run a cache operation on the side stream, after everything enqueued so far on the caller's stream (its
+        inputs included) and after the cache's last operation; the cache's next operation, from any thread, runs
+        after it (the ``StreamOrder``), while the caller's own later work does not wait. Yields whether it runs on the
+        side stream (not on a CPU, nor while the caller's stream is being captured into a CUDA graph).
+
+        Nothing that outlives the operation may be allocated inside it: a block freed on the side stream could go to
+        the caller's stream while still being written (callers allocate first, then enter)."""
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            with self.order.exclusive():
+                yield False
+            return
+        caller = torch.cuda.current_stream(self.device)
+        side = self.side_stream()
+        side.wait_stream(caller)
+        for t in inputs:
+            if t.is_cuda:
+                t.record_stream(side)
+        with torch.cuda.stream(side), self.order.exclusive():
+            self._side_active = True
+            try:
+                yield True
+            finally:
+                self._side_active = False
+
+
+class _Workspace:
+    """One role's (``"lookup"`` or ``"prefetch"``) per-step buffers, grown to the largest step seen and used as views,
+    so steps of one size reuse the same memory (what a CUDA graph of the pass needs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cap = 0
+        self.slots = -1
+        self.ws = torch.zeros(N_WS, dtype=torch.int64, device=device)
+
+    def ensure(self, n: int, n_slots: int) -> None:
+        dev = self.device
+        if n > self.cap:
+            self.cap = max(n, int(self.cap * 1.5))
+            self.victim = torch.zeros(self.cap, dtype=torch.int64, device=dev)
+            self.key = torch.zeros(self.cap, dtype=torch.int64, device=dev)
+            self.flags = torch.zeros(self.cap, dtype=torch.uint8, device=dev)
+            self.rank = torch.zeros(self.cap, dtype=torch.int64, device=dev)
+            self.list_gid = torch.zeros(self.cap, dtype=torch.int64, device=dev)
+            self.list_dst = torch.zeros(self.cap, dtype=torch.int64, device=dev)
+            self.list_len = torch.zeros(self.cap, dtype=torch.int32, device=dev)
+        if n_slots != self.slots:
+            self.slots = n_slots
+            self.bid = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=dev)
+
+
+_WAYS = {
+    # one id per bag: bags in row order or as given (address-ordered host reads pay off on large pinned tables),
+    # misses staged (each distinct row read once per step) or read zero-copy by the lookup
+    "single": (("as given", False, False), ("sorted", False, True), ("staged", True, False),
+               ("staged, sorted", True, True)),
+    "multi": (("zero-copy", False, False), ("staged", True, False)),
+}
+"""The ways a fused lookup can run, per kind: (label, stage the misses, take bags in row order)."""
+
+
 class FusedLookup:
-    """Inference lookups of a :class:`CachedRowManager` in ONE kernel launch (``kernels/lookup.cu``).
+    """Inference lookups of a :class:`CachedRowManager`: admission on the device, then ONE pooled lookup launch.
 
-    The kernel reads a bag's rows from the manager's cache (raw rows of ``cached_weight``, found through the
-    ``slot_of`` table) or, on a miss, zero-copy from the compressed host store, decodes and pools them straight into
-    the output. Nothing is admitted on the lookup path and nothing syncs the host: ids are checked in the kernel
-    (reported lazily through pinned host words), hits / host bytes are device counters, and every id's lookup is
-    counted per row (``freq``). The cache follows the traffic by a refresh on a schedule (after 16, 32, 64, ...
-    lookups, then every ``refresh_every``): the most requested rows are made resident through the manager's own
-    admission path (one sync then), and the counts are halved (aging, so the cache follows drift). Requires rows
-    of the pooling kernel's size (``lookup.pool_supported``).
+    The cache holds rows as the host store stores them (compressed or raw) in ``slot_bytes`` slots carved from the
+    manager's ``cached_weight`` bytes (``compress_cache``: sized to the stored lengths by ``choose_slot_bytes``, so the
+    same bytes keep ratio-times more rows; else ``row_bytes``). Each lookup, with no host sync:
 
-    With ``stage_bytes`` > 0 a lookup of multi-id bags may be three launches instead of one: the step's distinct
-    missed rows are claimed, read from host memory once each and decoded into a staging buffer of that many bytes in
-    device memory, and the pooling reads them from there (rows beyond the buffer are still read zero-copy); the
-    :class:`PathPlanner` times both ways per size class and keeps the faster. Duplicate misses within a step (many
-    at large batches and bags) then cost no PCIe traffic; still no host sync. It costs 8 bytes per table row of
-    device memory (the per-step claim tags), which is why it is opt-in.
+    1. the step's ids become keys (global rows; bad ids a sentinel the kernels skip: the lookup reports them);
+    2. ``kernels/admit.cu``: requests are counted into the policy's frequency sketch; the distinct missed rows bid for
+       sampled victim slots and enter where the policy admits them (TinyLFU: more frequent than the victim), copied
+       as stored; the other misses are copied once each into this step's staging buffer (``stage_bytes``, sized to the
+       step, nothing per table row) -- or left to zero-copy reads, where the path planner measured that faster;
+    3. ``kernels/lookup.cu`` (index mode ``SLOT_TABLE``) decodes slot, staged and host rows and pools them into the
+       output; then the staged rows leave the slot table.
+
+    :meth:`prefetch` runs step 2 for a coming batch on the manager's side stream (TorchRec's pipeline: the next
+    batch's rows are read while the current step computes); its lookup then counts nothing twice. Rows of batches
+    prefetched but not yet looked up are never evicted. Hit rates count rows resident when a lookup starts.
+    On a CPU the same admission runs through the kernels' twin (``kernels/admit_cpu.py``) and the lookup is emulated
+    (rows decoded, then ``embedding_bag``): what the tests drive.
     """
 
-    def __init__(self, mgr: "CachedRowManager", refresh_every: int, stage_bytes: int = 0) -> None:
+    def __init__(self, mgr: "CachedRowManager", stage_bytes: int = STAGE_BYTES, compress_cache: bool = True) -> None:
+        if stage_bytes < 0:
+            raise InvalidArgumentError(f"stage_bytes must be >= 0, got {stage_bytes}")
         self.mgr = mgr
         dev = mgr.device
-        self.refresh_every = int(refresh_every)
-        self.errors = LookupErrors(pin=dev.type == "cuda")  # the kernel writes it through UVA
-        self.counters = torch.zeros(4, dtype=torch.int64, device=dev)
-        self.freq = torch.zeros(mgr.num_embeddings, dtype=torch.int32, device=dev)
-        self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
-        self._empty = torch.empty(0, dtype=torch.int64, device=dev)
-        self._weight_ptr = -1
-        self._codec: "Codec | None" = None
-        self._tables: Any = None
-        self._src: Any = None  # built once per host buffer + codec (a refit replaces bytes, lengths and codec)
-        self._src_key: tuple[int, int] = (0, 0)
+        self.cuda = dev.type == "cuda"
+        self.kern: Any = admit_gpu if self.cuda else admit_cpu
+        self.stage_bytes = int(stage_bytes)
+        self.compress_cache = bool(compress_cache)
+        with _state_mode():
+            self.errors = LookupErrors(pin=self.cuda)  # the kernel writes it through UVA
+            self.counters = torch.zeros(4, dtype=torch.int64, device=dev)  # lookup kernel: requests, device, host, slab
+            self.adm_stats = torch.zeros(N_STATS, dtype=torch.int64, device=dev)  # lookups' admission passes
+            self.pre_stats = torch.zeros(N_STATS, dtype=torch.int64, device=dev)  # prefetches' admission passes
+            self.slab_bases = torch.zeros(8, dtype=torch.int64, device=dev)
+            self.scal = torch.zeros(2, dtype=torch.int64, device=dev)  # [step stamp, first protected step] of a pass
+            self._ws = {"lookup": _Workspace(dev), "prefetch": _Workspace(dev)}
+        self.recent = RecentCounters()
         self.calls = 0
-        self.refreshes = 0
-        self._next_refresh = 16
-        self.planner = PathPlanner()
-        self.staging = None
-        if stage_bytes > 0:
-            self.staging = Staging.allocate(mgr.num_embeddings, mgr.store.row_bytes, int(stage_bytes), dev)
+        self.prefetches = 0
+        self._passes = 0  # admission passes so far (the device's step stamp, unless a captured lookup was replayed)
+        self._pending: deque[tuple[int, int]] = deque()  # (pass, n) of prefetched batches not yet looked up
+        self._done: Optional[torch.cuda.Event] = None  # the last prefetch's end on the side stream
+        self.slot_bytes = 0
+        self.n_slots = 0
+        self.stage_cap = 0
+        self.slot_len: Optional[torch.Tensor] = None
+        self.stage_buf: Optional[torch.Tensor] = None
+        self.stage_gid: Optional[torch.Tensor] = None
+        self._src: Any = None
+        self._src_key: tuple = ()
+        self._tables: Any = None
+        self._full = False  # every slot used since the stored form began (see _cache_full)
+        self._form_gen = 0  # stored forms entered so far
+        self._fill_seen: Optional[int] = None  # the form a copy of the device's fill on its way to _fill_host is of
+        if self.cuda:
+            with _state_mode():
+                self._fill_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._fill_done = torch.cuda.Event()
+        ways = {k: tuple(w[0] for w in v) for k, v in _WAYS.items()}
+        ways.update({f"{k} unstaged": tuple(w[0] for w in v if not w[1]) for k, v in _WAYS.items()})
+        self.planner = PathPlanner(ways)
 
-    def _source(self) -> Any:
+    # -- the stored form --------------------------------------------------------------------------
+    def _slots_for(self) -> int:
+        """Slot size and count for the manager's bytes and the host store's current stored lengths."""
         mgr, store = self.mgr, self.mgr.store
-        ptr = mgr.cached_weight.data_ptr()
-        if ptr != self._weight_ptr:  # the cache grew/shrank for an oversized batch: a new slab address
-            self.slab_bases[0] = ptr
-            self._weight_ptr = ptr
-        key = (store.data.data_ptr(), id(store.lengths_dev))
-        if store.codec is not self._codec or self._src is None or key != self._src_key:  # a refit replaces them
-            self._codec = store.codec
-            self._src_key = key
-            self._tables = store.codec.kernel_tables(mgr.device)
-            index = IndexArgs(SLOTS_INDEX, self._empty, mgr.slot_of, 0, 0)
-            lengths = store.lengths_dev if store.compress else None
-            self._src = RowSource(index, self.slab_bases, store.data.data_ptr(), None, store.row_bytes, lengths,
-                                  mgr.num_embeddings)
-        return self._src
+        budget = mgr.base_slots * store.row_bytes
+        if self.compress_cache and store.compress:
+            self.slot_bytes = choose_slot_bytes(store.stored_lengths(), budget, store.row_bytes, _SLOT_ALIGN,
+                                                coverage=_SLOT_COVERAGE)
+        else:
+            self.slot_bytes = store.row_bytes
+        self.n_slots = max(budget // self.slot_bytes, 1) if budget >= self.slot_bytes else 0
+        return self.n_slots
 
+    def _enter(self, n: int, stage: bool, role: str) -> None:
+        """The manager holds stored rows, the per-slot lengths fit them, the staging buffer holds this step's rows
+        and the role's workspace its ids (allocations happen here, on the caller's stream)."""
+        mgr, store = self.mgr, self.mgr.store
+        dev = mgr.device
+        fresh = mgr.form != "stored"
+        if fresh:
+            mgr.use_stored(self._slots_for)
+            self._full = False
+            self._form_gen += 1
+        cap = min(n, self.stage_bytes // store.row_bytes) if stage else 0
+        if fresh or self.slot_len is None or cap > self.stage_cap:
+            self.stage_cap = max(cap, 0 if fresh or self.slot_len is None else self.stage_cap)
+            lens = torch.zeros(self.n_slots + self.stage_cap + 1, dtype=torch.int32, device=dev)
+            if not fresh and self.slot_len is not None:  # resident rows keep their lengths
+                lens[: self.n_slots] = self.slot_len[: self.n_slots]
+            self.slot_len = lens
+            self.stage_buf = torch.zeros(self.stage_cap * store.row_bytes + 16, dtype=torch.uint8, device=dev)
+            self.stage_gid = torch.zeros(max(self.stage_cap, 1), dtype=torch.int64, device=dev)
+            self.slab_bases[1] = self.stage_buf.data_ptr()
+        self._ws[role].ensure(n, self.n_slots)
+        key = (store.data.data_ptr(), id(store.lengths_dev), id(store.offsets_dev), store.codec,
+               mgr.cached_weight.data_ptr(), self.slot_len.data_ptr())
+        if key != self._src_key:
+            self._src_key = key
+            self.slab_bases[0] = mgr.cached_weight.data_ptr()
+            self._tables = store.codec.kernel_tables(dev)
+            index = IndexArgs(SLOT_TABLE_INDEX, self.slot_len, mgr.slot_of, self.n_slots, self.slot_bytes)
+            self._src = RowSource(index, self.slab_bases, store.data.data_ptr(), store.offsets_dev, store.row_bytes,
+                                  store.lengths_dev, mgr.num_embeddings)
+
+    def _args(self, role: str, stage: bool) -> AdmitArgs:
+        mgr, store, ws = self.mgr, self.mgr.store, self._ws[role]
+        st = mgr.policy.device_state()
+        return AdmitArgs(
+            slot_of=mgr.slot_table, ids=st.ids, freq=st.freq, last=st.last, fill=st.fill, n_slots=st.n_slots,
+            n_pinned=st.n_pinned,
+            lru=st.lru, samples=st.samples, sketch=st.sketch if st.sketch is not None else self.slot_len[:0],
+            width=st.width, prio=st.prio, slot_len=self.slot_len, slot_stride=self.slot_bytes,
+            slot_bytes=self.slot_bytes, slab_base=mgr.cached_weight.data_ptr(),
+            stage_base=self.stage_buf.data_ptr(), stage_cap=self.stage_cap if stage else 0,
+            stage_gid=self.stage_gid, host_base=store.data.data_ptr(), host_offsets=store.offsets_dev,
+            host_len=store.lengths_dev, row_bytes=store.row_bytes, n_rows=mgr.num_embeddings, stamp=self.scal[0],
+            protect=self.scal[1], stats=self.adm_stats if role == "lookup" else self.pre_stats, ws=ws.ws, bid=ws.bid[: st.n_slots + 1], victim=ws.victim,
+            key=ws.key, flags=ws.flags, rank=ws.rank, list_gid=ws.list_gid, list_dst=ws.list_dst,
+            list_len=ws.list_len)
+
+    # -- keys: the global row of every id, bad ids a sentinel ------------------------------------------
+    def keys(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, include_last: bool,
+             layout: Optional[BagLayout]) -> torch.Tensor:
+        """int64 [n]: each id's global row, or ``n_rows`` where the id is outside its table (fixed shape, no sync)."""
+        n_rows = self.mgr.num_embeddings
+        n = ids.numel()
+        if n == 0:
+            return ids.reshape(-1).clone()
+        if layout is None or layout.n_tables <= 1:
+            return torch.where((ids >= 0) & (ids < n_rows), ids, n_rows)
+        t_count = layout.n_tables
+        if layout.sample_major and bag_size == 1 and n % t_count == 0:  # [B, T]: table = column
+            loc = ids.view(-1, t_count)
+            ok = (loc >= 0) & (loc < layout.table_rows)
+            return torch.where(ok, loc + layout.table_base, n_rows).reshape(-1)
+        pos = torch.arange(n, device=ids.device)
+        if offsets is not None:  # table-major bags: table t starts at offsets[t * per_table]
+            starts = offsets[layout.per_table: t_count * layout.per_table: layout.per_table].contiguous()
+            table = torch.searchsorted(starts, pos, right=True)
+        elif layout.sample_major:
+            table = torch.div(pos, max(bag_size, 1), rounding_mode="floor") % t_count
+        else:
+            table = torch.div(torch.div(pos, max(bag_size, 1), rounding_mode="floor"), max(layout.per_table, 1),
+                              rounding_mode="floor")
+        table = table.clamp_(max=t_count - 1)
+        ok = (ids >= 0) & (ids < layout.table_rows[table])
+        return torch.where(ok, ids + layout.table_base[table], n_rows)
+
+    # -- the admission pass ----------------------------------------------------------------------------
+    def _next_pass(self) -> None:
+        """A new pass: the device's step stamp moves on by one (in the stream, so a captured and replayed lookup keeps
+        stamping newer steps), and the protected steps start at the oldest prefetched batch not yet looked up (its
+        distance in passes is known here; 0 without one)."""
+        self._passes += 1
+        back = self._passes - self._pending[0][0] if self._pending else 0
+        self.scal[0].add_(1)
+        torch.sub(self.scal[0], back, out=self.scal[1])
+
+    def _pass(self, keys: torch.Tensor, role: str, *, count_sketch: bool, count_stats: bool,
+              stage: bool) -> torch.Tensor:
+        """count, sort, scan, apply, copy (see ``kernels/admit.cu``); returns the sort's permutation (the bags in row
+        order, for a one-id-per-bag lookup)."""
+        k = self.kern
+        a = self._args(role, stage)
+        count_sketch = count_sketch and self.mgr.policy.sketch is not None
+        a.ws.zero_()
+        a.bid.fill_(-1)
+        k.count(keys, a, count_sketch, count_stats)
+        s, perm = torch.sort(keys)
+        n = keys.numel()
+        k.scan(s, a, True)
+        full = self._cache_full()
+        if not full:  # never-used slots may remain: ranked, then counted as used (a full cache skips both)
+            admit_gpu.rank(n, a)
+        k.apply(s, a, stage and self.stage_cap > 0)
+        if not full:
+            admit_gpu.advance_fill(n, a)
+        k.copy(a, n)
+        if count_sketch and not (self.cuda and torch.cuda.is_current_stream_capturing()):
+            self.mgr.policy.counted(n)  # the halving is host-timed: a captured lookup's replays do not age the sketch
+        return perm
+
+    def _cache_full(self) -> bool:
+        """Has every slot been used since the cache was emptied (the device's ``fill``, read without waiting: a copy
+        to pinned memory now, looked at once it completed)? Until then each pass ranks the never-used slots."""
+        if self._full:
+            return True
+        fill = self.mgr.policy.device_state().fill
+        if not self.cuda:
+            self._full = int(fill) >= self.n_slots
+            return self._full
+        if self._fill_seen is not None and self._fill_done.query():
+            # a copy made before the cache was last emptied says nothing about it now
+            self._full = self._fill_seen == self._form_gen and int(self._fill_host[0]) >= self.n_slots
+            self._fill_seen = None
+        if not self._full and self._fill_seen is None and not torch.cuda.is_current_stream_capturing():
+            self._fill_host.copy_(fill, non_blocking=True)  # the last copy has completed: the buffer is free
+            self._fill_done.record()
+            self._fill_seen = self._form_gen
+        return self._full
+
+    # -- the lookup -----------------------------------------------------------------------------------
+    @_in_state_mode
     def pool(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
              include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor, layout: Any) -> None:
-        """Pool bags of ``ids`` into ``out`` (see ``kernels.lookup.lookup_pool``); then maybe refresh the cache."""
+        """Pool bags of ``ids`` into ``out`` (see ``kernels.lookup.lookup_pool``), admitting rows on the way."""
         mgr = self.mgr
-        op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
-        elem = ElemType.of(mgr.store.dtype)
-        out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
         kind = "single" if bag_size == 1 and offsets is None else "multi"
-        capturing = torch.cuda.is_current_stream_capturing()
-        planned = n_bags > 1 and (kind == "single" or self.staging is not None)
-        second = planned and self.planner.choose(n_bags, capturing, kind)
-        timed = planned and not capturing and self.planner.calibrating(n_bags, kind)
+        n = ids.numel()
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        if self.stage_bytes < mgr.store.row_bytes:  # no staging buffer: only the unstaged ways remain
+            kind += " unstaged"
+        ways = [w for w in _WAYS[kind.split()[0]] if not (w[1] and kind.endswith("unstaged"))]
+        way = self.planner.choose(kind, n_bags, capturing)
+        label, stage, in_order = ways[way]
+        timed = self.cuda and not capturing and self.planner.timing(kind, n_bags)
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        # one id per bag: taking bags in row order reads misses from host memory in address order (random order
-        # thrashes the I/O address translation of a multi-GB pinned table; FBGEMM sorts its misses too)
-        order = torch.argsort(ids) if second and kind == "single" else None
-        staging = self.staging if second and kind == "multi" else None
-        lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, elem, psw, out_u8, self._source(), self._tables,
-                    self.counters, self.errors.ptr, self.freq, layout, staging, order)
+        if self._done is not None and self.cuda and not capturing:  # the prefetch's rows are in place, and nothing
+            torch.cuda.current_stream(mgr.device).wait_event(self._done)  # it reads is freed before it has run
+        self._enter(n, stage, "lookup")
+        if capturing or (self._pending and self._pending[0][1] != n):  # not the batch that was prefetched
+            self._pending.clear()
+        prefetched = bool(self._pending)
+        if prefetched:
+            self._pending.popleft()
+        self._next_pass()
+        keys = self.keys(ids, offsets, bag_size, include_last, layout)
+        perm = self._pass(keys, "lookup", count_sketch=not prefetched, count_stats=True, stage=stage)
+        order = perm if in_order and kind == "single" else None
+        if self.cuda:
+            op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
+            out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
+            lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, ElemType.of(mgr.store.dtype), psw, out_u8,
+                        self._src, self._tables, self.counters, self.errors.ptr, None, layout, None, order)
+        else:
+            self._lookup_cpu(ids, keys, offsets, bag_size, n_bags, include_last, mode, psw, out, layout)
+        self.kern.unstage(self._args("lookup", stage))
+        if not capturing:
+            self.recent.push(self.adm_stats)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.planner.record(n_bags, second, start, end, kind)
+            self.planner.record(kind, n_bags, way, start, end)
         self.calls += 1
-        if self.calls >= self._next_refresh and not torch.cuda.is_current_stream_capturing():
-            self.refresh()
-            self._next_refresh = self.calls + (self._next_refresh if self._next_refresh < self.refresh_every
-                                               else self.refresh_every)
 
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Make the most requested rows (by the lookup counts) resident, evicting the others as needed."""
-        mgr = self.mgr
-        k = min(mgr.capacity, int((self.freq > 0).sum()))
-        if k == 0:
-            return
-        hot = torch.topk(self.freq, k, sorted=False).indices
-        mgr.prepare_unique(hot)
-        self.freq.bitwise_right_shift_(1)  # age the counts: recent traffic weighs more, and int32 never overflows
-        self.refreshes += 1
+    @_in_state_mode
+    def prefetch(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, include_last: bool,
+                 layout: Any) -> None:
+        """Admit the rows a coming lookup of ``ids`` will read (counted into the sketch now, not again at that lookup),
+        on the manager's side stream after everything enqueued so far; the lookup waits for it. Rows of batches
+        prefetched and not yet looked up stay resident (at most their own count is the cache's limit)."""
+        n = ids.numel()
+        with self.mgr.order.exclusive():  # allocations on the caller's stream, before the side stream runs
+            self._enter(n, False, "prefetch")
+        with self.mgr.on_side_stream(ids, *(t for t in (offsets,) if t is not None)) as side:
+            if self.mgr.form != "stored":  # another thread trained in between: the next lookup admits them itself
+                return
+            if len(self._pending) >= _MAX_PENDING:  # prefetched and never looked up: stop protecting them
+                self._pending.popleft()
+            self._pending.append((self._passes + 1, n))
+            self._next_pass()
+            keys = self.keys(ids, offsets, bag_size, include_last, layout)
+            self._pass(keys, "prefetch", count_sketch=True, count_stats=False, stage=False)
+            if side:
+                if self._done is None:
+                    self._done = torch.cuda.Event()
+                self._done.record()
+        self.prefetches += 1
 
+    # -- CPU: the lookup kernel's reads, then embedding_bag --------------------------------------------
+    def _rows_cpu(self, keys: torch.Tensor) -> torch.Tensor:
+        """Decoded rows of ``keys`` (zeros for the sentinel), read where the lookup kernel would read them."""
+        mgr, store = self.mgr, self.mgr.store
+        n_rows, rb = mgr.num_embeddings, store.row_bytes
+        out = torch.zeros((keys.numel(), rb), dtype=torch.uint8)
+        ok = keys < n_rows
+        v = mgr.slot_table[keys].to(torch.int64)
+        codec = store.codec
+        for where, buf, offs, lens in self._sources_cpu(keys, v, ok):
+            rows = torch.nonzero(where).reshape(-1)
+            if rows.numel():
+                lens_r = lens[rows].to(torch.int32)
+                comp = (lens_r < rb).to(torch.uint8)
+                codec.decode_rows_at(buf.numpy(), offs[rows].numpy(), lens_r.numpy(), out.numpy(), rows.numpy(),
+                                     compressed=comp.numpy())
+        return out
+
+    def _sources_cpu(self, keys: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> list:
+        store, rb = self.mgr.store, self.mgr.store.row_bytes
+        slab = self.mgr.cached_weight.data.view(torch.uint8).reshape(-1)
+        slot_lens = self.slot_len.to(torch.int64)
+        safe = keys.clamp(max=self.mgr.num_embeddings - 1)
+        host_len = store.stored_lengths().to(torch.int64)[safe]
+        host_off = store.offsets_cpu[safe] if store.offsets_cpu is not None else safe * rb
+        cached = ok & (v >= 0)
+        staged = ok & (v <= -2)
+        k = (-2 - v).clamp(min=0)
+        return [(cached, slab, v.clamp(min=0) * self.slot_bytes, slot_lens[v.clamp(min=0)]),
+                (staged, self.stage_buf, k * rb, slot_lens[(self.n_slots + k).clamp(max=slot_lens.numel() - 1)]),
+                (ok & (v == -1), store.data, host_off, host_len)]
+
+    def _lookup_cpu(self, ids: torch.Tensor, keys: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,
+                    n_bags: int, include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor,
+                    layout: Any) -> None:
+        store = self.mgr.store
+        rows = self._rows_cpu(keys).view(store.dtype).view(keys.numel(), -1)
+        flat = torch.arange(keys.numel())
+        psw = None if psw is None else psw.to(rows.dtype)  # torch's CPU embedding_bag weighs in the rows' dtype
+        if offsets is None:  # fixed-size bags
+            flat = flat.view(n_bags, -1)
+            psw = None if psw is None else psw.view(n_bags, -1)
+        pooled = torch.nn.functional.embedding_bag(flat, rows, offsets, mode=mode, per_sample_weights=psw,
+                                                   include_last_offset=include_last and offsets is not None)
+        t = 1 if layout is None else max(layout.n_tables, 1)
+        if t > 1 and not layout.sample_major:  # table-major bags -> [samples, tables, dim]
+            pooled = pooled.view(t, -1, pooled.shape[1]).transpose(0, 1)
+        out.copy_(pooled.reshape(out.shape))
+
+    # -- statistics -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        requests, hits, host_bytes, slab_bytes = (int(v) for v in self.counters.tolist())
-        return {"fused_lookups": requests, "fused_hits": hits, "fused_hit_rate": hits / max(requests, 1),
-                "fused_staging_bytes": self.staging.nbytes if self.staging is not None else 0,
-                "fused_host_bytes": host_bytes, "fused_raw_host_bytes": (requests - hits) * self.mgr.store.row_bytes,
-                "fused_calls": self.calls, "fused_refreshes": self.refreshes, "fused_plan": self.planner.plan()}
+        adm, pre = self.adm_stats.tolist(), self.pre_stats.tolist()
+        requests, device_reads, zero_copy_bytes, slab_bytes = (int(v) for v in self.counters.tolist())
+        window = self.recent.delta(self.adm_stats)
+        recent = None
+        if window is not None and window[1][STAT_REQUESTS]:
+            recent = window[1][STAT_HITS] / window[1][STAT_REQUESTS]
+        rb = self.mgr.store.row_bytes
+        return {"fused_lookups": adm[STAT_REQUESTS], "fused_hits": adm[STAT_HITS],
+                "fused_hit_rate": adm[STAT_HITS] / max(adm[STAT_REQUESTS], 1), "fused_hit_rate_recent": recent,
+                "fused_recent_calls": window[0] if window is not None else 0,
+                "fused_admitted": adm[STAT_ADMITTED] + pre[STAT_ADMITTED], "fused_prefetched_rows": pre[STAT_ADMITTED],
+                "fused_staged": adm[STAT_STAGED],
+                "fused_host_bytes": adm[STAT_HOST_BYTES] + pre[STAT_HOST_BYTES] + zero_copy_bytes,
+                "fused_zero_copy_bytes": zero_copy_bytes, "fused_device_reads": device_reads,
+                "fused_raw_host_bytes": (adm[STAT_REQUESTS] - adm[STAT_HITS]) * rb,
+                "fused_cache_slots": self.n_slots, "fused_slot_bytes": self.slot_bytes,
+                "fused_cache_rows_raw": self.mgr.base_slots,
+                "fused_staging_bytes": self.stage_buf.numel() if self.stage_buf is not None else 0,
+                "fused_calls": self.calls, "fused_prefetches": self.prefetches, "fused_plan": self.planner.plan(),
+                "sketch_halvings": self.mgr.policy.sketch.halvings if self.mgr.policy.sketch is not None else 0}
 
 
 def _set_rows(param: torch.nn.Parameter, data: torch.Tensor) -> None:

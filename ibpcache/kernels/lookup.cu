@@ -27,6 +27,13 @@
 // index mode of a raw row cache (e.g. the trainable rows of an embedding bag): table_values is int32 [n_rows]
 // holding each row's slot in slab 0 (-1 = not cached); keep in sync with IndexMode in lookup.py
 #define IBP_INDEX_SLOTS 3
+// index mode of a cache of STORED rows in fixed-stride slots (the embedding bags' inference cache, admitted per step
+// by admit.cu): table_values is int32 [n_rows] slot table: v >= 0 = slot v of slab 0 at v * max_probes bytes (the
+// slot stride rides in max_probes), v <= -2 = row -2 - v of this step's staging buffer (slab 1, row_bytes apart),
+// -1 = host; table_keys is int32 [capacity + staging rows]: the stored length of every slot, then of every staging
+// row (capacity = the number of slots). A row is compressed exactly when its length is below row_bytes, so raw and
+// compressed slots mix. Keep in sync with SLOT_TABLE_INDEX in lookup.py.
+#define IBP_INDEX_SLOT_TABLE 4
 
 #define IBP_OP_ROWS 0
 #define IBP_OP_SUM 1
@@ -89,6 +96,24 @@ __device__ __forceinline__ IbpRowSource ibp_row_source(i64 gid, int mode, const 
                                                        i64 host_stride, const int* __restrict__ host_lengths,
                                                        int row_bytes) {
     IbpRowSource r;
+    if (mode == IBP_INDEX_SLOT_TABLE) {  // served from device memory (a slot, or this step's staging) unless -1
+        const int v = reinterpret_cast<const int*>(table_values)[gid];
+        if (v != -1) {
+            const int* lens = reinterpret_cast<const int*>(table_keys);
+            if (v >= 0) {
+                r.src = reinterpret_cast<const unsigned char*>(slab_bases[0] + (i64)v * (i64)max_probes);
+                r.len = lens[v];
+            } else {
+                const i64 k = -2 - (i64)v;
+                r.src = reinterpret_cast<const unsigned char*>(slab_bases[1] + k * (i64)row_bytes);
+                r.len = lens[capacity + k];
+            }
+            r.comp = r.len < row_bytes;
+            r.hit = true;
+            if (!r.comp) r.len = row_bytes;
+            return r;
+        }
+    }
     if (mode == IBP_INDEX_SLOTS) {  // a raw row cache: int32 slot per row (-1 = not cached), fixed-size slots
         const int slot = reinterpret_cast<const int*>(table_values)[gid];
         if (slot >= 0) {
@@ -99,7 +124,7 @@ __device__ __forceinline__ IbpRowSource ibp_row_source(i64 gid, int mode, const 
             return r;
         }
     }
-    const i64 entry = mode == IBP_INDEX_SLOTS ? IBP_EMPTY_ENTRY
+    const i64 entry = (mode == IBP_INDEX_SLOTS || mode == IBP_INDEX_SLOT_TABLE) ? IBP_EMPTY_ENTRY
                                               : ibp_index_find(mode, table_keys, table_values, capacity, max_probes, gid);
     if (entry != IBP_EMPTY_ENTRY) {
         const u64 e = (u64)entry;
@@ -297,8 +322,8 @@ extern "C" __global__ void ibp_lookup_claim(IBP_LOOKUP_PARAMS, i64* __restrict__
                     gid = id + base;
                     if (freq != nullptr) atomicAdd(&freq[gid], 1);
                     bool hit;
-                    if (index_mode == IBP_INDEX_SLOTS) {
-                        hit = reinterpret_cast<const int*>(table_values)[gid] >= 0;
+                    if (index_mode == IBP_INDEX_SLOTS || index_mode == IBP_INDEX_SLOT_TABLE) {
+                        hit = reinterpret_cast<const int*>(table_values)[gid] != -1;
                     } else {
                         hit = ibp_index_find(index_mode, table_keys, table_values, capacity, max_probes, gid) !=
                               IBP_EMPTY_ENTRY;

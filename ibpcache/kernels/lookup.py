@@ -27,7 +27,7 @@ from .tables import KernelTables
 Tables = Union[KernelTables, ExponentTables]
 """The kernel tables a lookup takes: which one picks the kernels' decoder (``codec_kind``)."""
 
-__all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "RowSource", "BagLayout", "Staging", "LookupErrors", "lookup_rows",
+__all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "SLOT_TABLE_INDEX", "RowSource", "BagLayout", "Staging", "LookupErrors", "lookup_rows",
            "lookup_pool", "codec_kind", "CORRUPT_ROW",
            "POOL_MAX_ROW_BYTES", "POOL_MAX_ELEMS", "pool_supported"]
 
@@ -37,6 +37,11 @@ _POOL_WARPS = 4  # IBP_POOL_WARPS in lookup.cu
 POOL_MAX_ROW_BYTES = 2048  # IBP_POOL_MAX_ROW
 POOL_MAX_ELEMS = 32 * 16  # 32 lanes x IBP_POOL_PER_LANE
 SLOTS_INDEX = 3  # IBP_INDEX_SLOTS: int32 slot per row into slab 0 (a raw row cache)
+SLOT_TABLE_INDEX = 4
+"""IBP_INDEX_SLOT_TABLE: a cache of stored rows in fixed-stride slots (see lookup.cu): ``index.table_values`` is the
+int32 slot table (v >= 0 slot v of slab 0, v <= -2 staging row -2 - v in slab 1, -1 host), ``index.table_keys`` the
+int32 stored length of every slot and staging row, ``index.capacity`` the number of slots and ``index.max_probes``
+the slot stride in bytes."""
 
 
 class PoolOp(enum.IntEnum):

@@ -22,12 +22,16 @@ followed by keyword-only compression options. What differs, and why:
 * ``weight`` is the current full table (cached rows included), ``flush()`` keeps rows cached, and
   ``state_dict()`` holds the full table under ``weight`` like ``torch.nn.EmbeddingBag``.
 * ``buffer_size`` and ``pin_weight`` are accepted and ignored: the host store is pinned exactly when the
-  cache is on a GPU (zero-copy needs it) and no staging buffer is used.
+  cache is on a GPU (zero-copy needs it); the fused inference path's staging buffer is ``stage_bytes``.
 * The cached rows are registered as the parameter ``cached_weight`` (Colossal-AI reports it as ``weight``
   from an overridden ``named_parameters``); ``parameters()`` yields that one tensor in both.
 * Inference (``torch.no_grad`` / ``inference_mode``) never writes evicted rows back: they cannot have
   changed. Training forwards, ``max_norm`` and any in-place update of ``cached_weight`` (its version counter)
   mark rows dirty.
+* Inference on CUDA (``fused_inference``) keeps the cache's rows as the host stores them (compressed) and admits rows
+  on the device every step, with no host sync (``ibpcache.cache.row_cache.FusedLookup``). The first such forward
+  after training writes dirty rows back and empties the cache, as does the first training forward after inference
+  (``stats()['form_switches']``); a forward while a gradient is held takes the training form's path instead.
 
 Training: the cached rows are the module's only parameter (``cached_weight``), dense or ``sparse=True``
 gradients. Rows evicted or flushed are written back re-compressed (raw when a row no longer matches the mask);
@@ -66,7 +70,8 @@ from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, StateError, UnsupportedError
 from ..cache.host_store import FitOptions, HostStore, Transfer
 from ..cache.policy import EvictionStrategy
-from ..cache.row_cache import BagLayout, CachedRowManager, Prepared, check_adoptable_rows, pool_supported
+from ..cache.row_cache import (STAGE_BYTES, BagLayout, CachedRowManager, Prepared, check_adoptable_rows,
+                               pool_supported)
 
 __all__ = [
     "CachedEmbeddingBag",
@@ -206,14 +211,14 @@ class _CachedBagBase(nn.Module):
         refit_threshold: Optional[float],
         fetch: "str | Transfer",
         fused_inference: bool = True,
-        refresh_every: int = 256,
         validate: str = "lazy",
-        stage_bytes: int = 0,
+        stage_bytes: int = STAGE_BYTES,
+        compress_cache: bool = True,
     ) -> None:
         if validate not in ("eager", "lazy"):
             raise InvalidArgumentError(f"validate must be 'eager' or 'lazy', got {validate!r}")
-        if not isinstance(refresh_every, int) or refresh_every < 1:
-            raise InvalidArgumentError(f"refresh_every must be a positive int, got {refresh_every!r}")
+        if not isinstance(stage_bytes, int) or isinstance(stage_bytes, bool) or stage_bytes < 0:
+            raise InvalidArgumentError(f"stage_bytes must be an int >= 0, got {stage_bytes!r}")
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise InvalidArgumentError(f"num_embeddings: expected a positive int, got {num_embeddings!r}")
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -263,8 +268,8 @@ class _CachedBagBase(nn.Module):
         self.cached_weight = self.cache_weight_mgr.cached_weight
         self._padding_slot = None if padding_idx is None else 0
         self.validate = validate
-        self.refresh_every = refresh_every
         self.stage_bytes = int(stage_bytes)
+        self.compress_cache = bool(compress_cache)
         # an explicitly chosen host-side path is honoured for every read; with "auto" the planner's choice serves
         # cache fills (training, prefetch, refresh) and fused inference lookups read misses zero-copy, sync-free
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
@@ -337,7 +342,12 @@ class _CachedBagBase(nn.Module):
     def _use_fused(self) -> bool:
         """Inference lookups (no gradient wanted, no max_norm) go through the one-launch pooled lookup."""
         return (self.fused_inference and self.cache_op and self.max_norm is None
-                and not (torch.is_grad_enabled() and self.cached_weight.requires_grad))
+                and not (torch.is_grad_enabled() and self.cached_weight.requires_grad) and self._no_training_pending())
+
+    def _no_training_pending(self) -> bool:
+        """No training step is half done: no gradient is held and no training forward awaits its backward. The fused
+        path holds stored rows in the cached parameter's bytes, which an optimizer step must never see."""
+        return self.cached_weight.grad is None and not self._backward_pending
 
     def check_errors(self) -> None:
         """Wait for queued lookups and raise the bad-id error a lazily validated lookup saw (``validate='lazy'``:
@@ -382,44 +392,66 @@ class _CachedBagBase(nn.Module):
             self._raise_pending()
         mgr = self.cache_weight_mgr
         with mgr.order.exclusive():
-            mgr.fused_lookup(self.refresh_every, self.stage_bytes).pool(ids.reshape(-1), offs, bag_size, n_bags,
+            mgr.fused_lookup(self.stage_bytes, self.compress_cache).pool(ids.reshape(-1), offs, bag_size, n_bags,
                                                       self.include_last_offset, self.mode, psw, out, layout)
 
     # -- prefetch -----------------------------------------------------------------------------------
     def prefetch(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> None:
         """Load the rows a coming ``forward(input, offsets)`` will look up into the device cache now, as
-        FBGEMM's TBE ``prefetch`` does, so that forward finds them cached.
+        FBGEMM's TBE ``prefetch`` does, so that forward finds them cached: TorchRec's pipeline, where the next batch's
+        rows are read while the current step computes.
 
-        Takes ``forward``'s inputs. On CUDA the admission is enqueued on the caller's current stream, after the
-        last cache operation of any thread (the cache's event chain), so a later lookup finds the rows resident;
-        the overlap it gives is that of an asynchronous enqueue, not of a second stream (an admission allocates and
-        frees temporaries; one stream keeps their reuse ordered by torch's allocator). Bad ids raise here, before the
-        cache changes (one host sync: prefetch is off the lookup's critical path). A batch with more distinct
-        rows than the cache holds is served from a temporarily grown cache, as in ``forward``, and does not stay.
+        Takes ``forward``'s inputs. On CUDA it runs on the cache's side stream, after everything enqueued so far on
+        the caller's stream (the previous lookup included) and after the cache's last operation from any thread; the
+        caller's later work (the dense part of its step) runs beside it, and the next cache operation waits for it.
+
+        Inference (fused lookups on, and the module in ``eval()`` mode, or under ``torch.no_grad()``, or its rows
+        frozen): the rows are admitted on the device with no host sync, and the coming forward counts its ids once;
+        rows of batches prefetched but not yet looked up are never evicted. Bad ids are left for that forward to
+        report.
 
         Training: call it after ``optimizer.step()`` and ``optimizer.zero_grad()`` (set_to_none, the default), never
-        while a gradient is held or between a
-        forward and its backward: admitting rows may evict rows whose gradients that backward would write
-        (FBGEMM locks such rows; this cache does not, and raises instead when it can tell).
+        while a gradient is held or between a forward and its backward: admitting rows may evict rows whose gradients
+        that backward would write (FBGEMM locks such rows; this cache does not, and raises instead when it can tell).
+        Bad ids raise here, before the cache changes (one host sync). On CUDA it never resizes the cache: rows beyond
+        the free and evictable slots are left to the forward (which serves an oversized batch from a grown cache).
         """
         self._check_ready()
         if not self.cache_op:
-            raise UnsupportedError("prefetch needs cache_op=True (with cache_op=False, forward takes cache slots)")
+            raise StateError("prefetch needs cache_op=True (with cache_op=False, forward takes cache slots)")
+        _check_bag_shapes(input, offsets)
+        ids = input.to(self.device, torch.int64, non_blocking=True)
+        offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
+        inference = not self.training or not torch.is_grad_enabled() or not self.cached_weight.requires_grad
+        if self.fused_inference and self.cache_op and self.max_norm is None and inference \
+                and self._no_training_pending():
+            flat, offs, bag_size, _, layout = self._fused_inputs(ids.contiguous(), offs)
+            fused = self.cache_weight_mgr.fused_lookup(self.stage_bytes, self.compress_cache)
+            fused.prefetch(flat.reshape(-1), offs, bag_size, self.include_last_offset, layout)
+            return
         if self._backward_pending:
             raise StateError("prefetch between a training forward and its backward would evict rows the backward "
                              "writes: call it after backward() and optimizer.step()")
         if self.cached_weight.grad is not None:
             raise StateError("prefetch while the cached rows hold a gradient: call optimizer.zero_grad() (which sets "
-                             "it to None) after optimizer.step() and before prefetch; admitting rows may resize "
-                             "the cache, and resizing a held sparse gradient is not safe yet")
-        _check_bag_shapes(input, offsets)
-        ids = input.to(self.device, torch.int64, non_blocking=True)
-        offs = None if offsets is None else offsets.to(self.device, torch.int64, non_blocking=True)
+                             "it to None) after optimizer.step() and before prefetch; admitting rows may evict rows "
+                             "that gradient belongs to")
         global_ids, bad, limits = self._global_ids(ids, offs)
         mgr = self.cache_weight_mgr
-        with mgr.order.exclusive():  # the caller's stream (see the docstring for why not a side stream)
+        if mgr.form != "raw":  # a switch of forms reallocates the cache's state: on the caller's stream, not the side's
+            with mgr.order.exclusive():
+                mgr.use_raw()
+        inputs = [t for t in (ids, offs, global_ids, bad) if t is not None]
+        with mgr.on_side_stream(*inputs) as side:
             checks = _check_tensors(global_ids, bad, offs)
-            mgr.prepare_unique(global_ids.reshape(-1), checks, _verifier(ids, bad, offs, limits), count=False)
+            mgr.prepare_unique(global_ids.reshape(-1), checks, _verifier(ids, bad, offs, limits), count=False,
+                               grow=not side)
+
+    def _fused_inputs(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int, Any]:
+        """(ids, offsets, bag size, bag count, layout) of a fused lookup of ``forward``'s input."""
+        raise UnsupportedError(f"{type(self).__name__} has no fused lookup: use CachedEmbeddingBag or "
+                               "TableBatchedCachedEmbeddingBag")
 
     @property
     def _backward_pending(self) -> bool:
@@ -530,12 +562,14 @@ class CachedEmbeddingBag(_CachedBagBase):
     against cpu-gather reads of this table at construction and keeps the faster; ``stats()["transfer"]`` says
     which; with "auto" fused inference lookups still read misses zero-copy, with no host sync; an explicitly
     chosen host-side path turns them off),
-    ``fused_inference`` (inference forwards on CUDA as one fused lookup, see ``ibpcache.cache.row_cache.FusedLookup``),
-    ``refresh_every`` (lookups between two count-driven cache refreshes of the fused path), ``validate``
+    ``fused_inference`` (inference forwards on CUDA admit rows on the device and pool in one lookup launch, with no
+    host sync, see ``ibpcache.cache.row_cache.FusedLookup``), ``validate``
     ("lazy": ids are checked in the kernel with no host sync and a bad one raises at the next forward or at
-    ``check_errors()``; "eager": checked before the lookup, one sync), ``stage_bytes`` (device buffer that lets a
-    fused lookup read each missed row from host memory once per step; 0, the default, reads every miss
-    zero-copy: on Zipf 1.05 DLRM traffic misses repeat little within a step and staging measured slower).
+    ``check_errors()``; "eager": checked before the lookup, one sync), ``stage_bytes`` (device buffer, sized to the
+    step, in which a fused lookup reads each distinct missed row from host memory once per step; the path planner
+    keeps it only where it measured faster than zero-copy reads of every miss; 0 turns it off), ``compress_cache``
+    (the inference cache keeps rows as the host stores them, in slots sized to their compressed length, so the same
+    device bytes hold about ratio-times more rows; False: one row per ``row_bytes`` slot, as many as training holds).
     """
 
     def __init__(
@@ -565,9 +599,9 @@ class CachedEmbeddingBag(_CachedBagBase):
         refit_threshold: Optional[float] = 0.5,
         fetch: str = "auto",
         fused_inference: bool = True,
-        refresh_every: int = 256,
         validate: str = "lazy",
-        stage_bytes: int = 0,
+        stage_bytes: int = STAGE_BYTES,
+        compress_cache: bool = True,
     ) -> None:
         super().__init__()
         self.buffer_size = buffer_size
@@ -575,7 +609,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         self._setup(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
                     _weight, mode, include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio,
                     evict_strategy, compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference,
-                    refresh_every, validate, stage_bytes)
+                    validate, stage_bytes, compress_cache)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None,
@@ -588,12 +622,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         psw = self._to_device(per_sample_weights)
         if self._use_fused():
             ids = ids.contiguous()
-            if ids.dim() == 2:
-                n_bags, bag_size = ids.shape
-                offs = None
-            else:
-                offs = offs.contiguous()
-                n_bags, bag_size = max(offs.numel() - (1 if self.include_last_offset else 0), 0), 0
+            ids, offs, bag_size, n_bags, _ = self._fused_inputs(ids, offs)
             out = torch.empty((n_bags, self.embedding_dim), dtype=self.cached_weight.dtype, device=self.device)
             bad = (ids < 0) | (ids >= self.num_embeddings) if self.validate == "eager" else None
             self._fused(ids, offs, bag_size, n_bags, psw, out, None, bad)
@@ -618,6 +647,13 @@ class CachedEmbeddingBag(_CachedBagBase):
             out = shape_hook(out)
         return out
 
+
+    def _fused_inputs(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int, Any]:
+        if ids.dim() == 2:  # fixed-size bags
+            return ids, None, int(ids.shape[1]), int(ids.shape[0]), None
+        offs = offs.contiguous()
+        return ids, offs, 0, max(offs.numel() - (1 if self.include_last_offset else 0), 0), None
 
     def _global_ids(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -667,9 +703,9 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         refit_threshold: Optional[float] = 0.5,
         fetch: str = "auto",
         fused_inference: bool = True,
-        refresh_every: int = 256,
         validate: str = "lazy",
-        stage_bytes: int = 0,
+        stage_bytes: int = STAGE_BYTES,
+        compress_cache: bool = True,
     ) -> None:
         super().__init__()
         sizes = [int(n) for n in num_embeddings_per_table]
@@ -692,8 +728,8 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
             ids_freq_mapping = torch.cat([torch.as_tensor(f).reshape(-1) for f in ids_freq_mapping])
         self._setup(sum(sizes), embedding_dim, None, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, mode,
                     include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio, evict_strategy,
-                    compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference, refresh_every, validate,
-                    stage_bytes)
+                    compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference, validate, stage_bytes,
+                    compress_cache)
         starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
         self.register_buffer("table_offsets", starts.to(self.device), persistent=False)
         self.register_buffer("table_sizes", torch.tensor(sizes, dtype=torch.int64, device=self.device),
@@ -736,36 +772,38 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
 
     def _forward_fused(self, ids: torch.Tensor, offsets: Optional[torch.Tensor],
                        psw: Optional[torch.Tensor]) -> torch.Tensor:
-        """Inference: all tables in ONE launch, straight into the ``[B, T * D]`` output (no host sync with
+        """Inference: all tables in ONE lookup launch, straight into the ``[B, T * D]`` output (no host sync with
         ``validate='lazy'``, the default: CUDA-graph capturable with fixed-size inputs)."""
         n_tab = self.num_tables
-        ids = ids.contiguous()
+        ids, offs, bag_size, n_bags, layout = self._fused_inputs(ids.contiguous(), offsets)
+        bad = None
+        if self.validate == "eager":
+            if offs is None:
+                bad = (ids < 0) | (ids >= self.table_sizes.unsqueeze(0))
+            else:
+                table = self._table_of_positions(ids.numel(), offs, layout.per_table)
+                bad = (ids < 0) | (ids >= self.table_sizes[table])
+        out = torch.empty((layout.per_table, n_tab * self.embedding_dim), dtype=self.cached_weight.dtype,
+                          device=self.device)
+        self._fused(ids, offs, bag_size, n_bags, psw, out, layout, bad)
+        return out
+
+    def _fused_inputs(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int, Any]:
+        """A ``[B, T]`` input: sample-major bags of one id; 1-D with offsets: table-major bags (TorchRec's KJT)."""
+        n_tab = self.num_tables
         if ids.dim() == 2:
             if ids.shape[1] != n_tab:
                 raise FormatError(f"input: a 2-D input must be [batch, {n_tab} tables], got {tuple(ids.shape)}")
-            batch = ids.shape[0]
-            offs = None
-            layout = BagLayout(n_tab, batch, True, self.table_starts, self.table_sizes)
-            bag_size, n_bags = 1, batch * n_tab
-            bad = None
-            if self.validate == "eager":
-                bad = (ids < 0) | (ids >= self.table_sizes.unsqueeze(0))
-        else:
-            offs = offsets.to(self.device, torch.int64, non_blocking=True).contiguous()
-            n_bags = offs.numel() - (1 if self.include_last_offset else 0)
-            if n_bags < 0 or n_bags % n_tab:
-                raise FormatError(f"offsets: expected {n_tab} tables x batch bags"
-                                  f"{' + 1' if self.include_last_offset else ''}, got {offs.numel()} offsets")
-            batch = n_bags // n_tab
-            layout = BagLayout(n_tab, batch, False, self.table_starts, self.table_sizes)
-            bag_size = 0
-            bad = None
-            if self.validate == "eager":
-                table = self._table_of_positions(ids.numel(), offs, batch)
-                bad = (ids < 0) | (ids >= self.table_sizes[table])
-        out = torch.empty((batch, n_tab * self.embedding_dim), dtype=self.cached_weight.dtype, device=self.device)
-        self._fused(ids, offs, bag_size, n_bags, psw, out, layout, bad)
-        return out
+            batch = int(ids.shape[0])
+            return ids, None, 1, batch * n_tab, BagLayout(n_tab, batch, True, self.table_starts, self.table_sizes)
+        offs = offs.to(self.device, torch.int64, non_blocking=True).contiguous()
+        n_bags = offs.numel() - (1 if self.include_last_offset else 0)
+        if n_bags < 0 or n_bags % n_tab:
+            raise FormatError(f"offsets: expected {n_tab} tables x batch bags"
+                              f"{' + 1' if self.include_last_offset else ''}, got {offs.numel()} offsets")
+        batch = n_bags // n_tab
+        return ids, offs, 0, n_bags, BagLayout(n_tab, batch, False, self.table_starts, self.table_sizes)
 
     def _ranked_per_table(self, prep: Prepared, offs: Optional[torch.Tensor], psw: Optional[torch.Tensor],
                           batch: int) -> torch.Tensor:

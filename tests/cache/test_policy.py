@@ -1,7 +1,12 @@
-"""Cache policies: the registry, the static greedy fill, slot sizing, and LRU/LFU admission and eviction under both
-admission contracts (FeatureCache's plan, the row cache's make_room + admit + touch)."""
+"""Cache policies: the registry, the static greedy fill, slot sizing, the frequency sketch, and LRU/LFU admission and
+eviction under the read-cache contract (FeatureCache's record + plan) and the row cache's (make_room + admit + touch);
+the hash functions the device kernels share with the torch code, checked against plain unsigned arithmetic and against
+the constants in ``admit.cu``. Convergence on real traces: tests/cache/test_convergence.py."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +14,7 @@ import torch
 from ibpcache.cache.policy import (
     FREE,
     EvictionStrategy,
+    FrequencySketch,
     LFUPolicy,
     LRUPolicy,
     POLICIES,
@@ -20,15 +26,17 @@ from ibpcache.cache.policy import (
     make_policy,
     row_policy,
 )
+from ibpcache.errors import InvalidArgumentError
 
 CPU = torch.device("cpu")
+NONE = torch.empty(0, dtype=torch.int64)
 
 
 def test_registry_and_from_str() -> None:
     assert PolicyKind.from_str("LRU") is PolicyKind.LRU
     assert PolicyKind.from_str(PolicyKind.LFU) is PolicyKind.LFU
     assert set(POLICIES) == set(PolicyKind)
-    with pytest.raises(ValueError, match="policy must be one of"):
+    with pytest.raises(InvalidArgumentError, match="policy must be one of"):
         PolicyKind.from_str("fifo")
     assert isinstance(make_policy("lru", n_slots=4, n_rows=10), LRUPolicy)
     assert isinstance(make_policy("static"), StaticPolicy)
@@ -64,7 +72,7 @@ def test_static_select_is_hottest_first_and_fits() -> None:
     assert got.tolist() == [0, 2, 3, 1]
     assert StaticPolicy(None).select(lengths, 160).tolist() == [0, 1, 2]
     assert StaticPolicy(hot).select(lengths, 0).tolist() == []
-    with pytest.raises(ValueError, match="one score per row"):
+    with pytest.raises(InvalidArgumentError, match="one score per row"):
         StaticPolicy(torch.ones(3)).select(lengths, 10)
 
 
@@ -77,28 +85,134 @@ def test_choose_slot_bytes() -> None:
     # with room for everything, the larger slot wins the tie (all rows eligible)
     assert choose_slot_bytes(mixed, 100 * 60, 64) == 60
     assert choose_slot_bytes(mixed, 0, 64) == 64
+    assert choose_slot_bytes(mixed, 1000, 64, align=16) == 16  # 16-byte slots: 62 of them, all 90 short rows fit
 
 
-def test_lru_evicts_least_recent_and_spares_this_batch() -> None:
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_slot_bytes_maximises_the_rows_held(seed: int) -> None:
+    """Against the definition: over every candidate size, min(budget // s, rows no longer than s), ties larger."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(40, 129, (500,), generator=gen, dtype=torch.int32)
+    budget = int(torch.randint(1000, 60000, (1,), generator=gen))
+    for align in (1, 16):
+        best, best_held = None, -1
+        for s in sorted({min(-(-int(x) // align) * align, 128) for x in lengths}):
+            held = min(budget // s, int((lengths <= s).sum()))
+            if held >= best_held:
+                best, best_held = s, held
+        assert choose_slot_bytes(lengths, budget, 128, align) == best
+
+
+# ------------------------------------------------------------------------------------------------
+# the frequency sketch and the shared hash functions
+# ------------------------------------------------------------------------------------------------
+
+_M = (1 << 64) - 1
+
+
+def _sketch_slot_reference(x: int, d: int, width: int) -> int:
+    """admit.cu's ibp_adm_sketch_slot in Python's unbounded integers, reduced mod 2**64 (unsigned)."""
+    from ibpcache.kernels.admit import SKETCH_MUL
+
+    h = (x * SKETCH_MUL[d]) & _M
+    h ^= h >> 31
+    h = (h * SKETCH_MUL[(d + 1) % 4]) & _M
+    return ((h >> 24) & (width - 1)) + d * width
+
+
+def _sample_reference(x: int, stamp: int, t: int, lo: int, hi: int) -> int:
+    from ibpcache.kernels.admit import MIX_MUL, SAMPLE_MUL
+
+    h = ((x * SAMPLE_MUL[0]) & _M) ^ ((stamp * SAMPLE_MUL[1]) & _M) ^ (((t + 1) * SAMPLE_MUL[2]) & _M)
+    h ^= h >> 32
+    h = (h * MIX_MUL) & _M
+    h ^= h >> 32
+    return lo + (h & ((1 << 63) - 1)) % (hi - lo)
+
+
+def test_hashes_equal_unsigned_64_bit_arithmetic() -> None:
+    from ibpcache.kernels.admit import sample_slots, sketch_index
+
+    ids = torch.tensor([0, 1, 2, 7, 12345, 2**31 + 5, 2**40 - 3, 987654321987])
+    got = sketch_index(ids, 1 << 14)
+    want = [[_sketch_slot_reference(int(x), d, 1 << 14) for d in range(4)] for x in ids.tolist()]
+    assert got.tolist() == want
+    stamp = torch.tensor(77, dtype=torch.int64)
+    got = sample_slots(ids, stamp, 4, 3, 1003)
+    assert got.tolist() == [[_sample_reference(int(x), 77, t, 3, 1003) for t in range(4)] for x in ids.tolist()]
+    assert not torch.equal(sample_slots(ids, stamp + 1, 4, 3, 1003), got)  # each step looks elsewhere
+
+
+def test_device_constants_match_admit_cu() -> None:
+    """admit.cu mirrors the multipliers, keys, flags and counters of kernels/admit.py."""
+    from ibpcache.kernels import admit
+
+    text = (Path(admit.__file__).parent / "admit.cu").read_text()
+    defs = {m.group(1): m.group(2) for m in re.finditer(r"#define (IBP_ADM_\w+) ([^\n/]+)", text)}
+
+    def val(name: str) -> int:
+        return int(eval(defs[name].replace("ULL", "").replace("LL", "")))  # noqa: S307 - our own source
+
+    assert [val(f"IBP_ADM_MUL{d}") for d in range(4)] == list(admit.SKETCH_MUL)
+    assert [val(f"IBP_ADM_SMUL{d}") for d in range(3)] == list(admit.SAMPLE_MUL)
+    assert val("IBP_ADM_MIX") == admit.MIX_MUL and val("IBP_ADM_DEPTH") == admit.SKETCH_DEPTH
+    for name in ("FREE_KEY", "PROTECTED_KEY", "FLAG_OK", "FLAG_HIT", "FLAG_MISS", "FLAG_CAND", "STAT_REQUESTS",
+                 "STAT_HITS", "STAT_ADMITTED", "STAT_STAGED", "STAT_HOST_BYTES", "WS_LIST", "WS_STAGED"):
+        assert val(f"IBP_ADM_{name}") == getattr(admit, name), name
+
+
+def test_sketch_counts_estimates_and_halves() -> None:
+    sk = FrequencySketch(100, CPU, sample=64)
+    assert sk.width == 1 << 12 and sk.nbytes == 4 * 4 * (1 << 12)
+    ids = torch.tensor([5] * 9 + [6] * 3 + [7])
+    assert not sk.add(ids)
+    assert sk.estimate(torch.tensor([5, 6, 7, 8])).tolist() == [9, 3, 1, 0]  # few rows: no collision in 4 x 4096
+    assert sk.add(torch.tensor([6]), weights=torch.tensor([2])) is False
+    assert int(sk.estimate(torch.tensor([6]))) == 5
+    assert sk.add(torch.arange(1000, 1060))  # 14 + 60 >= 64: halved
+    assert sk.halvings == 1 and sk.estimate(torch.tensor([5, 6])).tolist() == [4, 2]
+    assert FrequencySketch(5000, CPU).width == 1 << 15 and FrequencySketch(5000, CPU).sample == 32 * 5000
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sketch_never_underestimates(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    sk = FrequencySketch(16, CPU, width=64, sample=1 << 30)  # a small sketch: collisions on purpose
+    ids = torch.randint(0, 400, (3000,), generator=gen)
+    sk.add(ids)
+    true = torch.bincount(ids, minlength=400)
+    est = sk.estimate(torch.arange(400))
+    assert bool((est >= true).all()) and int((est > true).sum()) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# read-cache contract (FeatureCache)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_lru_admits_only_rows_requested_more_than_the_least_recent() -> None:
     p = LRUPolicy(3, 100, CPU)
-    p.record(torch.tensor([1, 2, 3]), torch.empty(0, dtype=torch.int64))
+    p.record(torch.tensor([1, 2, 3]), NONE)
     a = p.plan(torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1]))
-    assert sorted(a.ids.tolist()) == [1, 2, 3] and a.evicted.numel() == 0
+    assert sorted(a.ids.tolist()) == [1, 2, 3] and a.evicted.numel() == 0  # free slots take anything requested
     slot_of = {int(i): int(s) for i, s in zip(a.ids, a.slots)}
-    # batch 2: 1 and 3 hit; 7 misses -> evicts 2 (not hit since batch 1)
+    # batch 2: 1 and 3 hit; 7 misses once: as frequent as 2 (the least recent): a one-off row does not get in
     p.record(torch.tensor([1, 3, 7]), torch.tensor([slot_of[1], slot_of[3]]))
+    assert p.plan(torch.tensor([7]), torch.tensor([1])).empty
+    # batch 3: 7 again (twice now): it replaces 2, the least recently used row, requested once
+    p.record(torch.tensor([1, 7]), torch.tensor([slot_of[1]]))
     a = p.plan(torch.tensor([7]), torch.tensor([1]))
     assert a.ids.tolist() == [7] and a.evicted.tolist() == [2] and a.slots.tolist() == [slot_of[2]]
-    # batch 3: everything resident was hit in this batch -> nothing may be evicted
-    p.record(torch.tensor([1, 3, 7, 9]), torch.tensor([slot_of[1], slot_of[3], slot_of[2]]))
-    a = p.plan(torch.tensor([9]), torch.tensor([1]))
-    assert a.empty
+    slot_of[7] = slot_of.pop(2)
+    # batch 4: every resident row is used by this batch: nothing may be evicted, however hot the candidate
+    p.record(torch.tensor([1, 3, 7] + [9] * 20), torch.tensor([slot_of[1], slot_of[3], slot_of[7]]))
+    assert p.plan(torch.tensor([9]), torch.tensor([20])).empty
 
 
 def test_lru_more_candidates_than_slots_prefers_frequent() -> None:
     p = LRUPolicy(2, 100, CPU)
     ids = torch.tensor([4, 5, 5, 6, 6, 6])
-    p.record(ids, torch.empty(0, dtype=torch.int64))
+    p.record(ids, NONE)
     a = p.plan(torch.tensor([4, 5, 6]), torch.tensor([1, 2, 3]))
     assert a.ids.tolist() == [6, 5]
     assert a.picks.tolist() == [2, 1]
@@ -106,11 +220,11 @@ def test_lru_more_candidates_than_slots_prefers_frequent() -> None:
 
 def test_lfu_admits_only_strictly_more_frequent() -> None:
     p = LFUPolicy(1, 10, CPU)
-    p.record(torch.tensor([1, 1, 1]), torch.empty(0, dtype=torch.int64))
+    p.record(torch.tensor([1, 1, 1]), NONE)
     assert p.plan(torch.tensor([1]), torch.tensor([3])).ids.tolist() == [1]
-    p.record(torch.tensor([2, 2]), torch.empty(0, dtype=torch.int64))
+    p.record(torch.tensor([2, 2]), NONE)
     assert p.plan(torch.tensor([2]), torch.tensor([2])).empty  # freq 2 < 3: row 1 stays
-    p.record(torch.tensor([2, 2]), torch.empty(0, dtype=torch.int64))
+    p.record(torch.tensor([2, 2]), NONE)
     a = p.plan(torch.tensor([2]), torch.tensor([2]))  # freq 4 > 3
     assert a.ids.tolist() == [2] and a.evicted.tolist() == [1]
     assert p.resident()[1].tolist() == [2]
@@ -118,14 +232,15 @@ def test_lfu_admits_only_strictly_more_frequent() -> None:
 
 def test_zero_slots_admits_nothing() -> None:
     p = LRUPolicy(0, 10, CPU)
-    p.record(torch.tensor([1]), torch.empty(0, dtype=torch.int64))
+    p.record(torch.tensor([1]), NONE)
     assert p.plan(torch.tensor([1]), torch.tensor([1])).empty
 
 
-def test_lfu_slot_scores_are_the_resident_ids_lifetime_counts() -> None:
-    """FeatureCache's LFU keeps per-slot scores; they must equal the per-id counts of the rows they hold (the
-    victim is the least requested resident row), however the rows came in."""
+def test_lfu_slot_frequencies_follow_the_sketch() -> None:
+    """FeatureCache's LFU ranks slots by the request frequency of the rows they hold, as the sketch estimated it at
+    their last use; a halving of the sketch halves them too, so old and new estimates stay comparable."""
     p = LFUPolicy(4, 50, CPU)
+    p.sketch.sample = 1 << 30
     gen = torch.Generator().manual_seed(0)
     slot_of: dict[int, int] = {}
     for _ in range(30):
@@ -139,14 +254,24 @@ def test_lfu_slot_scores_are_the_resident_ids_lifetime_counts() -> None:
             slot_of.pop(e)
         slot_of.update(zip(a.ids.tolist(), a.slots.tolist()))
         slots, held = p.resident()
-        assert torch.equal(p.score[slots], p.freq[held].to(torch.int64))
+        used = p.last[slots] == p.clock
+        assert torch.equal(p.freq[slots][used], p.sketch.estimate(held)[used])
+        assert bool((p.freq[slots] <= p.sketch.estimate(held)).all())
     assert sorted(slot_of) == sorted(p.resident()[1].tolist())
+    before = p.freq.clone()
+    p.sketch.sample = 1
+    p.count(torch.tensor([1]))
+    assert torch.equal(p.freq, before >> 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# row-cache contract
+# ------------------------------------------------------------------------------------------------
 
 
 def test_make_room_free_first_then_lowest_never_protected_or_pinned() -> None:
-    p = LFUPolicy(6, 100, CPU, n_pinned=1, since_admission=True)
-    p.admit(torch.tensor([0, 1, 2, 3]), torch.tensor([50, 10, 11, 12]))
-    p.touch(torch.tensor([0, 1, 2, 3]), torch.tensor([1, 5, 2, 9]))
+    p = LFUPolicy(6, 100, CPU, n_pinned=1)
+    p.admit(torch.tensor([0, 1, 2, 3]), torch.tensor([50, 10, 11, 12]), torch.tensor([1, 5, 2, 9]))
     assert p.score.tolist()[:4] == [1, 5, 2, 9]
     # free slots 4, 5 first, then slot 2 (score 2): slot 0 is pinned (score 1), slot 3 is protected
     room = p.make_room(3, torch.tensor([3, -1])).tolist()
@@ -155,34 +280,37 @@ def test_make_room_free_first_then_lowest_never_protected_or_pinned() -> None:
     assert p.victim_scores().tolist()[4:] == [FREE, FREE]
 
 
-def test_row_policies_start_and_touch() -> None:
-    """The row cache's rules: LFU counts uses since admission (a returning row starts from 0 again), LRU stamps the
-    clock, DATASET keeps the id's priority whatever happens."""
+def test_row_policies_worth_and_touch() -> None:
+    """The row cache's rules: LFU ranks by the sketch's frequency (refreshed at every use), LRU by the clock of the
+    last use, DATASET by the id's priority whatever happens."""
     lfu = row_policy("lfu", 3, 10, CPU)
-    assert isinstance(lfu, LFUPolicy) and lfu.since_admission and lfu.freq is None
-    lfu.admit(torch.tensor([0]), torch.tensor([4]))
-    lfu.touch(torch.tensor([0, 0]), torch.tensor([3, 2]))
-    assert int(lfu.score[0]) == 5
-    lfu.admit(torch.tensor([0]), torch.tensor([7]))
-    assert int(lfu.score[0]) == 0
+    assert isinstance(lfu, LFUPolicy) and lfu.sketch is not None
+    lfu.count(torch.tensor([4, 4, 4, 7]))
+    lfu.admit(torch.tensor([0, 1]), torch.tensor([4, 7]))
+    assert lfu.score[:2].tolist() == [3, 1]
+    lfu.count(torch.tensor([7, 7, 7]))
+    lfu.touch(torch.tensor([1, 1]))
+    assert lfu.score[:2].tolist() == [3, 4]
     lru = row_policy(EvictionStrategy.LRU, 3, 10, CPU)
     lru.tick(), lru.tick()
     lru.admit(torch.tensor([1]), torch.tensor([4]))
     assert int(lru.score[1]) == 2
     lru.tick()
-    lru.touch(torch.tensor([1]), torch.tensor([1]))
+    lru.touch(torch.tensor([1]))
     assert int(lru.score[1]) == 3
     prio = row_policy("dataset", 3, 10, CPU, priority=torch.arange(10) * 7)
-    assert isinstance(prio, PriorityPolicy)
+    assert isinstance(prio, PriorityPolicy) and prio.sketch is None
     prio.admit(torch.tensor([2]), torch.tensor([3]))
-    prio.touch(torch.tensor([2]), torch.tensor([100]))
+    prio.touch(torch.tensor([2]))
     assert int(prio.score[2]) == 21
     low_ids_hot = row_policy("dataset", 3, 10, CPU)
     low_ids_hot.admit(torch.tensor([0, 1]), torch.tensor([1, 8]))
     assert low_ids_hot.score[:2].tolist() == [9, 2]
+    with pytest.raises(InvalidArgumentError, match="evict_strategy"):
+        row_policy("fifo", 3, 10, CPU)
 
 
-def test_resize_grows_free_slots_and_cuts_back() -> None:
+def test_resize_grows_free_slots_and_cuts_back_and_reset_keeps_frequencies() -> None:
     p = LRUPolicy(2, 10, CPU)
     p.admit(torch.tensor([0, 1]), torch.tensor([3, 4]))
     p.resize(5)
@@ -190,3 +318,8 @@ def test_resize_grows_free_slots_and_cuts_back() -> None:
     assert sorted(p.make_room(3, torch.tensor([0, 1])).tolist()) == [2, 3, 4]
     p.resize(2)
     assert p.slot_ids.tolist() == [3, 4] and p.score.numel() == 2
+    p.count(torch.tensor([3, 3]))
+    p.reset(7, n_pinned=0)
+    assert p.n_slots == 7 and p.slot_ids.tolist() == [-1] * 7 and int(p.sketch.estimate(torch.tensor([3]))) == 2
+    state = p.device_state()
+    assert state.ids.numel() == 8 and state.lru and state.sketch is p.sketch.table

@@ -231,7 +231,7 @@ def _within_tail_rounding(got: torch.Tensor, want: torch.Tensor, what: str) -> N
     diff = (got.float() - want.float()).abs()
     ulp = torch.finfo(want.dtype).eps * 2.0 ** torch.floor(torch.log2(want.float().abs().max()))
     assert float(diff.max()) <= 2 * float(ulp), f"{what}: max difference {float(diff.max())} > 2 ulps ({float(ulp)})"
-    assert float((diff > 0).float().mean()) < 0.01, f"{what}: {int((diff > 0).sum())} of {diff.numel()} differ"
+    assert float((diff > 0).float().mean()) < 0.03, f"{what}: {int((diff > 0).sum())} of {diff.numel()} differ"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -313,17 +313,137 @@ def test_random_batches_and_writes_match_a_plain_table(words: torch.Tensor) -> N
 # ------------------------------------------------------------------------------------------------
 
 
-def test_fused_refresh_makes_the_most_requested_rows_resident(words: torch.Tensor) -> None:
-    """The refresh (CPU: only the pooling itself needs CUDA): top rows by lookup count enter through the manager's
-    admission path and counts are halved (aging)."""
-    mgr = _manager(words, 4)
-    fused = mgr.fused_lookup(refresh_every=64)
-    assert mgr.fused_lookup(refresh_every=64) is fused
-    fused.freq[[10, 20, 30, 40, 50, 60]] = torch.tensor([1, 9, 7, 8, 2, 6], dtype=torch.int32)
-    fused.refresh()
-    assert sorted(_cached_rows(mgr)[0].tolist()) == [20, 30, 40, 60]
-    assert fused.freq[[20, 30, 40]].tolist() == [4, 3, 4] and fused.refreshes == 1
-    assert mgr.stats()["fused_refreshes"] == 1
+def _pool(fused: Any, table: torch.Tensor, ids: torch.Tensor, offsets: "torch.Tensor | None", mode: str = "sum",
+          psw: "torch.Tensor | None" = None, bag_size: int = 0) -> torch.Tensor:
+    n_bags = offsets.numel() if offsets is not None else ids.numel() // bag_size
+    out = torch.empty((n_bags, table.shape[1]), dtype=table.dtype, device=fused.mgr.device)
+    fused.pool(ids, offsets, bag_size, n_bags, False, mode, psw, out, None)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_fused_lookup_on_cpu_equals_embedding_bag(words: torch.Tensor, dtype: torch.dtype, mode: str) -> None:
+    """The fused path's admission (the kernels' CPU twin) and reads (slots of stored rows, staged rows, host rows),
+    step after step on a skewed stream: every pooled bag equals ``embedding_bag`` over the dense table, rows enter the
+    cache as stored, and what is resident is what the slot table says."""
+    table = words.to(dtype)
+    mgr = _manager(table, 30)
+    fused = mgr.fused_lookup()
+    fused.planner.fix("multi", "staged")
+    gen = torch.Generator().manual_seed(5)
+    hot = torch.randperm(ROWS, generator=gen)[:60]
+    for step in range(12):
+        ids = torch.where(torch.rand(200, generator=gen) < 0.8, hot[torch.randint(0, 60, (200,), generator=gen)],
+                          torch.randint(0, ROWS, (200,), generator=gen))
+        offsets = torch.arange(0, 200, 4)
+        psw = torch.rand(200, generator=gen).to(dtype) if mode == "sum" and step % 2 else None
+        got = _pool(fused, table, ids, offsets, mode, psw)
+        want = torch.nn.functional.embedding_bag(ids, table, offsets, mode=mode, per_sample_weights=psw)
+        _same(got, want, f"step {step}")
+        fixed = ids[:60].view(20, 3)  # fixed-size bags
+        _same(_pool(fused, table, fixed.reshape(-1), None, mode, bag_size=3),
+              torch.nn.functional.embedding_bag(fixed, table, mode=mode), f"fixed bags, step {step}")
+    assert mgr.form == "stored" and int((mgr.slot_of < -1).sum()) == 0  # staged rows left the slot table
+    slots, held = mgr.policy.resident()
+    assert torch.equal(mgr.slot_of[held].to(torch.int64), slots)
+    stored = mgr.store.stored_lengths()[held]
+    assert torch.equal(fused.slot_len[slots], stored) and bool((stored <= fused.slot_bytes).all())
+    slab = mgr.cached_weight.detach().view(torch.uint8).reshape(-1)
+    host = mgr.store.data.view(torch.uint8)
+    rb = mgr.store.row_bytes
+    for s_, i_, n_ in zip(slots.tolist(), held.tolist(), stored.tolist()):
+        assert torch.equal(slab[s_ * fused.slot_bytes: s_ * fused.slot_bytes + n_], host[i_ * rb: i_ * rb + n_])
+    st = mgr.stats()
+    assert st["fused_admitted"] > 0 and st["fused_staged"] > 0 and 0 < st["fused_hits"] < st["fused_lookups"]
+    assert st["fused_hit_rate_recent"] > st["fused_hit_rate"] * 0.9
+
+
+def test_fused_staging_reads_each_distinct_miss_once(words: torch.Tensor) -> None:
+    """With staging, a step reads every distinct missed row from host memory once, however many bags ask for it;
+    without, every request of a missed row does (what the lookup kernel's zero-copy reads cost)."""
+    for staged in (True, False):
+        mgr = _manager(words, 4)
+        fused = mgr.fused_lookup()
+        fused.planner.fix("multi", "staged" if staged else "zero-copy")
+        ids = torch.cat([torch.arange(100, 150)] * 5)  # 50 distinct cold rows, each asked 5 times
+        offsets = torch.arange(0, 250, 5)
+        _same(_pool(fused, words, ids, offsets), torch.nn.functional.embedding_bag(ids, words, offsets, mode="sum"))
+        st = mgr.stats()
+        stored = int(mgr.store.stored_lengths()[100:150].sum())
+        if staged:  # read once each: admitted (copied into a slot) or staged
+            assert st["fused_host_bytes"] == stored and st["fused_staged"] + st["fused_admitted"] == 50
+        else:
+            assert st["fused_staged"] == 0 and st["fused_admitted"] <= 4
+        assert st["fused_hits"] == 0 and st["fused_lookups"] == 250
+
+
+def test_switching_forms_writes_back_and_starts_cold(words: torch.Tensor) -> None:
+    """Training rows (dirty) -> an inference lookup: they are written back and leave; the inference cache holds
+    stored rows; the next training batch finds the cache in its raw form, empty, and the table is current."""
+    mgr = _manager(words, 10)
+    ids = torch.tensor([3, 5, 7])
+    slots = mgr.prepare_ids(ids)
+    with torch.no_grad():
+        mgr.cached_weight[slots] = words[ids] * 3
+    mgr.dirty = True
+    fused = mgr.fused_lookup()
+    expect = words.clone()
+    expect[ids] = words[ids] * 3
+    probe = torch.tensor([3, 5, 9, 11])
+    _same(_pool(fused, words, probe, torch.arange(4)), expect[probe], "inference reads the written-back rows")
+    assert mgr.form == "stored" and mgr.stats()["form_switches"] == 1 and mgr.store.rows_written == 3
+    assert fused.n_slots >= 10  # the same bytes, slots sized to compressed rows
+    got = mgr.prepare_ids(torch.tensor([5, 20]))
+    assert mgr.form == "raw" and mgr.stats()["form_switches"] == 2
+    _same(mgr.cached_weight.detach()[got], expect[[5, 20]], "training reads current rows")
+    assert sorted(_cached_rows(mgr)[0].tolist()) == [5, 20]
+    _same(mgr.full_weight(), expect, "table")
+
+
+def test_compressed_slots_hold_more_rows_than_raw_ones(minilm: torch.Tensor) -> None:
+    """``compress_cache``: the inference cache's slots are sized to fit 99.9% of the stored (compressed) rows, so the
+    same bytes hold more of them; without it, one ``row_bytes`` slot per row, as in training."""
+    rows = minilm[5000:5400, :128].contiguous()  # 512 B rows of real values: every one compresses
+    packed = _manager(rows, 40).fused_lookup()
+    raw = _manager(rows, 40).fused_lookup(compress_cache=False)
+    for f in (packed, raw):
+        _pool(f, rows, torch.arange(10), torch.arange(10))
+    rb = raw.mgr.store.row_bytes
+    assert raw.n_slots == 40 and raw.slot_bytes == rb
+    lengths = packed.mgr.store.stored_lengths()
+    fit = -(-999 * lengths.numel() // 1000)  # rows a slot must fit: 99.9% of them, rounded up
+    want = -(-int(torch.sort(lengths).values[fit - 1]) // 16) * 16
+    assert packed.slot_bytes == want < rb and packed.n_slots == 40 * rb // want > 40
+
+
+def test_prefetched_rows_are_resident_and_protected(words: torch.Tensor) -> None:
+    """prefetch admits the next batch's rows (here the CPU runs it inline); later prefetches may not evict them before
+    their lookup (nor rows used since: TorchRec's order, prefetch i + 1 then lookup i, keeps both batches), and that
+    lookup hits every one and counts its ids once. Once looked up, rows compete again."""
+    mgr = _manager(words, 8)
+    fused = mgr.fused_lookup(compress_cache=False)
+    fused.planner.fix("multi", "zero-copy")
+    a = torch.tensor([1, 2, 3, 4, 5, 6])
+    b = torch.tensor([30, 31, 32, 33, 34, 35])
+    fused.prefetch(a, torch.arange(6), 0, False, None)
+    assert sorted(_cached_rows(mgr)[0].tolist()) == a.tolist()
+    fused.prefetch(b, torch.arange(6), 0, False, None)  # only 2 free slots left, a's 6 rows protected
+    held = set(_cached_rows(mgr)[0].tolist())
+    assert set(a.tolist()) <= held and len(held) == 8
+    _same(_pool(fused, words, a, torch.arange(6)), words[a])
+    assert mgr.stats()["fused_hits"] == 6 and mgr.stats()["fused_prefetches"] == 2
+    assert mgr.policy.sketch.estimate(a).tolist() == [1] * 6  # counted by the prefetch only
+    resident = set(_cached_rows(mgr)[0].tolist())
+    c = torch.tensor([60, 61, 62] * 4)  # requested 4 times each: worth more than a's and b's rows
+    for _ in range(3):  # b is pending (prefetched, not looked up): nothing used since its prefetch may leave
+        fused.prefetch(c, torch.arange(12), 0, False, None)
+        assert set(_cached_rows(mgr)[0].tolist()) == resident
+    _same(_pool(fused, words, b, torch.arange(6)), words[b])
+    fused._pending.clear()  # the prefetches of c are never looked up: forget them
+    for _ in range(2):
+        _same(_pool(fused, words, c, torch.arange(12)), words[c])
+    assert set(c.tolist()) <= set(_cached_rows(mgr)[0].tolist())
 
 
 @pytest.mark.gpu
@@ -340,15 +460,41 @@ def test_fused_pool_equals_embedding_bag(words: torch.Tensor, dtype: torch.dtype
     table = words.to(dtype)
     mgr = _manager(table, 40, dev)
     assert pool_supported(dtype, mgr.store.row_bytes)
-    cached = torch.arange(0, 80, 2)
-    mgr.prepare_ids(cached.to(dev))
-    fused = mgr.fused_lookup(refresh_every=1 << 20)
+    fused = mgr.fused_lookup()
     ids = torch.randint(0, ROWS, (300,), generator=torch.Generator().manual_seed(3))
     offsets = torch.arange(0, 300, 5)
-    out = torch.empty((offsets.numel(), DIM), dtype=dtype, device=dev)
-    fused.pool(ids.to(dev), offsets.to(dev), 0, offsets.numel(), False, mode, None, out, None)
-    want = torch.nn.functional.embedding_bag(ids.to(dev), table.to(dev), offsets.to(dev), mode=mode)
-    _same(out, want, "pooled rows (torch's CUDA embedding_bag over the dense table)")
+    for _ in range(2):  # cold, then with the rows the first lookup admitted
+        out = torch.empty((offsets.numel(), DIM), dtype=dtype, device=dev)
+        fused.pool(ids.to(dev), offsets.to(dev), 0, offsets.numel(), False, mode, None, out, None)
+        want = torch.nn.functional.embedding_bag(ids.to(dev), table.to(dev), offsets.to(dev), mode=mode)
+        _same(out, want, "pooled rows (torch's CUDA embedding_bag over the dense table)")
     stats = fused.stats()
-    hits = int(torch.isin(ids, cached).sum())
-    assert stats["fused_lookups"] == 300 and stats["fused_hits"] == hits
+    assert stats["fused_lookups"] == 600 and 0 < stats["fused_hits"] <= 300 and stats["fused_admitted"] > 0
+    assert int((mgr.slot_of < -1).sum()) == 0
+    fused.errors.take() is None or pytest.fail("a bad id was reported for valid input")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["lfu", "lru", "dataset"])
+def test_fused_admission_kernels_equal_the_cpu_twin(words: torch.Tensor, strategy: str) -> None:
+    """The admission kernels decide exactly as their CPU twin: from the same state, the same rows end up in the same
+    slots (staging rows may be numbered differently), and the same sketch counters result."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(8)
+    mgrs = [_manager(words, 16, d, strategy=strategy) for d in (CPU, dev)]
+    lookups = [m.fused_lookup() for m in mgrs]
+    for f in lookups:
+        f.planner.fix("multi", "staged")
+    for step in range(10):
+        ids = torch.randint(0, 120, (180,), generator=gen)
+        offsets = torch.arange(0, 180, 3)
+        outs = [_pool(f, words, ids.to(f.mgr.device), offsets.to(f.mgr.device)) for f in lookups]
+        _same(outs[0], outs[1], f"step {step}")
+        cpu, gpu = (m.policy for m in mgrs)
+        assert torch.equal(cpu.slot_ids, gpu.slot_ids.cpu()), f"step {step}: slot tables differ"
+        assert torch.equal(mgrs[0].slot_of, mgrs[1].slot_of.cpu())
+        if cpu.sketch is not None:
+            assert torch.equal(cpu.sketch.table, gpu.sketch.table.cpu())
+    assert mgrs[1].stats()["fused_admitted"] == mgrs[0].stats()["fused_admitted"]

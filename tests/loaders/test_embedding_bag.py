@@ -780,10 +780,9 @@ def test_cuda_fetch_paths(minilm: torch.Tensor, fetch: str, compress: bool) -> N
     else:
         assert st["misses"] > 0
         read, raw = st["bytes_fetched"], st["raw_bytes_fetched"]
+    assert read <= raw  # each distinct missed row is read once per step, not once per request
     if compress:
         assert read < raw
-    else:
-        assert read == raw
     opt, ref_opt = _sgd(m.parameters()), _sgd(ref.parameters())
     for _ in range(5):
         ids, offsets = random_bags(gen, 600, 32, hot=30)
@@ -798,7 +797,8 @@ def test_cuda_fetch_paths(minilm: torch.Tensor, fetch: str, compress: bool) -> N
 
 @pytest.mark.gpu
 def test_cuda_table_batched_one_decode_launch(minilm: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
-    """26 tables, one lookup: probe, fetch, decode and pooling of all tables are exactly one kernel launch."""
+    """26 tables, one lookup: after the step's admission (count, scan, apply, copy), probe, read, decode and pooling of
+    all tables are exactly one kernel launch, then the staged rows leave the slot table."""
     from ibpcache.kernels import _build
     from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 
@@ -808,15 +808,16 @@ def test_cuda_table_batched_one_decode_launch(minilm: torch.Tensor, monkeypatch:
                                        warmup_ratio=0.0)
     ids = torch.randint(0, 200, (64, 26), device="cuda")
     with torch.no_grad():
-        m(ids)  # first call: builds the kernel
+        m(ids)  # first call: builds the kernels
     calls = []
     real = _build.launch
     monkeypatch.setattr(_build, "launch", lambda *a, **k: (calls.append(a[1]), real(*a, **k))[1])
+    import ibpcache.kernels.admit as admit
     import ibpcache.kernels.bitpack as bitpack
     import ibpcache.kernels.lookup as lookup
 
-    monkeypatch.setattr(lookup, "launch", _build.launch)  # modules that bound the name at import
-    monkeypatch.setattr(bitpack, "launch", _build.launch)
+    for mod in (lookup, bitpack, admit):  # modules that bound the name at import
+        monkeypatch.setattr(mod, "launch", _build.launch)
     with torch.no_grad():
         out = m(ids)
     global_ids = (ids + torch.arange(26, device="cuda") * 200).reshape(-1, 1)
@@ -825,11 +826,13 @@ def test_cuda_table_batched_one_decode_launch(minilm: torch.Tensor, monkeypatch:
     from ibpcache.kernels.lookup import codec_kind
 
     kind = codec_kind(m.cache_weight_mgr.store.codec.kernel_tables("cuda"))[0]  # the planner's codec: IBP/exp/raw
-    assert calls == ["ibp_lookup_pool_" + kind]
+    pool = "ibp_lookup_pool_" + kind
+    assert calls == ["ibp_adm_count", "ibp_adm_scan", "ibp_adm_apply", "ibp_adm_copy", pool, "ibp_adm_unstage"]
 
 
 def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
-    """scripts/bench_dlrm.py end to end at a tiny size on the CPU (our methods; Colossal-AI needs CUDA)."""
+    """scripts/bench_dlrm.py end to end at a tiny size on the CPU (our methods; FBGEMM and Colossal-AI need CUDA):
+    every trace and dtype, two runs per configuration, forced settings where asked, hit rates and oracles."""
     import json
     import os
     import subprocess
@@ -840,8 +843,8 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     script = root / "scripts" / "bench_dlrm.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path), "--tables", "3", "--rows-per-table",
-           "400", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05", "--bags", "1,3", "--iters", "3",
-           "--warmup", "1"]
+           "400", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05,0.2", "--bags", "1,3", "--iters",
+           "3", "--warmup", "1", "--budget-s", "5", "--drift-period", "3"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     payload = json.loads((tmp_path / "bench_dlrm.json").read_text())
@@ -849,19 +852,25 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     ours = [r for r in records if r["method"].startswith("ibpcache")]
     assert ours and all(r["status"] == "ok" and r["verified"] for r in ours)
     assert {r["status"] for r in records if not r["method"].startswith("ibpcache")} == {"unavailable"}
-    assert {(p["bag"], p["batch"]) for p in payload["points"]} == {(1, 64), (3, 64)}
-    assert all(p["methods"]["ibpcache"]["M_lookups_per_s"] > 0 for p in payload["points"])
-    for p in payload["points"]:  # the paired default-vs-raw run the compression target reads
-        pair = p["methods"]["ibpcache"]["paired_vs_raw"]
-        assert pair["outputs_equal"] and pair["pairs"] == 3 and pair["speedup_vs_raw"] > 0
-        assert p["compression_speedup"] == pair["speedup_vs_raw"]
-        assert pair["same_layout_as_raw"] is False  # CPU: nothing to time, the table stays compressed
+    points = payload["points"]
+    assert {(p["trace"], p["dtype"]) for p in points} == {(t, d) for t in ("zipf-stable", "zipf-drift", "zipf")
+                                                          for d in ("fp32", "fp16")}
+    assert {(p["bag"], p["batch"], p["cache_ratio"]) for p in points} == {(b, 64, c) for b in (1, 3)
+                                                                          for c in (0.05, 0.2)}
+    for p in points:
+        m = p["methods"]["ibpcache"]
+        assert m["M_lookups_per_s"] > 0 and 0 <= m["hit_rate"] <= 1 and 0 < m["oracle_hit_rate"] <= 1
+        assert len(m["runs"]) == 2 and m["spread"] >= 0
+        forced = {k for k in p["methods"] if k in ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged")}
+        assert forced == (set() if (p["trace"], p["dtype"]) != ("zipf-stable", "fp32") else
+                          {"ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged"})
+    assert payload["meta"]["targets"]["lines"]
     assert (tmp_path / "bench_dlrm.png").exists()
 
 
 def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
-    """--train on the CPU: every one of ours trains, and the trained-weights check finds the whole table equal to
-    nn.EmbeddingBag's after the same SGD steps (the check is recorded on the smallest batch's points)."""
+    """--train on the CPU: every one of ours trains with SGD and with Adagrad, and the trained-weights check finds the
+    whole table equal to nn.EmbeddingBag's after the same steps (recorded on the smallest batch's points)."""
     import json
     import os
     import subprocess
@@ -873,14 +882,14 @@ def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
     cmd = [sys.executable, str(root / "scripts" / "bench_dlrm.py"), "--device", "cpu", "--out", str(tmp_path),
            "--tables", "3", "--rows-per-table", "400", "--entry-bytes", "512", "--batches", "64,32",
            "--cache-ratios", "0.05", "--bags", "1,3", "--iters", "2", "--warmup", "1", "--train", "--check-steps",
-           "3", "--methods", "ibpcache,ibpcache_raw,colossal"]
+           "3", "--methods", "ibpcache,ibpcache_raw,colossal", "--budget-s", "5"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads((tmp_path / "bench_dlrm.json").read_text())["records"]
     ours = [r for r in records if r["method"].startswith("ibpcache")]
     checked = [r for r in ours if "trained_weights" in r]
-    assert {(r["method"], r["bag"], r["batch"]) for r in checked} == {
-        (m, b, 32) for m in ("ibpcache", "ibpcache_raw") for b in (1, 3)}
+    assert {(r["method"], r["bag"], r["batch"], r["optimizer"]) for r in checked} == {
+        (m, b, 32, o) for m in ("ibpcache", "ibpcache_raw") for b in (1, 3) for o in ("sgd", "adagrad")}
     for r in checked:
         chk = r["trained_weights"]
         assert chk["status"] == "ok" and chk["steps"] == 3 and chk["bit_exact"] and chk["rows_differing"] == 0, chk
@@ -922,7 +931,7 @@ def _fused_table(minilm: torch.Tensor, dtype: torch.dtype, dim: int = 128) -> to
 @pytest.mark.parametrize("compress", [True, False])
 def test_fused_inference_matches_torch_on_cuda(minilm: torch.Tensor, dtype, mode, compress) -> None:
     """Random bags (empty ones included), per-sample weights for sum, include_last_offset both ways, through
-    enough calls that the cache refreshes from the lookup counts: bit-identical to torch's CUDA embedding_bag."""
+    enough calls that the cache admits and evicts rows on the device: bit-identical to torch's CUDA embedding_bag."""
     w = _fused_table(minilm, dtype)
     gen = torch.Generator().manual_seed(21)
     for last in (False, True):
@@ -941,7 +950,7 @@ def test_fused_inference_matches_torch_on_cuda(minilm: torch.Tensor, dtype, mode
                 fixed = torch.randint(0, w.shape[0], (16, 5), generator=gen).cuda()  # 2-D input: bags of 5
                 assert_bitwise(m(fixed), ref(fixed), f"2-D step {step}")
         st = m.stats()
-        assert st["fused_refreshes"] >= 1 and 0 < st["fused_hits"] < st["fused_lookups"]
+        assert st["fused_admitted"] >= 1 and 0 < st["fused_hits"] < st["fused_lookups"]
         m.check_errors()
 
 
@@ -1053,7 +1062,9 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
     buffer that holds them all, host bytes per step drop to one read per distinct missed row."""
     w = _fused_table(minilm, torch.float32)
     m = make(w, "cuda", mode="sum", cache_ratio=0.02, stage_bytes=stage_bytes)
-    m.cache_weight_mgr.fused_lookup(m.refresh_every, stage_bytes).planner.fix("multi", stage_bytes > 0)
+    fused = m.cache_weight_mgr.fused_lookup(stage_bytes)
+    if stage_bytes:
+        fused.planner.fix("multi", "staged")
     ref = reference(w, "cuda", mode="sum")
     gen = torch.Generator().manual_seed(31)
     with torch.no_grad():
@@ -1068,21 +1079,23 @@ def test_fused_staging_reads_each_miss_once(minilm: torch.Tensor, stage_bytes: i
     read = after["fused_host_bytes"] - before["fused_host_bytes"]
     stored = m.cache_weight_mgr.store.lengths[1000:1100].sum().item()
     resident = (m.cache_weight_mgr.slot_of[1000:1100] >= 0).sum().item()
+    assert int((m.cache_weight_mgr.slot_of < -1).sum()) == 0  # staged rows left the slot table
     if stage_bytes == 64 << 20:
         assert read <= stored and resident < 100  # each missed row once
     elif stage_bytes == 0:
-        assert read > stored  # every one of the 5 requests of a missed row crossed PCIe
+        assert read > stored  # the requests of a row that was not admitted crossed PCIe each time
     m.check_errors()
 
 
-def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
-    """The fused lookup's path planner (CPU test with stand-in events): per size class it alternates the two
-    ways while calibrating, ignores timings that have not completed, then keeps the faster one."""
-    from ibpcache.cache.plan_path import PathPlanner as OrderPlanner
+def test_path_planner_interleaves_then_keeps_the_fastest_way() -> None:
+    """The fused lookup's path planner (CPU test with stand-in events): per kind and shape it interleaves the ways
+    while timing, drops each way's first timing, ignores timings still running, decides by medians, keeps an
+    incumbent unless beaten by the margin when it checks again, and times each new shape on its own."""
+    from ibpcache.cache.plan_path import PathPlanner
 
     class Ev:
-        def __init__(self, done: bool) -> None:
-            self.done = done
+        def __init__(self, done: bool = True, ms: float = 0.0) -> None:
+            self.done, self.ms = done, ms
 
         def query(self) -> bool:
             return self.done
@@ -1090,23 +1103,63 @@ def test_order_planner_alternates_then_keeps_the_faster_order() -> None:
         def elapsed_time(self, end: "Ev") -> float:
             return end.ms
 
-    planner = OrderPlanner(trials=3)
+    ways = {"single": ("as given", "sorted", "staged"), "multi": ("zero-copy",)}
+    planner = PathPlanner(ways, trials=3, margin=0.1, recheck_every=5)
+    cost = {0: 2.0, 1: 1.0, 2: 1.5}
     seen = []
-    for k in range(6):
-        sort = planner.choose(5000)
-        seen.append(sort)
-        end = Ev(True)
-        end.ms = 1.0 if sort else 2.0  # sorting is faster at this size
-        planner.record(5000, sort, Ev(True), end)
-    assert seen == [False, True, False, True, False, True]
-    stuck = Ev(False)
-    planner.record(300, False, Ev(True), stuck)  # another size class, still running on the device
-    assert planner.choose(5000) is True and planner.choose(6000) is True  # same power-of-two class
-    assert planner.choose(300) is True and planner.calibrating(300)  # the pending one counts as taken
-    assert planner.plan()["single 4096-8191 bags"] == "sorted"
-    assert planner.choose(5000, kind="multi") is False and planner.calibrating(5000, kind="multi")  # its own class
-    assert planner.choose(5000, capturing=True) is True and planner.choose(100, capturing=True) is False
-    planner.fix("single", False)
-    assert planner.choose(5000) is False and not planner.calibrating(77) and planner.plan()["single (fixed)"] == "as given"
+    while planner.calibrating("single", 5000):
+        w = planner.choose("single", 5000)
+        seen.append(w)
+        if planner.calibrating("single", 5000):
+            planner.record("single", 5000, w, Ev(), Ev(ms=cost[w] if len(seen) > 3 else 99.0))
+    assert seen[:6] == [0, 1, 2, 0, 1, 2]  # interleaved; the first timing of each (99 ms) was dropped
+    assert planner.choose("single", 5000) == 1 and planner.plan()["single 5000 bags"] == "sorted"
+    assert planner.calibrating("single", 5001) and planner.choose("multi", 10) == 0  # a new shape; one way: no timing
+    assert not planner.timing("multi", 10)
+    planner.record("single", 77, 0, Ev(), Ev(done=False, ms=1.0))  # still running: not counted yet
+    assert planner.choose("single", 77) == 1 and planner.choose("single", 77, capturing=True) == 0
+    for _ in range(5):  # recheck after 5 calls: "staged" now 1.05 ms vs sorted 1.0: within the margin, no switch
+        planner.choose("single", 5000)
+    cost.update({1: 1.1, 2: 1.05})
+    while planner.calibrating("single", 5000):
+        w = planner.choose("single", 5000)
+        planner.record("single", 5000, w, Ev(), Ev(ms=cost[w]))
+    assert planner.choose("single", 5000) == 1
+    planner.fix("single", "staged")
+    assert planner.choose("single", 5000) == 2 and not planner.calibrating("single", 5000)
+    assert planner.plan()["single (fixed)"] == "staged"
     with pytest.raises(ValueError):
-        planner.fix("other", True)
+        planner.fix("other", 0)
+    with pytest.raises(ValueError):
+        planner.fix("single", "backwards")
+
+
+def test_fused_table_batched_lookup_on_cpu_matches_torch(table: torch.Tensor) -> None:
+    """The fused path's own logic on the CPU (admission twin, emulated lookup): 2-D [B, T] input and table-major bags
+    with offsets, bad ids skipped, exact against per-table embedding_bag; training afterwards starts cold and exact."""
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+
+    tables = _tables(table)
+    m = TableBatchedCachedEmbeddingBag(SIZES, table.shape[1], _weight=tables, mode="sum", cache_ratio=0.05,
+                                       warmup_ratio=0.0, device="cpu", compress=True)
+    m.fused_inference = True  # CPU: what CUDA runs by default, through the kernels' twin
+    refs = [reference(t, "cpu", mode="sum") for t in tables]
+    gen = torch.Generator().manual_seed(17)
+    m.eval()
+    with torch.no_grad():
+        for step in range(6):
+            single = torch.stack([torch.randint(0, n, (32,), generator=gen) for n in SIZES], 1)
+            want = torch.cat([r(single[:, t:t + 1]) for t, r in enumerate(refs)], 1)
+            assert_bitwise(m(single), want, f"2-D step {step}")
+            ids_t, offs_t, ids, offsets = _table_major_batch(gen, 32, False)
+            want = torch.cat([r(i, o) for r, i, o in zip(refs, ids_t, offs_t)], 1)
+            m.prefetch(ids, offsets)
+            assert_bitwise(m(ids, offsets), want, f"bags, step {step}")
+    st = m.stats()
+    assert st["form"] == "stored" and st["fused_admitted"] > 0 and st["fused_prefetches"] == 6
+    m.train()
+    opt = _sgd(m.parameters())
+    single = torch.stack([torch.randint(0, n, (8,), generator=gen) for n in SIZES], 1)
+    m(single).sum().backward()
+    opt.step()
+    assert m.stats()["form"] == "raw"
