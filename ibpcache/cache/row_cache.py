@@ -745,7 +745,9 @@ class FusedLookup:
             mgr.use_stored(self._slots_for)
             self._full = False
             self._form_gen += 1
-        cap = min(n, self.stage_bytes // store.row_bytes) if stage else 0
+        # sized for the step whatever way the planner picks this time: the planner alternates staged and unstaged
+        # ways while it times them, and growing here (a new buffer, a new slab base) would cost a host sync
+        cap = min(n, self.stage_bytes // store.row_bytes) if role == "lookup" else 0
         if fresh or self.slot_len is None or cap > self.stage_cap:
             self.stage_cap = max(cap, 0 if fresh or self.slot_len is None else self.stage_cap)
             lens = torch.zeros(self.n_slots + self.stage_cap + 1, dtype=torch.int32, device=dev)
@@ -853,11 +855,12 @@ class FusedLookup:
         if not self.cuda:
             self._full = int(fill) >= self.n_slots
             return self._full
-        if self._fill_seen is not None and self._fill_done.query():
+        capturing = torch.cuda.is_current_stream_capturing()  # an event may not be queried during a capture
+        if self._fill_seen is not None and not capturing and self._fill_done.query():
             # a copy made before the cache was last emptied says nothing about it now
             self._full = self._fill_seen == self._form_gen and int(self._fill_host[0]) >= self.n_slots
             self._fill_seen = None
-        if not self._full and self._fill_seen is None and not torch.cuda.is_current_stream_capturing():
+        if not self._full and self._fill_seen is None and not capturing:
             self._fill_host.copy_(fill, non_blocking=True)  # the last copy has completed: the buffer is free
             self._fill_done.record()
             self._fill_seen = self._form_gen
