@@ -46,8 +46,8 @@ from ..errors import (InvalidArgumentError, InvalidTypeError, OptimizerStateErro
 from ..format import Layout
 from ..kernels import admit as admit_gpu
 from ..kernels import admit_cpu
-from ..kernels.admit import (N_STATS, N_WS, STAT_ADMITTED, STAT_HITS, STAT_HOST_BYTES, STAT_REQUESTS, STAT_STAGED,
-                             WS_LIST, AdmitArgs)
+from ..kernels.admit import (ADMIT_FORCE, ADMIT_POLICY, N_STATS, N_WS, STAT_ADMITTED, STAT_HITS, STAT_HOST_BYTES,
+                             STAT_REQUESTS, STAT_STAGED, WS_LIST, AdmitArgs)
 from ..kernels.hashmap import IndexArgs
 from ..kernels.lookup import (SLOT_TABLE_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, lookup_pool,
                               pool_supported)
@@ -72,6 +72,9 @@ STAGE_BYTES = 64 << 20
 """Default device bytes of the fused lookup's per-step staging buffer (rows read from host memory once per step)."""
 
 _MAX_PENDING = 4
+_PREFETCH_ROUNDS = 3
+"""Scan/apply rounds of a prefetch: a row whose sampled victim went to another row's higher bid samples other slots
+in the next round, so (nearly) every prefetched row that fits a slot is resident when its lookup comes."""
 """Prefetched batches whose rows stay protected until their lookup; older ones are forgotten."""
 
 _SLOT_ALIGN = 16
@@ -621,6 +624,19 @@ class CachedRowManager:
                 self._side_active = False
 
 
+def _retire(*tensors: Optional[torch.Tensor]) -> None:
+    """Buffers about to be replaced: their memory goes back to the allocator only once the caller's stream has
+    passed this point. Several streams (threads' own, the side stream) run the cache's kernels, ordered by the
+    ``StreamOrder``; a buffer made on one stream and last read on another could otherwise be handed to a new
+    tensor on the first while the other's kernel still reads it. The caller's stream waits for every earlier cache
+    operation, so recording the buffers on it covers them all."""
+    if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        return
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 class _Workspace:
     """One role's (``"lookup"`` or ``"prefetch"``) per-step buffers, grown to the largest step seen and used as views,
     so steps of one size reuse the same memory (what a CUDA graph of the pass needs)."""
@@ -634,6 +650,8 @@ class _Workspace:
     def ensure(self, n: int, n_slots: int) -> None:
         dev = self.device
         if n > self.cap:
+            if self.cap:
+                _retire(self.victim, self.key, self.flags, self.rank, self.list_gid, self.list_dst, self.list_len)
             self.cap = max(n, int(self.cap * 1.5))
             self.victim = torch.zeros(self.cap, dtype=torch.int64, device=dev)
             self.key = torch.zeros(self.cap, dtype=torch.int64, device=dev)
@@ -643,6 +661,7 @@ class _Workspace:
             self.list_dst = torch.zeros(self.cap, dtype=torch.int64, device=dev)
             self.list_len = torch.zeros(self.cap, dtype=torch.int32, device=dev)
         if n_slots != self.slots:
+            _retire(getattr(self, "bid", None))
             self.slots = n_slots
             self.bid = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=dev)
 
@@ -749,6 +768,7 @@ class FusedLookup:
         # ways while it times them, and growing here (a new buffer, a new slab base) would cost a host sync
         cap = min(n, self.stage_bytes // store.row_bytes) if role == "lookup" else 0
         if fresh or self.slot_len is None or cap > self.stage_cap:
+            _retire(self.slot_len, self.stage_buf, self.stage_gid)
             self.stage_cap = max(cap, 0 if fresh or self.slot_len is None else self.stage_cap)
             lens = torch.zeros(self.n_slots + self.stage_cap + 1, dtype=torch.int32, device=dev)
             if not fresh and self.slot_len is not None:  # resident rows keep their lengths
@@ -834,13 +854,17 @@ class FusedLookup:
         k.count(keys, a, count_sketch, count_stats)
         s, perm = torch.sort(keys)
         n = keys.numel()
-        k.scan(s, a, True)
+        prefetch = role == "prefetch"
         full = self._cache_full()
-        if not full:  # never-used slots may remain: ranked, then counted as used (a full cache skips both)
-            admit_gpu.rank(n, a)
-        k.apply(s, a, stage and self.stage_cap > 0)
-        if not full:
-            admit_gpu.advance_fill(n, a)
+        for r in range(_PREFETCH_ROUNDS if prefetch else 1):
+            if r:
+                a.bid.fill_(-1)
+            k.scan(s, a, ADMIT_FORCE if prefetch else ADMIT_POLICY, r)
+            if not full:  # never-used slots may remain: ranked, then counted as used (a full cache skips both)
+                admit_gpu.rank(n, a)
+            k.apply(s, a, stage and self.stage_cap > 0)
+            if not full:
+                admit_gpu.advance_fill(n, a)
         k.copy(a, n)
         if count_sketch and not (self.cuda and torch.cuda.is_current_stream_capturing()):
             self.mgr.policy.counted(n)  # the halving is host-timed: a captured lookup's replays do not age the sketch

@@ -41,6 +41,9 @@ typedef unsigned long long u64;
 #define IBP_ADM_MIX 0xD6E8FEB86659FD93ULL
 // keep in sync with admit.py (FREE_KEY, PROTECTED_KEY, FLAG_*, STAT_*, WS_*)
 #define IBP_ADM_FREE_KEY (-(1LL << 62))
+// admission modes of the scan (admit.py ADMIT_*): none, where the policy admits it, whatever the policy says
+#define IBP_ADM_POLICY 1
+#define IBP_ADM_FORCE 2
 #define IBP_ADM_PROTECTED_KEY (1LL << 62)
 #define IBP_ADM_FLAG_OK 1
 #define IBP_ADM_FLAG_HIT 2
@@ -86,6 +89,7 @@ __device__ __forceinline__ u64 ibp_adm_mix(u64 h) {
 }
 
 // Victim slot number t (0-based) of row x in the step stamped `stamp`, in [lo, lo + range) (admit.py sample_slots).
+// A later round of one pass samples t from round * samples on: other slots than the round before.
 __device__ __forceinline__ i64 ibp_adm_sample_slot(i64 x, i64 stamp, int t, i64 lo, i64 range) {
     const u64 h = ((u64)x * IBP_ADM_SMUL0) ^ ((u64)stamp * IBP_ADM_SMUL1) ^ ((u64)(t + 1) * IBP_ADM_SMUL2);
     return lo + (i64)((ibp_adm_mix(h) & 0x7FFFFFFFFFFFFFFFULL) % (u64)range);
@@ -137,7 +141,7 @@ extern "C" __global__ void ibp_adm_scan(const i64* __restrict__ s, i64 n, i64 n_
                                         const i64* __restrict__ last, i64 n_slots, i64 n_pinned, int lru,
                                         int samples, const i64* __restrict__ fill_p, const i64* __restrict__ stamp_p,
                                         const i64* __restrict__ protect_p,
-                                        const int* __restrict__ host_len, int row_bytes, int slot_bytes, int admit,
+                                        const int* __restrict__ host_len, int row_bytes, int slot_bytes, int admit, int round,
                                         i64* __restrict__ bid, i64* __restrict__ victim_out, i64* __restrict__ key_out,
                                         unsigned char* __restrict__ flags_out) {
     const i64 p = blockIdx.x * (i64)blockDim.x + threadIdx.x;
@@ -168,7 +172,7 @@ extern "C" __global__ void ibp_adm_scan(const i64* __restrict__ s, i64 n, i64 n_
             i64 best = IBP_ADM_PROTECTED_KEY + 1;
             i64 bv = -1;
             for (int t = 0; t < samples; ++t) {
-                const i64 v = ibp_adm_sample_slot(x, stamp, t, n_pinned, n_slots - n_pinned);
+                const i64 v = ibp_adm_sample_slot(x, stamp, round * samples + t, n_pinned, n_slots - n_pinned);
                 const i64 lv = last[v];
                 i64 k;
                 if (ids[v] < 0) {
@@ -185,7 +189,7 @@ extern "C" __global__ void ibp_adm_scan(const i64* __restrict__ s, i64 n, i64 n_
             }
             if (best < IBP_ADM_PROTECTED_KEY) {
                 const i64 vworth = ids[bv] < 0 ? -1 : freq[bv];
-                if (worth > vworth) {
+                if (admit == IBP_ADM_FORCE || worth > vworth) {  // a prefetch admits what it is asked
                     const i64 key = (w << 32) | p;
                     atomicMax((long long*)&bid[bv], (long long)key);
                     victim_out[p] = bv;

@@ -23,7 +23,7 @@ from ._build import device_index, launch
 
 __all__ = [
     "SKETCH_DEPTH", "SKETCH_MUL", "SAMPLE_MUL", "MIX_MUL", "FREE_KEY", "PROTECTED_KEY", "FLAG_OK", "FLAG_HIT",
-    "FLAG_MISS", "FLAG_CAND", "FLAG_FREE", "STAT_REQUESTS", "STAT_HITS", "STAT_ADMITTED", "STAT_STAGED", "STAT_HOST_BYTES",
+    "FLAG_MISS", "FLAG_CAND", "FLAG_FREE", "ADMIT_NONE", "ADMIT_POLICY", "ADMIT_FORCE", "STAT_REQUESTS", "STAT_HITS", "STAT_ADMITTED", "STAT_STAGED", "STAT_HOST_BYTES",
     "N_STATS", "WS_LIST", "WS_STAGED", "N_WS", "sketch_index", "sample_slots", "AdmitArgs", "count", "scan", "rank",
     "apply", "advance_fill", "copy", "unstage",
 ]
@@ -52,6 +52,10 @@ PROTECTED_KEY = 1 << 62
 # per-position flags written by the scan (IBP_ADM_FLAG_*): a row (first of its run), resident, missed, bidding for a
 # victim, taking a never-used slot (while the cache still has some, missed rows take them in sorted order, no bids)
 FLAG_OK, FLAG_HIT, FLAG_MISS, FLAG_CAND, FLAG_FREE = 1, 2, 4, 8, 16
+# admission modes of the scan (IBP_ADM_POLICY / IBP_ADM_FORCE): a lookup admits a missed row where the policy says so
+# (TinyLFU: more frequent than its victim); a prefetch admits every row it is asked for that fits a slot and finds an
+# unprotected victim, as FBGEMM's TBE prefetch inserts every prefetched row
+ADMIT_NONE, ADMIT_POLICY, ADMIT_FORCE = 0, 1, 2
 # device statistics (int64, IBP_ADM_STAT_*): lookups counted, of them resident at the step's start, rows admitted,
 # rows staged, host bytes the copy read
 STAT_REQUESTS, STAT_HITS, STAT_ADMITTED, STAT_STAGED, STAT_HOST_BYTES = 0, 1, 2, 3, 4
@@ -93,10 +97,13 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
     return h ^ ((h >> 32) & _LOW32)
 
 
-def sample_slots(ids: torch.Tensor, stamp: torch.Tensor, samples: int, lo: int, hi: int) -> torch.Tensor:
+def sample_slots(ids: torch.Tensor, stamp: torch.Tensor, samples: int, lo: int, hi: int,
+                 round: int = 0) -> torch.Tensor:
     """The ``samples`` victim slots in ``[lo, hi)`` an id looks at in the step stamped ``stamp`` (a 0-d int64
-    tensor): int64 ``[n, samples]``, as admit.cu's ``ibp_adm_sample_slot``. The stamp reshuffles them every step."""
-    t = torch.arange(1, samples + 1, dtype=torch.int64, device=ids.device) * _signed(SAMPLE_MUL[2])
+    tensor): int64 ``[n, samples]``, as admit.cu's ``ibp_adm_sample_slot``. The stamp reshuffles them every step;
+    a later ``round`` of one pass looks at other slots."""
+    first = round * samples + 1
+    t = torch.arange(first, first + samples, dtype=torch.int64, device=ids.device) * _signed(SAMPLE_MUL[2])
     h = (ids.reshape(-1, 1) * _signed(SAMPLE_MUL[0])) ^ (stamp * _signed(SAMPLE_MUL[1])) ^ t
     return lo + (_mix(h) & _POS63) % max(hi - lo, 1)
 
@@ -168,17 +175,19 @@ def count(keys: torch.Tensor, a: AdmitArgs, count_sketch: bool, count_stats: boo
             np.int32(int(count_sketch)), _ptr(a.last), _ptr(a.stamp), _ptr(a.stats), np.int32(int(count_stats))))
 
 
-def scan(sorted_keys: torch.Tensor, a: AdmitArgs, admit: bool) -> None:
+def scan(sorted_keys: torch.Tensor, a: AdmitArgs, admit: int, round: int = 0) -> None:
     """Pass 2 (thread per sorted position): the first of every distinct row decides -- a resident row refreshes its
     slot's frequency; a missed one takes a never-used slot while there are some (flagged; ranked by :func:`rank`),
-    else samples victims and, where the policy admits it, bids for the best (atomicMax)."""
+    else samples victims and, where ``admit`` (``ADMIT_*``) lets it, bids for the best (atomicMax). A pass may run
+    several ``round``s: a row that lost its victim to another row's bid samples other victims in the next."""
     n = sorted_keys.numel()
     launch(_SRC, "ibp_adm_scan", device_index(sorted_keys), _grid(n), _BLOCK,
            (_ptr(sorted_keys), np.int64(n), np.int64(a.n_rows), _ptr(a.slot_of), _ptr(a.sketch),
             np.uint64(a.width - 1), _ptr(a.prio), _ptr(a.ids), _ptr(a.freq), _ptr(a.last), np.int64(a.n_slots),
             np.int64(a.n_pinned), np.int32(int(a.lru)), np.int32(a.samples), _ptr(a.fill), _ptr(a.stamp),
             _ptr(a.protect),
-            _ptr(a.host_len), np.int32(a.row_bytes), np.int32(a.slot_bytes), np.int32(int(admit)), _ptr(a.bid),
+            _ptr(a.host_len), np.int32(a.row_bytes), np.int32(a.slot_bytes), np.int32(int(admit)), np.int32(round),
+            _ptr(a.bid),
             _ptr(a.victim), _ptr(a.key), _ptr(a.flags)))
 
 

@@ -11,8 +11,8 @@ import ctypes
 
 import torch
 
-from .admit import (FLAG_CAND, FLAG_FREE, FLAG_HIT, FLAG_MISS, FLAG_OK, FREE_KEY, PROTECTED_KEY, STAT_ADMITTED,
-                    STAT_HITS, STAT_HOST_BYTES, STAT_REQUESTS, STAT_STAGED, WS_LIST, WS_STAGED, AdmitArgs,
+from .admit import (ADMIT_FORCE, FLAG_CAND, FLAG_FREE, FLAG_HIT, FLAG_MISS, FLAG_OK, FREE_KEY, PROTECTED_KEY,
+                    STAT_ADMITTED, STAT_HITS, STAT_HOST_BYTES, STAT_REQUESTS, STAT_STAGED, WS_LIST, WS_STAGED, AdmitArgs,
                     advance_fill, rank, sample_slots, sketch_index)
 
 __all__ = ["count", "scan", "rank", "apply", "advance_fill", "copy", "unstage"]
@@ -40,7 +40,7 @@ def count(keys: torch.Tensor, a: AdmitArgs, count_sketch: bool, count_stats: boo
         a.stats[STAT_HITS] += hit.sum()
 
 
-def scan(s: torch.Tensor, a: AdmitArgs, admit: bool) -> None:
+def scan(s: torch.Tensor, a: AdmitArgs, admit: int, round: int = 0) -> None:
     n = s.numel()
     a.flags[:n] = 0
     if n == 0:
@@ -63,7 +63,7 @@ def scan(s: torch.Tensor, a: AdmitArgs, admit: bool) -> None:
             a.key[:n] = torch.where(may, bidkey, a.key[:n])
             flags += may.to(torch.uint8) * FLAG_FREE
         else:
-            v = sample_slots(x, a.stamp, a.samples, a.n_pinned, a.n_slots)  # [n, samples]
+            v = sample_slots(x, a.stamp, a.samples, a.n_pinned, a.n_slots, round)  # [n, samples]
             held = a.ids[v]
             lv = a.last[v]
             key = torch.where(held < 0, torch.full_like(lv, FREE_KEY),
@@ -72,7 +72,7 @@ def scan(s: torch.Tensor, a: AdmitArgs, admit: bool) -> None:
             best, arg = key.min(1)  # the first minimal sample, as the kernel's strict < keeps it
             bv = v.gather(1, arg.unsqueeze(1)).squeeze(1)
             vworth = torch.where(a.ids[bv] < 0, torch.full_like(bv, -1), a.freq[bv])
-            cand = may & (best < PROTECTED_KEY) & (worth > vworth)
+            cand = may & (best < PROTECTED_KEY) & ((worth > vworth) | (admit == ADMIT_FORCE))
             a.bid.scatter_reduce_(0, torch.where(cand, bv, a.n_slots), torch.where(cand, bidkey, -1), "amax")
             a.bid[a.n_slots] = -1
             a.victim[:n] = torch.where(cand, bv, a.victim[:n])
