@@ -46,7 +46,8 @@
 
 #define IBP_POOL_WARPS 4           // warps per block of the pooling kernel
 #define IBP_POOL_MAX_ROW 2048      // bytes of a pooled row (shared-memory row buffer per warp)
-#define IBP_POOL_PER_LANE 16       // float accumulators per lane: pooled rows have at most 512 elements
+#define IBP_POOL_PER_LANE 16       // float accumulators per lane: rows of at most 512 elements ...
+#define IBP_POOL_PER_LANE_WIDE 32  // ... or, in the wide variant (more registers), 1024 (e.g. 2 KB fp16 rows)
 
 __device__ __forceinline__ float ibp_f16_to_f32(unsigned short h) {
     float f;
@@ -475,10 +476,10 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
     if (staging != nullptr) ibp_finish_step(step_state);
 }
 
-// SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * IBP_POOL_PER_LANE elements.
+// SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * PER_LANE elements.
 // Each row is decoded into the warp's shared row buffer, then every lane folds its elements (e = lane + 32 k)
 // into float registers.
-template <class K>
+template <class K, int PER_LANE>
 __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];
     __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];
@@ -501,9 +502,9 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
         if (bad_offsets && lane == 0) ibp_report_bad_offsets(err, j);
         const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
         const i64 base = table_base != nullptr ? table_base[t] : 0;
-        float acc[IBP_POOL_PER_LANE];  // acc[q]: element lane + 32 q of the bag's output row
+        float acc[PER_LANE];  // acc[q]: element lane + 32 q of the bag's output row
 #pragma unroll
-        for (int q = 0; q < IBP_POOL_PER_LANE; ++q) acc[q] = 0.0f;
+        for (int q = 0; q < PER_LANE; ++q) acc[q] = 0.0f;
         int count = 0;
         for (i64 p = start; p < end; ++p) {
             const i64 id = ids[p];
@@ -523,7 +524,7 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
             __syncwarp();
             const float w = psw != nullptr ? psw[p] : 1.0f;
 #pragma unroll
-            for (int q = 0; q < IBP_POOL_PER_LANE; ++q) {
+            for (int q = 0; q < PER_LANE; ++q) {
                 const int e = lane + 32 * q;
                 if (e < dim) {
                     const float v = ibp_elem_load(rowbuf, e, elem);
@@ -549,7 +550,7 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
         }
         unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
 #pragma unroll
-        for (int q = 0; q < IBP_POOL_PER_LANE; ++q) {
+        for (int q = 0; q < PER_LANE; ++q) {
             const int e = lane + 32 * q;
             if (e < dim) {
                 float v = acc[q];
@@ -568,7 +569,7 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
         host_offsets, host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err, freq, stage_of, \
         step_state, staging, stage_cap, bag_order
 
-// The kernels of one codec kind: ibp_lookup_{stage,rows,pool}_NAME.
+// The kernels of one codec kind: ibp_lookup_{stage,rows,pool,pool_wide}_NAME.
 #define IBP_LOOKUP(NAME, K)                                                                                     \
     IBP_LOOKUP_STAGE(NAME, K)                                                                                   \
     extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                      \
@@ -577,7 +578,11 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
         ibp_lookup_pool_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                         \
-        ibp_lookup_pool_impl<K>(op, elem, psw, IBP_LOOKUP_ARGS);                                                \
+        ibp_lookup_pool_impl<K, IBP_POOL_PER_LANE>(op, elem, psw, IBP_LOOKUP_ARGS);                             \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
+        ibp_lookup_pool_wide_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                    \
+        ibp_lookup_pool_impl<K, IBP_POOL_PER_LANE_WIDE>(op, elem, psw, IBP_LOOKUP_ARGS);                        \
     }
 #define IBP_LOOKUP_IBP(C) IBP_LOOKUP(c##C, IbpRows<C>)
 IBP_FOR_EACH_C(IBP_LOOKUP_IBP)

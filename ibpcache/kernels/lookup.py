@@ -35,7 +35,8 @@ _SRC = "lookup.cu"
 _ROWS_WARPS = 8  # IBP_WARPS_PER_BLOCK in bitpack.cu
 _POOL_WARPS = 4  # IBP_POOL_WARPS in lookup.cu
 POOL_MAX_ROW_BYTES = 2048  # IBP_POOL_MAX_ROW
-POOL_MAX_ELEMS = 32 * 16  # 32 lanes x IBP_POOL_PER_LANE
+POOL_MAX_ELEMS = 32 * 32  # 32 lanes x IBP_POOL_PER_LANE_WIDE
+_POOL_NARROW_ELEMS = 32 * 16  # 32 lanes x IBP_POOL_PER_LANE: rows this short take the kernel with fewer registers
 SLOTS_INDEX = 3  # IBP_INDEX_SLOTS: int32 slot per row into slab 0 (a raw row cache)
 SLOT_TABLE_INDEX = 4
 """IBP_INDEX_SLOT_TABLE: a cache of stored rows in fixed-stride slots (see lookup.cu): ``index.table_values`` is the
@@ -269,4 +270,5 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
     if staging is not None:
         _stage(common, n_bags, dev, src, tables, counters, staging, err_ptr)
     args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + common
-    launch(_SRC, f"ibp_lookup_pool_{kind}", dev, grid, 32 * _POOL_WARPS, args)
+    wide = tables.row_bytes // (4 if elem is ElemType.F32 else 2) > _POOL_NARROW_ELEMS
+    launch(_SRC, f"ibp_lookup_pool_{'wide_' if wide else ''}{kind}", dev, grid, 32 * _POOL_WARPS, args)

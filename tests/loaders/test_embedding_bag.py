@@ -956,6 +956,30 @@ def test_fused_inference_matches_torch_on_cuda(minilm: torch.Tensor, dtype, mode
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_fused_inference_wide_rows_match_torch(minilm: torch.Tensor, dtype, mode) -> None:
+    """2 KB rows of 1024 half-precision elements (DLRM's 2048 B fp16 rows) pool in the wide fused kernel, not the
+    training-form path: bit-identical to torch's CUDA embedding_bag while the cache admits and evicts."""
+    from ibpcache.cache.row_cache import pool_supported
+
+    w = minilm[:3600].reshape(1200, 1152)[:, :1024].to(dtype).contiguous()  # real rows, 1024 columns
+    assert pool_supported(dtype, w.shape[1] * w.element_size())
+    gen = torch.Generator().manual_seed(22)
+    m = make(w, "cuda", mode=mode, cache_ratio=0.03, compress=True)
+    ref = reference(w, "cuda", mode=mode)
+    with torch.no_grad():
+        for step in range(20):
+            ids, offsets = random_bags(gen, w.shape[0], 48, hot=60)
+            psw = torch.randn(ids.numel(), generator=gen).to(dtype).cuda() if mode == "sum" and step % 2 else None
+            got = m(ids.cuda(), offsets.cuda(), per_sample_weights=psw)
+            assert_bitwise(got, ref(ids.cuda(), offsets.cuda(), per_sample_weights=psw), f"step {step}")
+    st = m.stats()
+    assert st["fused_lookups"] > 0 and st["fused_admitted"] >= 1 and 0 < st["fused_hits"] < st["fused_lookups"]
+    m.check_errors()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["2d", "offsets"])
 def test_fused_table_batched_inference_step_never_syncs(minilm: torch.Tensor, layout: str) -> None:
     from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
