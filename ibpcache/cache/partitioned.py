@@ -284,6 +284,20 @@ class PartitionedFeatureCache:
         self._place(hot, built_with_hot=False)
         self.reset_stats()
 
+    def close(self) -> None:
+        """Stop reading peer slabs, on every rank together (collective): afterwards any rank may free its cache.
+        Fetches still work, from this rank's own slab and the host store."""
+        self.cache.check_errors()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # no rank reads a peer slab past this point
+        none = torch.empty(0, dtype=torch.int64)
+        if self.cache.peer_rows:
+            self.cache.add_peer_rows(none, none, {})
+        self._peer_ids = none
+        self._where = self._where_table()
+        dist.barrier(group=self.group)  # every rank has unmapped its peers before any frees its slab
+
     # ------------------------------------------------------------------------------------------------
     # fetch and stats (local: no collective)
     # ------------------------------------------------------------------------------------------------
