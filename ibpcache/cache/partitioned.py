@@ -209,6 +209,7 @@ class PartitionedFeatureCache:
         elif not built_with_hot:
             self.cache.restock(hot)
         self._where = self._where_table()
+        self.cache.reset_stats()  # the build's own check reads are not requests
 
     def _peer_blocker(self) -> "str | None":
         """Why this rank cannot read its peers' slabs directly (None: it can try)."""
@@ -260,6 +261,25 @@ class PartitionedFeatureCache:
         self.cache.add_peer_rows(self._peer_ids, torch.cat([s[4] for s in peers] or none), slabs)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every rank indexes its peers before any fetch reads them
+        bad = self._check_peer_reads()
+        errors = [e for e in self._gather(bad) if e is not None]
+        if errors:
+            self.cache.add_peer_rows(none[0], none[0], {})
+            self._peer_ids = none[0]
+            return errors[0]
+        return None
+
+    def _check_peer_reads(self, k: int = 64) -> "str | None":
+        """Read a few peer rows through the lookup and compare them with the host store's bytes: a mapping that
+        reads wrong is caught at build time, never served (construction only: this syncs)."""
+        if not self._peer_ids.numel():
+            return None
+        pick = self._peer_ids[torch.linspace(0, self._peer_ids.numel() - 1, min(k, self._peer_ids.numel())).long()]
+        got = self.cache.fetch(pick.to(self.device)).view(torch.uint8).reshape(pick.numel(), -1).cpu()
+        self.cache.check_errors()
+        want = self.cache.host.raw_rows(pick).cpu()
+        if not torch.equal(got, want):
+            return f"rank {self.rank}: rows read from peer slabs differ from the host store"
         return None
 
     def _where_table(self) -> torch.Tensor:
@@ -370,14 +390,15 @@ def _uuid(index: int) -> str:
 
 
 def _enable_peer_access(device: int, peer: int) -> None:
-    """Let kernels on ``device`` read ``peer``'s memory (CUDA runtime through CuPy; already enabled is fine)."""
+    """Let kernels on ``device`` read ``peer``'s memory, through torch's own peer-to-peer switch: a copy between two
+    GPUs makes torch enable peer access between them (``cudaDeviceEnablePeerAccess``, an "already enabled" error
+    cleared), so no CUDA error is left behind for a later launch check to find. Both directions: which one a copy
+    enables is torch's detail."""
     if device == peer:
         return
-    import cupy
-
-    with cupy.cuda.Device(device):
-        try:
-            cupy.cuda.runtime.deviceEnablePeerAccess(peer)
-        except cupy.cuda.runtime.CUDARuntimeError as exc:
-            if "AlreadyEnabled" not in str(exc):
-                raise
+    a = torch.zeros(4, dtype=torch.uint8, device=torch.device("cuda", device))
+    b = torch.zeros(4, dtype=torch.uint8, device=torch.device("cuda", peer))
+    a.copy_(b)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    torch.cuda.synchronize(peer)
