@@ -156,6 +156,8 @@ class PartitionedFeatureCache:
         self.cache = self._build_cache(rows, budget_bytes, hot, device, cache_kwargs)
         self.device = self.cache.device
         self.n_rows, self.row_bytes = self.cache.n_rows, self.cache.row_bytes
+        self._gpu = (self.device.index if self.device.index is not None else torch.cuda.current_device()
+                     ) if self.device.type == "cuda" else -1
         self._local_hits = torch.zeros(2, dtype=torch.int64, device=self.device)  # local hits, peer hits
         self.requests = 0
         self._place(hot, built_with_hot=True)
@@ -219,15 +221,15 @@ class PartitionedFeatureCache:
             return "CPU tensors: no peer access"
         if self.world_size > MAX_SLABS:
             return f"{self.world_size} ranks: the cache entry names at most {MAX_SLABS} slabs"
-        me = (socket.gethostname(), self.device.index, _uuid(self.device.index))
+        me = (socket.gethostname(), self._gpu, _uuid(self._gpu))
         peers = self._gather(me)
         if len({host for host, _, _ in peers}) > 1:
             return "ranks on several hosts"
         for host, index, uuid in peers:
             if index >= torch.cuda.device_count() or _uuid(index) != uuid:
                 return f"peer GPU {index} is not visible to this process the same way (CUDA_VISIBLE_DEVICES)"
-            if index != self.device.index and not torch.cuda.can_device_access_peer(self.device.index, index):
-                return f"GPU {self.device.index} cannot access peer GPU {index}"
+            if index != self._gpu and not torch.cuda.can_device_access_peer(self._gpu, index):
+                return f"GPU {self._gpu} cannot access peer GPU {index}"
         return None
 
     def _map_peers(self) -> "str | None":
@@ -240,14 +242,14 @@ class PartitionedFeatureCache:
         keep = ~torch.isin(ids, self.placement.replicated)  # peers hold the head themselves
         data = self.cache.slab.data
         handle = reduce_tensor(data) if data.numel() else None
-        shared = self._gather((self.rank, self.device.index, handle, ids[keep], entries[keep]))
+        shared = self._gather((self.rank, self._gpu, handle, ids[keep], entries[keep]))
         err: "str | None" = None
         slabs: dict[int, torch.Tensor] = {}
         try:
             for rank, index, h, _, _ in shared:
                 if rank == self.rank or h is None:
                     continue
-                _enable_peer_access(self.device.index, index)
+                _enable_peer_access(self._gpu, index)
                 fn, args = h
                 slabs[rank] = fn(*args)
         except Exception as exc:  # any CUDA IPC / peer-access failure: every rank falls back together
