@@ -40,22 +40,14 @@ from .entry import MAX_SLABS
 from .feature_cache import FeatureCache
 from .slab import usable_bytes
 
-__all__ = ["PartitionedFeatureCache", "Placement", "plan_placement", "deal_rows", "DEFAULT_COSTS"]
+__all__ = ["PartitionedFeatureCache", "Placement", "plan_placement", "DEFAULT_COSTS", "LOCAL", "PEER", "HOST"]
 
 DEFAULT_COSTS = (1.0, 4.0, 16.0)
 """Relative time to serve one row from this GPU's slab, a peer's slab (NVLink) and the host store (PCIe): about the
 ratio of HBM, NVLink and PCIe bandwidths of an H100 node, which bound a fetch of compressed rows."""
 
 LOCAL, PEER, HOST = 0, 1, 2
-"""Where a rank reads a row (``PartitionedFeatureCache.where``)."""
-
-
-def deal_rows(hotness: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Owner rank of every row: round-robin down the hotness order (hottest first, ties by id)."""
-    order = torch.argsort(hotness.reshape(-1).to(torch.float64), descending=True, stable=True)
-    owner = torch.empty(order.numel(), dtype=torch.int64)
-    owner[order] = torch.arange(order.numel()) % world_size
-    return owner
+"""Where a rank reads a row (``PartitionedFeatureCache.holder``)."""
 
 
 @dataclass(frozen=True)
