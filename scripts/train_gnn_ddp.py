@@ -415,6 +415,7 @@ def train_ddp(job: Job, mode: str) -> Run:
     _evaluate(job, model, fetch, [r], run)
     if mode == "partitioned":
         run.probe = probe(job, cache)
+        cache.close()  # every rank unmaps its peers' slabs before any rank frees its own
     return run
 
 
