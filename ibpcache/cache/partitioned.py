@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .._validation import check_ids
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import InvalidArgumentError
+from ..errors import IbpcacheError, InvalidArgumentError
 from .entry import MAX_SLABS
 from .feature_cache import FeatureCache
 from .slab import usable_bytes
@@ -291,19 +291,17 @@ class PartitionedFeatureCache:
         hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
         if hot.numel() != self.n_rows:
             raise InvalidArgumentError(f"hotness must have one score per row ({self.n_rows}), got {hot.numel()}")
-        self.cache.check_errors()  # waits for this rank's queued lookups (and raises a pending bad id here)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        pending = self._drain()
         dist.barrier(group=self.group)  # no rank reads a peer slab past this point
         self._place(hot, built_with_hot=False)
         self.reset_stats()
+        if pending is not None:  # raised once every rank is through (no rank left waiting at a barrier)
+            raise pending
 
     def close(self) -> None:
         """Stop reading peer slabs, on every rank together (collective): afterwards any rank may free its cache.
         Fetches still work, from this rank's own slab and the host store."""
-        self.cache.check_errors()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        pending = self._drain()
         dist.barrier(group=self.group)  # no rank reads a peer slab past this point
         none = torch.empty(0, dtype=torch.int64)
         if self.cache.peer_rows:
@@ -311,6 +309,20 @@ class PartitionedFeatureCache:
         self._peer_ids = none
         self._where = self._where_table()
         dist.barrier(group=self.group)  # every rank has unmapped its peers before any frees its slab
+        if pending is not None:
+            raise pending
+
+    def _drain(self) -> "IbpcacheError | None":
+        """Wait for this rank's queued fetches (those may read peer slabs); the error one of them met, if any, is
+        returned for the caller to raise after its collectives, so no peer is left waiting."""
+        try:
+            self.cache.check_errors()
+        except IbpcacheError as exc:
+            return exc
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return None
 
     # ------------------------------------------------------------------------------------------------
     # fetch and stats (local: no collective)

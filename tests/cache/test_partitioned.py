@@ -162,3 +162,34 @@ def test_two_gpus_read_peer_slabs(tmp_path: Path, cora: Any, free_port: int, mod
     head = owned[0] & owned[1]
     assert len(head) == int(ranks[0]["replicated"]) == int(ranks[1]["replicated"])
     assert str(ranks[0]["method"]) == str(ranks[1]["method"])
+
+
+def test_one_rank_group_bad_budgets_and_refresh(tmp_path: Path, cora: Any) -> None:
+    """A group of one: bad budgets raise as FeatureCache's do; no peers (said in stats); refresh checks its
+    hotness and moves the cached rows; fetches stay exact."""
+    import torch.distributed as dist
+
+    from ibpcache.cache.partitioned import PartitionedFeatureCache
+    from ibpcache.errors import CapacityError, InvalidArgumentError
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        f = cora.features
+        hot = torch.arange(cora.num_nodes, dtype=torch.float64)
+        for bad, err in ((1, CapacityError), (0, InvalidArgumentError), (2.0, InvalidArgumentError)):
+            with pytest.raises(err, match=f"budget_bytes={bad!r}"):
+                PartitionedFeatureCache(f, hot, bad, device="cpu", compress_cache=False)
+        part = PartitionedFeatureCache(f, hot, 5744 * 3, device="cpu", compress_cache=False)
+        st = part.stats()
+        assert st["peer_access"] is False and st["fallback_reason"] == "one rank: no peers"
+        assert sorted(part.cache.cached_ids.tolist()) == [cora.num_nodes - 3, cora.num_nodes - 2, cora.num_nodes - 1]
+        with pytest.raises(InvalidArgumentError, match="one score per row"):
+            part.refresh(hot[:-1])
+        part.refresh(-hot)
+        assert sorted(part.cache.cached_ids.tolist()) == [0, 1, 2]
+        ids = torch.tensor([0, 5, 2707, 1, 1])
+        assert torch.equal(part.fetch(ids), f[ids])
+        st = part.stats()
+        assert (st["local_hits"], st["peer_hits"], st["host_misses"]) == (3, 0, 2)
+    finally:
+        dist.destroy_process_group()
