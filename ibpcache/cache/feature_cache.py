@@ -109,7 +109,7 @@ class FeatureCache:
             zero-copy reads too; ``stats()["transfer"]`` and ``stats()["host_layout"]``). Ids already on the GPU
             always take the zero-copy lookup; dynamic policies always read zero-copy.
         slab_id: the id (0..7) this cache's own slab carries in its entries. Caches whose indexes also hold rows
-            of other caches' slabs (:meth:`add_peer_rows`: the GPUs of one node, ``cache/node.py``) give every slab
+            of other caches' slabs (:meth:`add_peer_rows`: the GPUs of one node, ``cache/partitioned.py``) give every slab
             its own id; a lone cache keeps 0.
     """
 
@@ -377,10 +377,12 @@ class FeatureCache:
             if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != self.device.type:
                 raise InvalidArgumentError(f"slab {sid}: expected a 1-D uint8 tensor on {self.device.type}, got "
                                            f"{data.dtype} {tuple(data.shape)} on {data.device}")
-        if ids.numel():
-            end = int((entry_offsets(entries) + entry_lengths(entries).to(torch.int64)).max())
-            if end > max(int(slabs[s].numel()) for s in sids):
-                raise InvalidArgumentError("peer entries point past the end of their slabs")
+        ends = entry_offsets(entries) + entry_lengths(entries).to(torch.int64)
+        for sid in sids:  # construction time: a host loop over at most 8 slabs
+            end = int(ends[entry_slab_ids(entries) == sid].max())
+            if end > int(slabs[sid].numel()):
+                raise InvalidArgumentError(f"peer entries point past the end of slab {sid} ({end} > "
+                                           f"{int(slabs[sid].numel())} bytes)")
         keep = torch.ones(ids.numel(), dtype=torch.bool)
         keep[torch.isin(ids, self.cached_ids.cpu())] = False
         ids, entries = ids[keep], entries[keep]
