@@ -92,6 +92,8 @@ def test_peer_slab_composition_is_exact_on_the_cpu(cora: Any) -> None:
     ids_b, e_b = b.own_entries()
     with pytest.raises(InvalidArgumentError, match="slabs"):
         a.add_peer_rows(ids_b, e_b, {2: b.slab.data})
+    with pytest.raises(InvalidArgumentError, match="past the end of slab 1"):
+        a.add_peer_rows(ids_b, e_b, {1: b.slab.data[:16]})
     a.add_peer_rows(ids_b, e_b, {1: b.slab.data})
     assert a.peer_rows == int(ids_b.numel()) > 0 and a.capacity_rows > 0
     cached = torch.cat([a.cached_ids, ids_b])
@@ -101,6 +103,34 @@ def test_peer_slab_composition_is_exact_on_the_cpu(cora: Any) -> None:
     assert a.stats()["hits"] == int(torch.isin(ids, cached).sum())
     a.restock(-hot)
     assert a.peer_rows == 0 and torch.equal(a.fetch(ids).view(torch.uint8), f[ids].view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_peer_slab_composition_in_one_lookup_launch_on_a_gpu(cora: Any) -> None:
+    """The CUDA path of the composition on one GPU: another cache's slab (slab id 1, same device) read by the ONE
+    lookup launch beside this cache's own hits and host misses, bit-exact, with no host sync (lazy validation)."""
+    from ibpcache import FeatureCache
+
+    f = cora.features
+    n = f.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    hot = (torch.randperm(n, generator=gen) + 1.0) ** -1.1
+    a = FeatureCache(f, 0.004, hotness=hot, device="cuda", slab_id=0, validate="lazy")
+    b = FeatureCache(f, 0.004, hotness=-hot, device="cuda", slab_id=1, validate="lazy")
+    ids_b, e_b = b.own_entries()
+    a.add_peer_rows(ids_b, e_b, {1: b.slab.data})
+    ids = torch.cat([torch.randint(0, n, (3000,), generator=gen), ids_b, a.cached_ids.cpu()]).cuda()
+    a.fetch(ids)
+    torch.cuda.synchronize()
+    a.reset_stats()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = a.fetch(ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu().view(torch.uint8), f[ids.cpu()].view(torch.uint8))
+    cached = torch.cat([a.cached_ids.cpu(), ids_b])
+    assert a.stats()["hits"] == int(torch.isin(ids.cpu(), cached).sum())
 
 
 def _run(world: int, backend: str, tmp_path: Path, free_port: int, mode: str = "ibp") -> list[dict[str, Any]]:
