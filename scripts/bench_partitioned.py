@@ -151,7 +151,7 @@ def point(dataset: str, everyone: list[dict[str, Any]]) -> dict[str, Any]:
     pt["targets"] = {"speedup": {"target": TARGET_SPEEDUP if exceeds else 1.0, "measured": speedup,
                                  "met": speedup >= (TARGET_SPEEDUP if exceeds else 1.0)},
                      "peer_hit_GBps": {"target": TARGET_PEER_GBPS, "measured": pt["peer_hit_GBps"],
-                                       "met": pt["peer_hit_GBps"] is not None and pt["peer_hit_GBps"] >= TARGET_PEER_GBPS}}
+                                       "met": (pt["peer_hit_GBps"] or 0.0) >= TARGET_PEER_GBPS}}
     return pt
 
 

@@ -235,9 +235,9 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next shard's rows after a lookup")
     p.add_argument("--node-cache", action="store_true",
-                   help="serve lookups from the node cache (PartitionedFeatureCache: hottest rows on every GPU, the warm "
-                        "tail dealt to the GPUs, peers' rows read over NVLink), --cache-ratio of the rows per GPU, "
-                        "hotness = the run's id counts")
+                   help="serve lookups from the node cache (PartitionedFeatureCache: hottest rows on every GPU, the "
+                        "warm tail dealt to the GPUs, peers' rows read over NVLink), --cache-ratio of the rows per "
+                        "GPU, hotness = the run's id counts")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the exactness checks (they decode the whole table on every rank)")
     p.add_argument("--tolerance", type=float, default=1e-4,

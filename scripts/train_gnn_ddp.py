@@ -503,7 +503,8 @@ def probe(job: Job, cache: PartitionedFeatureCache, batch: int = 0, reps: int = 
     holder = cache.holder
     gen = torch.Generator().manual_seed(5 + r)
     out: dict[str, Any] = {"batch": batch}
-    for label, mask in (("peer_hits", holder == PEER), ("host_misses", holder == HOST), ("local_hits", holder == LOCAL)):
+    for label, mask in (("peer_hits", holder == PEER), ("host_misses", holder == HOST),
+                        ("local_hits", holder == LOCAL)):
         pool = torch.nonzero(mask).reshape(-1).cpu()
         ok = torch.tensor([int(pool.numel() > 0)], dtype=torch.int32)
         if job.ranks.distributed:  # every rank must run the same collectives: skip a kind if any rank lacks it

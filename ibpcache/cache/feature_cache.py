@@ -109,8 +109,8 @@ class FeatureCache:
             zero-copy reads too; ``stats()["transfer"]`` and ``stats()["host_layout"]``). Ids already on the GPU
             always take the zero-copy lookup; dynamic policies always read zero-copy.
         slab_id: the id (0..7) this cache's own slab carries in its entries. Caches whose indexes also hold rows
-            of other caches' slabs (:meth:`add_peer_rows`: the GPUs of one node, ``cache/partitioned.py``) give every slab
-            its own id; a lone cache keeps 0.
+            of other caches' slabs (:meth:`add_peer_rows`: the GPUs of one node, ``cache/partitioned.py``) give
+            every slab its own id; a lone cache keeps 0.
     """
 
     def __init__(

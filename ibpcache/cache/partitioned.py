@@ -374,7 +374,8 @@ class PartitionedFeatureCache:
             local, peer = (int(v) for v in self._local_hits.tolist())
             miss = self.requests - local - peer
         cached = self.cache.cached_ids.cpu()
-        replicated = int(torch.isin(cached, self.placement.replicated).sum()) if self.peer_access else int(cached.numel())
+        replicated = (int(torch.isin(cached, self.placement.replicated).sum()) if self.peer_access
+                      else int(cached.numel()))
         return {"rank": self.rank, "world_size": self.world_size, "requests": st["requests"],
                 "hit_rate": st["hit_rate"], "local_hits": local, "peer_hits": peer, "host_misses": miss,
                 "rows_cached_here": int(self.cache.capacity_rows), "replicated_rows": replicated,
