@@ -368,6 +368,8 @@ class PartitionedFeatureCache:
         ``track_sources=False``). ``replicated_rows``: the head every GPU holds; ``owned_rows``: this rank's share of
         the tail; ``node_cached_rows``: rows this rank reads from some GPU. ``peer_access`` False means independent
         caches (``fallback`` and ``fallback_reason`` say why). ``local``: the FeatureCache's own stats."""
+        if self.device.type == "cuda":  # fetches may run on other threads' streams (a loader's fetch thread)
+            torch.cuda.synchronize(self.device)
         st = self.cache.stats()
         local = peer = miss = None
         if self.track_sources:
