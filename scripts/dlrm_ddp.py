@@ -20,6 +20,11 @@ What happens:
    right after the lookup it prefetches its next shard's rows (FBGEMM TBE-style) into its GPU cache, on the cache's
    side stream, so they are read while the dense part of the step runs (TorchRec's pipeline).
 
+``--node-cache``: the lookups are served by the node cache instead (``TableBatchedCachedEmbeddingBag.use_node_cache``
+over a ``PartitionedFeatureCache`` of ``--cache-ratio`` of the rows per GPU, hotness = the run's id counts): the hottest
+rows on every GPU, the warm tail dealt to the GPUs, peers' rows read over NVLink in the same lookup launch, pooled by
+``F.embedding_bag``; on CPU ranks it falls back to independent caches (``node_cache`` in the JSON says which).
+
 The embedding tables are frozen here: an attached shared store is read-only (training would rewrite the owner's
 rows), so this is the pretrained-embeddings / dense-fine-tuning setting; trainable tables need a private store per
 table owner (``TableBatchedCachedEmbeddingBag`` from the dense tensor).
@@ -51,6 +56,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from ibpcache import Codec, CompressedRows, datasets  # noqa: E402
+from ibpcache.cache.partitioned import PartitionedFeatureCache  # noqa: E402
 from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag  # noqa: E402
 from ibpcache.testing.timing import add_out_argument, write_results  # noqa: E402
 
@@ -228,6 +234,10 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-prefetch", action="store_true", help="do not prefetch the next shard's rows after a lookup")
+    p.add_argument("--node-cache", action="store_true",
+                   help="serve lookups from the node cache (PartitionedFeatureCache: hottest rows on every GPU, the "
+                        "warm tail dealt to the GPUs, peers' rows read over NVLink), --cache-ratio of the rows per "
+                        "GPU, hotness = the run's id counts")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the exactness checks (they decode the whole table on every rank)")
     p.add_argument("--tolerance", type=float, default=1e-4,
@@ -267,6 +277,12 @@ def main(argv: "list[str] | None" = None) -> int:
 
         data = StepData(args.steps, args.batch, args.bag, args.tables, args.rows_per_table, args.dense, args.zipf,
                         args.seed)
+        node = None
+        if args.node_cache:  # every rank's hotness: the whole run's ids (the static top-k oracle), the same everywhere
+            glob = data.ids + torch.arange(args.tables).unsqueeze(1) * args.rows_per_table
+            hot = torch.bincount(glob.reshape(-1), minlength=rows.n_rows).to(torch.float64)
+            node = PartitionedFeatureCache(rows, hot, budget_bytes=args.cache_ratio, device=device)
+            emb.use_node_cache(node)
         shard = args.batch // world
         lo, hi = rank * shard, (rank + 1) * shard
         decoded = rows.decompress(device).view(rows.n_rows, -1) \
@@ -308,6 +324,8 @@ def main(argv: "list[str] | None" = None) -> int:
             dist.all_reduce(mean_loss)  # equal shards: the mean of the ranks' means is the global batch's mean
             losses.append(float(mean_loss) / world)
         emb.check_errors()
+        if node is not None:
+            node.check_errors()
 
         summary = torch.tensor([mismatched, int(no_copy)], dtype=torch.int64, device=device)
         dist.all_reduce(summary)
@@ -323,6 +341,12 @@ def main(argv: "list[str] | None" = None) -> int:
             "hit_rate": _hit_rate(st), "prefetched_rows": st.get("prefetched_rows"),
             "host_layout": "adopted shared store (compressed, read-only)",
         }
+        if node is not None:
+            nst = st["node"]
+            result["hit_rate"] = nst["hit_rate"]
+            result["node_cache"] = {k: nst[k] for k in ("hit_rate", "local_hits", "peer_hits", "host_misses",
+                                                        "replicated_rows", "owned_rows", "node_cached_rows",
+                                                        "peer_access", "fallback_reason")}
         single: "list[float] | None" = None
         ok = result["steps_with_wrong_embeddings"] == 0 and result["ranks_serving_without_copy"] == world
         if rank == 0 and decoded is not None:
@@ -349,6 +373,8 @@ def main(argv: "list[str] | None" = None) -> int:
                   f"{result.get('single_process_max_loss_diff')}; wrote {paths}", flush=True)
         flag = torch.tensor([int(ok)], device=device)
         dist.broadcast(flag, 0)
+        if node is not None:
+            node.close()  # every rank unmaps its peers' slabs before any rank frees its own
         dist.barrier()
         return 0 if int(flag) else 1
     finally:

@@ -42,7 +42,8 @@ from ..codec import Codec
 from ..compressed import CompressedRows
 from ..errors import (CapacityError, FormatError, InternalError, InvalidArgumentError, InvalidIdsError,
                       InvalidTypeError, RowDtypeError, RowShapeError, UnsupportedError)
-from .entry import EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets, pack_entries
+from .entry import (EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, entry_lengths, entry_offsets,
+                    entry_slab_ids, pack_entries)
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
 from .host_store import CacheMirror, FitOptions, HostStore, Transfer, fit_candidates, fit_codec
 from .plan_layout import best_compressed, calibrate_layout
@@ -107,6 +108,9 @@ class FeatureCache:
             included; with ``compress_host="auto"`` the layout planner weighs the CPU's raw gather against compressed
             zero-copy reads too; ``stats()["transfer"]`` and ``stats()["host_layout"]``). Ids already on the GPU
             always take the zero-copy lookup; dynamic policies always read zero-copy.
+        slab_id: the id (0..7) this cache's own slab carries in its entries. Caches whose indexes also hold rows
+            of other caches' slabs (:meth:`add_peer_rows`: the GPUs of one node, ``cache/partitioned.py``) give
+            every slab its own id; a lone cache keeps 0.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class FeatureCache:
         slot_bytes: "int | str" = "auto",
         validate: str = "eager",
         transfer: str = "auto",
+        slab_id: int = 0,
     ) -> None:
         self.device = resolve_device(device)
         if validate not in ("eager", "lazy"):
@@ -155,13 +160,16 @@ class FeatureCache:
 
         self._errors = LookupErrors(pin=self.device.type == "cuda")  # the lookup kernel's bad-id report
         self._hits_host: Any = None  # host_store.CacheMirror of a static index (the cpu-gather path)
+        if not isinstance(slab_id, (int, np.integer)) or isinstance(slab_id, bool) or not 0 <= slab_id < MAX_SLABS:
+            raise InvalidArgumentError(f"slab_id must be an int in 0..{MAX_SLABS - 1}, got {slab_id!r}")
+        self._slab_id = int(slab_id)
+        self._peer_slabs: dict[int, torch.Tensor] = {}  # slab id -> another cache's slab that entries point into
+        self.peer_rows = 0
         if self.policy_kind is PolicyKind.STATIC:
             self._build_static(StaticPolicy(hotness))
         else:
             self._build_dynamic(slot_bytes)
-        self.slab_bases = torch.zeros(MAX_SLABS, dtype=torch.int64)
-        self.slab_bases[self.slab.slab_id] = self.slab.base_ptr
-        self.slab_bases = self.slab_bases.to(self.device)
+        self._set_slab_bases()
         if self._host_gathers_enabled:
             self._hit_table()  # built now: the first cpu-gather fetch does no set-up work
         self._rows = None  # the slab is filled; keep no second reference to the caller's rows
@@ -293,7 +301,7 @@ class FeatureCache:
         self.slot_bytes = 0
         chosen = policy.select(self.cache_lengths, usable_bytes(self.budget_bytes))
         lens = self.cache_lengths[chosen]
-        self.slab = Slab(int(lens.sum(dtype=torch.int64)), self.budget_bytes, self.device)
+        self.slab = Slab(int(lens.sum(dtype=torch.int64)), self.budget_bytes, self.device, self._slab_id)
         offsets = self.slab.pack(lens)
         if chosen.numel():
             self.slab.write(0, self._slab_payload(chosen, lens))
@@ -303,7 +311,91 @@ class FeatureCache:
         entries = pack_entries(offsets, lens, lens < self.row_bytes, self.slab.slab_id)
         self.index.build(chosen.to(self.device), entries.to(self.device))
         self.cached_ids = chosen
+        self._own_entries = entries.cpu()  # what peers index to read these rows from this slab (own_entries)
         self._slab_offsets = offsets  # slab byte offset of each cached row (the cpu-gather path's hit addresses)
+
+    def _set_slab_bases(self) -> None:
+        """The lookup's slab base table: this cache's slab and every peer slab, each at its id."""
+        bases = torch.zeros(MAX_SLABS, dtype=torch.int64)
+        bases[self.slab.slab_id] = self.slab.base_ptr
+        for sid, data in self._peer_slabs.items():
+            bases[sid] = int(data.data_ptr()) if data.numel() else 0
+        self.slab_bases = bases.to(self.device)
+        self._source = None  # the fused lookup's arguments hold the index and the base table: rebuilt on use
+
+    # ------------------------------------------------------------------------------------------------
+    # composition: one index over several slabs (the GPUs of one node)
+    # ------------------------------------------------------------------------------------------------
+
+    def _require_static(self, what: str) -> None:
+        if self.dynamic:
+            raise UnsupportedError(f"{what} needs a static-policy cache (a dynamic one owns its index)")
+
+    def own_entries(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """``(ids, entries)`` of the rows in this cache's own slab (int64, CPU): what another cache passes to
+        :meth:`add_peer_rows` to read them from here. Static policy only."""
+        self._require_static("own_entries")
+        return self.cached_ids.cpu(), self._own_entries
+
+    def restock(self, hotness: torch.Tensor | None) -> None:
+        """Refill the static slab with the hottest rows under a new ``hotness`` (same budget, same slab id) and
+        drop every peer row. The slab is reallocated: a peer that mapped the old one must stop reading it first
+        (the node cache's ``refresh`` holds its ranks at a barrier for that). Waits for this cache's queued work."""
+        self._require_static("restock")
+        with self._order.exclusive():
+            self._order.synchronize()
+            self._peer_slabs = {}
+            self.peer_rows = 0
+            self._build_static(StaticPolicy(hotness))
+            self._set_slab_bases()
+            self._hits_host = None
+            if self._host_gathers_enabled:
+                self._hit_table()
+
+    def add_peer_rows(self, ids: torch.Tensor, entries: torch.Tensor, slabs: "dict[int, torch.Tensor]") -> None:
+        """Index rows that live in other caches' slabs, so ONE lookup serves them with this cache's own hits.
+
+        ``ids`` / ``entries``: int64 [k], rows cached elsewhere and their packed entries (:meth:`own_entries` of
+        their caches: the slab id in each entry names the slab). ``slabs``: slab id -> that slab's bytes as a tensor
+        this process can read (a peer GPU's slab opened through CUDA IPC, or on the CPU another cache's
+        ``slab.data``); the tensors are kept referenced as long as the index points into them. Replaces earlier
+        peer rows; rows also in this cache's own slab are served from its own. The rows must be the same table
+        stored the same way (same codec): entries are decoded with this cache's codec. Static policy only."""
+        self._require_static("add_peer_rows")
+        ids = torch.as_tensor(ids).to("cpu", torch.int64).reshape(-1)
+        entries = torch.as_tensor(entries).to("cpu", torch.int64).reshape(-1)
+        if ids.numel() != entries.numel():
+            raise InvalidArgumentError(f"ids and entries differ in length ({ids.numel()} vs {entries.numel()})")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_rows):
+            raise InvalidIdsError(f"peer ids outside [0, {self.n_rows})")
+        sids = set(entry_slab_ids(entries).unique().tolist()) if ids.numel() else set()
+        if self.slab.slab_id in sids or not sids <= set(slabs):
+            raise InvalidArgumentError(f"peer entries name slabs {sorted(sids)}: each must be in slabs "
+                                       f"({sorted(slabs)}) and differ from this cache's own slab "
+                                       f"{self.slab.slab_id}")
+        for sid, data in slabs.items():
+            if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != self.device.type:
+                raise InvalidArgumentError(f"slab {sid}: expected a 1-D uint8 tensor on {self.device.type}, got "
+                                           f"{data.dtype} {tuple(data.shape)} on {data.device}")
+        ends = entry_offsets(entries) + entry_lengths(entries).to(torch.int64)
+        for sid in sids:  # construction time: a host loop over at most 8 slabs
+            end = int(ends[entry_slab_ids(entries) == sid].max())
+            if end > int(slabs[sid].numel()):
+                raise InvalidArgumentError(f"peer entries point past the end of slab {sid} ({end} > "
+                                           f"{int(slabs[sid].numel())} bytes)")
+        keep = torch.ones(ids.numel(), dtype=torch.bool)
+        keep[torch.isin(ids, self.cached_ids.cpu())] = False
+        ids, entries = ids[keep], entries[keep]
+        with self._order.exclusive():
+            self._order.synchronize()  # the old index may still be read by queued lookups
+            own_ids, own = self.own_entries()
+            all_ids, all_entries = torch.cat([own_ids, ids]), torch.cat([own, entries])
+            self.index = make_index(self.n_rows, int(all_ids.numel()), self.device, self._index_kind,
+                                    self._max_probes)
+            self.index.build(all_ids.to(self.device), all_entries.to(self.device))
+            self._peer_slabs = {int(k): v for k, v in slabs.items() if int(k) in sids}
+            self.peer_rows = int(ids.numel())
+            self._set_slab_bases()
 
     def _check_slots(self, asked: "int | str", n_slots: int) -> None:
         """An explicit ``slot_bytes`` must let the cache hold a row: slots no smaller than the smallest stored row,
@@ -531,10 +623,15 @@ class FeatureCache:
         slab_bytes = host_bytes = 0
         if hit_pos.numel():
             e = entries[hit_pos]
-            lens = entry_lengths(e)
-            codec.decode_rows_at(self.slab.data.numpy(), entry_offsets(e).numpy(), lens.numpy(), out_np,
-                                 hit_pos.numpy(), compressed=entry_compressed(e).numpy())
-            slab_bytes = int(lens.sum(dtype=torch.int64))
+            sids = entry_slab_ids(e)
+            for sid in sids.unique().tolist():  # one slab on its own, several when peer rows are indexed
+                part = (sids == sid).nonzero().reshape(-1)
+                data = self.slab.data if sid == self.slab.slab_id else self._peer_slabs[sid]
+                es = e[part]
+                lens = entry_lengths(es)
+                codec.decode_rows_at(data.numpy(), entry_offsets(es).numpy(), lens.numpy(), out_np,
+                                     hit_pos[part].numpy(), compressed=entry_compressed(es).numpy())
+                slab_bytes += int(lens.sum(dtype=torch.int64))
         if miss_pos.numel():
             offsets, lens_np, comp = self.host.cpu_descriptors(ids[miss_pos].numpy())
             codec.decode_rows_at(self.host.data.numpy(), offsets, lens_np, out_np, miss_pos.numpy(), compressed=comp)

@@ -1,24 +1,31 @@
-"""GPU slab caches across the GPUs of one node: each rank caches a disjoint hot set, peers serve each other.
+"""The GPUs of one node as one cache: the hottest rows replicated on every GPU, the warm tail partitioned.
 
-One process per GPU (``torchrun``), one shared compressed host store (``CompressedRows.attach``). Rows are dealt
-to ranks round-robin down the hotness order (rank ``k % W`` gets the k-th hottest row), and each rank's
-:class:`~ibpcache.cache.feature_cache.FeatureCache` is a static cache over its share only (other rows get hotness
-``-inf``: never admitted). So the node caches about the ``W x capacity`` hottest rows instead of every GPU caching
-the same ones: the node's cache capacity is W times one GPU's.
+One process per GPU (``torchrun``), one shared compressed host store (``CompressedRows.attach``). Placement
+(:func:`plan_placement`): rows sorted by hotness; a head of ``n_replicated`` rows sits in every GPU's slab, the tail
+after it is dealt round-robin (rank ``k % W`` owns the k-th tail row) and each rank fills the rest of its budget with
+its share, so the node holds the head plus about ``W`` budgets' worth of tail.
 
-``fetch(ids)`` (a collective: every rank calls it, each with its own ids) routes each id:
+Serving (the peer path, CUDA): each rank's :class:`~ibpcache.cache.feature_cache.FeatureCache` owns one static slab
+with slab id = its rank. The slabs are shared once through CUDA IPC (torch's own CUDA tensor sharing,
+``torch.multiprocessing.reductions.reduce_tensor``; handles exchanged with ``all_gather_object``), peer access is
+enabled, and every rank indexes its peers' rows at (peer slab id, peer offset, flags)
+(:meth:`FeatureCache.add_peer_rows`). So ``fetch`` is the engine's ONE lookup launch: local hits from HBM, peer
+hits read over NVLink straight from the owner's slab (compressed rows decoded in the kernel, nothing on a wire),
+misses zero-copy from the host store. No collective, no host sync (``validate="lazy"``): ``fetch`` is a local call.
 
-* cached on this rank, or cached nowhere -> this rank's FeatureCache (slab hit, or a zero-copy read of the shared
-  host store: a miss never crosses to a peer);
-* cached on a peer -> asked from that peer with ``all_to_all_single`` (counts first, then ids, then rows; NCCL over
-  NVLink on GPUs, gloo on CPU), served from its slab, sent back as decoded rows.
+Without peer access (CPU tensors, one rank, GPUs a process cannot see or reach, more than 8 ranks, an IPC
+failure on any rank) every rank keeps an independent cache of the hottest rows that fit, and ``stats()`` says so
+(``peer_access: False``, ``fallback: "independent"``, ``fallback_reason``). Fetches stay exact and local.
 
-The counts exchange needs one host sync per fetch (split sizes are data-dependent); the rest is device work.
-Rows travel decoded (bit-exact either way); sending them compressed is left for when NVLink, not decode, bounds it.
+Collectives: construction and :meth:`PartitionedFeatureCache.refresh` only (every rank of the group calls them).
+A refresh reallocates each rank's slab, so no rank may still read a peer slab when its owner rewrites it: ranks
+finish their queued work and meet at a barrier first; no fetch may run on any rank during a refresh.
 """
 
 from __future__ import annotations
 
+import socket
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,56 +35,128 @@ import torch.distributed as dist
 from .._validation import check_ids
 from ..codec import Codec
 from ..compressed import CompressedRows
-from ..errors import InvalidIdsError
+from ..errors import IbpcacheError, InvalidArgumentError
+from .entry import MAX_SLABS
 from .feature_cache import FeatureCache
+from .slab import usable_bytes
 
-__all__ = ["PartitionedFeatureCache", "deal_rows"]
+__all__ = ["PartitionedFeatureCache", "Placement", "plan_placement", "DEFAULT_COSTS", "LOCAL", "PEER", "HOST"]
+
+DEFAULT_COSTS = (1.0, 4.0, 16.0)
+"""Relative time to serve one row from this GPU's slab, a peer's slab (NVLink) and the host store (PCIe): about the
+ratio of HBM, NVLink and PCIe bandwidths of an H100 node, which bound a fetch of compressed rows."""
+
+LOCAL, PEER, HOST = 0, 1, 2
+"""Where a rank reads a row (``PartitionedFeatureCache.holder``)."""
 
 
-def deal_rows(hotness: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Owner rank of every row: round-robin down the hotness order (hottest first, ties by id)."""
-    order = torch.argsort(hotness.reshape(-1).to(torch.float64), descending=True, stable=True)
-    owner = torch.empty(order.numel(), dtype=torch.int64)
-    owner[order] = torch.arange(order.numel()) % world_size
-    return owner
+@dataclass(frozen=True)
+class Placement:
+    """Rows by hotness (``order``, hottest first, int64): ``order[:n_replicated]`` on every rank, the tail after
+    it dealt round-robin; ``rule`` says how ``n_replicated`` was chosen."""
+
+    order: torch.Tensor
+    n_replicated: int
+    world_size: int
+    rule: str
+
+    @property
+    def replicated(self) -> torch.Tensor:
+        return self.order[: self.n_replicated]
+
+    def priority(self, rank: int) -> torch.Tensor:
+        """float64 [N] static-policy hotness for ``rank``: the head, then this rank's tail rows in hotness order
+        (the slab takes them in that order until its budget is full); ``-inf`` for every other row."""
+        n = self.order.numel()
+        pos = torch.arange(n, dtype=torch.int64)
+        mine = (pos < self.n_replicated) | ((pos - self.n_replicated) % self.world_size == rank)
+        prio = torch.full((n,), float("-inf"), dtype=torch.float64)
+        prio[self.order[mine]] = -pos[mine].to(torch.float64)
+        return prio
+
+
+def plan_placement(hotness: torch.Tensor, lengths: torch.Tensor, budget_bytes: int, world_size: int,
+                   replicate: "str | float" = "auto", costs: "tuple[float, float, float]" = DEFAULT_COSTS
+                   ) -> Placement:
+    """How many of the hottest rows every GPU replicates; the rest of each budget holds a share of the tail.
+
+    ``lengths``: stored bytes of every row in the slab format; ``budget_bytes``: one GPU's slab budget.
+    ``replicate``: a float in [0, 1] gives that fraction of the budget to the head (0: a pure partition, 1: every
+    GPU caches the same rows); ``"auto"`` picks the head size that minimises the expected time per request
+    ``sum(hotness * cost)``, a row costing ``costs[0]`` from this GPU's slab, ``costs[1]`` from a peer's and
+    ``costs[2]`` from the host: a tail row cached on the node is local on one rank in ``W`` and a peer hit on the
+    others, so growing the head trades peer hits on hot rows for host misses on the rows it pushes off the node.
+    Every candidate head size is evaluated at once with prefix sums (construction time only).
+    """
+    hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
+    lens = torch.as_tensor(lengths).reshape(-1).to(torch.int64).cpu()
+    if hot.numel() != lens.numel():
+        raise InvalidArgumentError(f"hotness must have one score per row ({lens.numel()}), got {hot.numel()}")
+    if world_size < 1:
+        raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
+    order = torch.argsort(hot, descending=True, stable=True)
+    budget = usable_bytes(int(budget_bytes))
+    csum = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[order], 0)])  # bytes of the k hottest
+    max_head = int(torch.searchsorted(csum, torch.tensor([budget]), right=True)) - 1  # head rows that fit
+    if isinstance(replicate, str):
+        if replicate != "auto":
+            raise InvalidArgumentError(f"replicate must be 'auto' or a fraction in [0, 1], got {replicate!r}")
+        if world_size == 1:
+            return Placement(order, max_head, 1, "one rank: every cached row is local")
+        weight = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(hot[order].clamp_min(0), 0)])
+        heads = torch.arange(max_head + 1)
+        tail_end = torch.searchsorted(csum, csum[heads] + world_size * (budget - csum[heads]), right=True) - 1
+        tail_end = tail_end.clamp(max=order.numel())
+        c_local, c_peer, c_host = (float(c) for c in costs)
+        tail_cost = (c_local + (world_size - 1) * c_peer) / world_size
+        expected = (weight[heads] * c_local + (weight[tail_end] - weight[heads]) * tail_cost
+                    + (weight[-1] - weight[tail_end]) * c_host)
+        n_head = int(torch.argmin(expected))  # the smallest head among equals: the most node capacity
+        return Placement(order, n_head, world_size, f"auto: least expected cost, costs={tuple(costs)}")
+    frac = float(replicate)
+    if isinstance(replicate, bool) or not 0.0 <= frac <= 1.0:
+        raise InvalidArgumentError(f"replicate must be 'auto' or a fraction in [0, 1], got {replicate!r}")
+    n_head = int(torch.searchsorted(csum, torch.tensor([int(frac * budget)]), right=True)) - 1
+    return Placement(order, n_head, world_size, f"replicate={frac} of the budget")
 
 
 class PartitionedFeatureCache:
-    """This rank's share of a node-wide cache over ``rows``; ``fetch`` returns any rows, bit-exact. Collective.
+    """This rank's part of a node-wide cache over ``rows``; ``fetch`` returns any rows, bit-exact, locally.
 
-    ``budget_bytes`` is each rank's slab, as :class:`~ibpcache.cache.feature_cache.FeatureCache` takes it: a float in
-    (0, 1] is a fraction of the whole table's raw bytes, an int >= 1 a byte count; a budget that holds no stored row
-    of the table raises on every rank (each rank checks the same table and budget, before any exchange).
-
-    ``cache_kwargs`` go to each rank's FeatureCache. Any codec serves (IBP, exponent coding, raw; a shared
-    CompressedRows keeps its own). Where the planner would choose (``codec="auto"`` or ``compress_host="auto"`` for a
-    tensor of rows), rank 0 of the group chooses once, timing its own fetch, and every other rank takes that codec
-    and layout (sent as ``header()`` + ``sections()``): ranks never store one table differently because their
-    timings differed by noise.
+    ``rows``: a tensor, or (usually) a CompressedRows every rank attached from one shared store. ``hotness``: a
+    score per row, the same on every rank. ``budget_bytes``: each rank's slab, as FeatureCache takes it. ``device``:
+    this rank's GPU (or the CPU: independent caches). ``group``: the ranks of this node (default: the world).
+    ``replicate`` / ``costs``: see :func:`plan_placement`. ``track_sources``: count local hits, peer hits and host
+    misses per fetch (a few small device reductions; no sync); off, ``stats()`` reports only the node hit rate.
+    ``cache_kwargs`` go to each rank's FeatureCache (a planned codec is chosen by rank 0 and shared, so every rank
+    stores the table the same way, as peers' entries require).
     """
 
     def __init__(self, rows: Any, hotness: torch.Tensor, budget_bytes: "int | float", device: "str | torch.device",
-                 group: "dist.ProcessGroup | None" = None, **cache_kwargs: Any) -> None:
+                 group: "dist.ProcessGroup | None" = None, *, replicate: "str | float" = "auto",
+                 costs: "tuple[float, float, float]" = DEFAULT_COSTS, track_sources: bool = True,
+                 **cache_kwargs: Any) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.replicate, self.costs, self.track_sources = replicate, tuple(costs), bool(track_sources)
         hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
-        owner = deal_rows(hot, self.world_size)
-        mine = torch.where(owner == self.rank, hot, torch.full_like(hot, float("-inf")))
-        if torch.device(device).type == "cuda":  # fetch checks every id first: the inner lookups need not sync again
+        if torch.device(device).type == "cuda":  # no host sync per fetch: the lookup kernel checks ids
             cache_kwargs.setdefault("validate", "lazy")
-        self.cache = self._build_cache(rows, budget_bytes, mine, device, cache_kwargs)
+        cache_kwargs.setdefault("slab_id", self.rank if self.world_size <= MAX_SLABS else 0)
+        # first built as an independent cache (the hottest rows that fit): what the fallback keeps
+        self.cache = self._build_cache(rows, budget_bytes, hot, device, cache_kwargs)
         self.device = self.cache.device
         self.n_rows, self.row_bytes = self.cache.n_rows, self.cache.row_bytes
-        self.holder = self._holders()
-        cached = self.cache.cached_ids
-        self._filler = torch.tensor(int(cached[0]) if cached.numel() else 0, dtype=torch.int64, device=self.device)
-        self._counts = torch.zeros(3, dtype=torch.int64, device=self.device)  # peer hits, local hits, host misses
-        self.requests = 0  # ids this rank asked for
-        self.peer_rows = 0  # ids this rank got from peers (== peer hits)
-        self.served_rows = 0  # ids this rank served to peers
-        self.bytes_received = 0  # row bytes that came from peers
-        self.bytes_sent_total = self.bytes_received_total = 0  # headers + ids + rows, each way
+        self._gpu = (self.device.index if self.device.index is not None else torch.cuda.current_device()
+                     ) if self.device.type == "cuda" else -1
+        self._local_hits = torch.zeros(2, dtype=torch.int64, device=self.device)  # local hits, peer hits
+        self.requests = 0
+        self._place(hot, built_with_hot=True)
+
+    # ------------------------------------------------------------------------------------------------
+    # construction and refresh (collectives)
+    # ------------------------------------------------------------------------------------------------
 
     def _build_cache(self, rows: Any, budget_bytes: "int | float", hotness: torch.Tensor,
                      device: "str | torch.device", kwargs: dict[str, Any]) -> FeatureCache:
@@ -103,106 +182,232 @@ class PartitionedFeatureCache:
             cache.host_layout = {**layout, "chosen_by": "rank 0 of the group"}
         return cache
 
-    def _holders(self) -> torch.Tensor:
-        """int32 [N] on the device: the rank whose GPU caches each row, -1 where none does (exchanged once)."""
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, self.cache.cached_ids.cpu(), group=self.group)
-        holder = torch.full((self.n_rows,), -1, dtype=torch.int32)
-        for r, ids in enumerate(everyone):
-            holder[ids] = r
-        return holder.to(self.device)
+    def _gather(self, obj: Any) -> list[Any]:
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, obj, group=self.group)
+        return everyone
+
+    def _place(self, hot: torch.Tensor, built_with_hot: bool) -> None:
+        """Plan the placement; where every rank can reach its peers' slabs, restock to it and map the peers, else
+        keep (or restock to) an independent cache of the hottest rows. Collective."""
+        self.placement = plan_placement(hot, self.cache.cache_lengths, self.cache.budget_bytes, self.world_size,
+                                        self.replicate, self.costs)
+        self._peer_ids = torch.empty(0, dtype=torch.int64)
+        reasons = [r for r in self._gather(self._peer_blocker()) if r is not None]
+        self.fallback_reason = reasons[0] if reasons else None
+        if self.fallback_reason is None:
+            self.cache.restock(self.placement.priority(self.rank))
+            self.fallback_reason = self._map_peers()
+            if self.fallback_reason is not None:  # some rank could not map its peers: every rank falls back
+                self.cache.restock(hot)
+        elif not built_with_hot:
+            self.cache.restock(hot)
+        self._where = self._where_table()
+        self.cache.reset_stats()  # the build's own check reads are not requests
+
+    def _peer_blocker(self) -> "str | None":
+        """Why this rank cannot read its peers' slabs directly (None: it can try)."""
+        if self.world_size == 1:
+            return "one rank: no peers"
+        if self.device.type != "cuda":
+            return "CPU tensors: no peer access"
+        if self.world_size > MAX_SLABS:
+            return f"{self.world_size} ranks: the cache entry names at most {MAX_SLABS} slabs"
+        me = (socket.gethostname(), self._gpu, _uuid(self._gpu))
+        peers = self._gather(me)
+        if len({host for host, _, _ in peers}) > 1:
+            return "ranks on several hosts"
+        for host, index, uuid in peers:
+            if index >= torch.cuda.device_count() or _uuid(index) != uuid:
+                return f"peer GPU {index} is not visible to this process the same way (CUDA_VISIBLE_DEVICES)"
+            if index != self._gpu and not torch.cuda.can_device_access_peer(self._gpu, index):
+                return f"GPU {self._gpu} cannot access peer GPU {index}"
+        return None
+
+    def _map_peers(self) -> "str | None":
+        """Share this rank's slab through CUDA IPC, open every peer's, enable peer access and index the peers' rows.
+        Returns why it failed on any rank (then no rank keeps peer rows), None on success."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        torch.cuda.synchronize(self.device)  # the slab is filled before a peer may read it
+        ids, entries = self.cache.own_entries()
+        keep = ~torch.isin(ids, self.placement.replicated)  # peers hold the head themselves
+        data = self.cache.slab.data
+        handle = reduce_tensor(data) if data.numel() else None
+        shared = self._gather((self.rank, self._gpu, handle, ids[keep], entries[keep]))
+        err: "str | None" = None
+        slabs: dict[int, torch.Tensor] = {}
+        try:
+            for rank, index, h, _, _ in shared:
+                if rank == self.rank or h is None:
+                    continue
+                _enable_peer_access(self._gpu, index)
+                fn, args = h
+                slabs[rank] = fn(*args)
+        except Exception as exc:  # any CUDA IPC / peer-access failure: every rank falls back together
+            err = f"CUDA IPC / peer access failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+        errors = [e for e in self._gather(err) if e is not None]
+        if errors:
+            return errors[0]
+        peers = [s for s in shared if s[0] in slabs]
+        none = [torch.empty(0, dtype=torch.int64)]
+        self._peer_ids = torch.cat([s[3] for s in peers] or none)
+        self.cache.add_peer_rows(self._peer_ids, torch.cat([s[4] for s in peers] or none), slabs)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every rank indexes its peers before any fetch reads them
+        bad = self._check_peer_reads()
+        errors = [e for e in self._gather(bad) if e is not None]
+        if errors:
+            self.cache.add_peer_rows(none[0], none[0], {})
+            self._peer_ids = none[0]
+            return errors[0]
+        return None
+
+    def _check_peer_reads(self, k: int = 64) -> "str | None":
+        """Read a few peer rows through the lookup and compare them with the host store's bytes: a mapping that
+        reads wrong is caught at build time, never served (construction only: this syncs)."""
+        if not self._peer_ids.numel():
+            return None
+        pick = self._peer_ids[torch.linspace(0, self._peer_ids.numel() - 1, min(k, self._peer_ids.numel())).long()]
+        got = self.cache.fetch(pick.to(self.device)).view(torch.uint8).reshape(pick.numel(), -1).cpu()
+        self.cache.check_errors()
+        want = self.cache.host.raw_rows(pick).cpu()
+        if not torch.equal(got, want):
+            return f"rank {self.rank}: rows read from peer slabs differ from the host store"
+        return None
+
+    def _where_table(self) -> torch.Tensor:
+        """uint8 [N] on the device: where this rank reads each row (LOCAL, PEER, HOST)."""
+        where = torch.full((self.n_rows,), HOST, dtype=torch.uint8)
+        where[self._peer_ids] = PEER
+        where[self.cache.cached_ids.cpu()] = LOCAL
+        return where.to(self.device)
+
+    def refresh(self, hotness: torch.Tensor) -> None:
+        """Recompute the placement for a new ``hotness`` and rebuild every rank's slab and index. Collective.
+
+        Every rank first finishes its queued work (fetches that read peer slabs) and meets the others at a barrier:
+        only then may any rank reallocate its slab. No fetch may run on any rank until ``refresh`` returns."""
+        hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
+        if hot.numel() != self.n_rows:
+            raise InvalidArgumentError(f"hotness must have one score per row ({self.n_rows}), got {hot.numel()}")
+        pending = self._drain()
+        dist.barrier(group=self.group)  # no rank reads a peer slab past this point
+        self._place(hot, built_with_hot=False)
+        self.reset_stats()
+        if pending is not None:  # raised once every rank is through (no rank left waiting at a barrier)
+            raise pending
+
+    def close(self) -> None:
+        """Stop reading peer slabs, on every rank together (collective): afterwards any rank may free its cache.
+        Fetches still work, from this rank's own slab and the host store."""
+        pending = self._drain()
+        dist.barrier(group=self.group)  # no rank reads a peer slab past this point
+        none = torch.empty(0, dtype=torch.int64)
+        if self.cache.peer_rows:
+            self.cache.add_peer_rows(none, none, {})
+        self._peer_ids = none
+        self._where = self._where_table()
+        dist.barrier(group=self.group)  # every rank has unmapped its peers before any frees its slab
+        if pending is not None:
+            raise pending
+
+    def _drain(self) -> "IbpcacheError | None":
+        """Wait for this rank's queued fetches (those may read peer slabs); the error one of them met, if any, is
+        returned for the caller to raise after its collectives, so no peer is left waiting."""
+        try:
+            self.cache.check_errors()
+        except IbpcacheError as exc:
+            return exc
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return None
+
+    # ------------------------------------------------------------------------------------------------
+    # fetch and stats (local: no collective)
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def peer_access(self) -> bool:
+        return self.fallback_reason is None
 
     @property
     def node_cached_rows(self) -> int:
-        return int((self.holder >= 0).sum())
+        """Distinct rows cached on this node's GPUs as this rank sees them (its own + the peers' it indexes); with
+        the fallback, this rank's own rows only."""
+        return int(self.cache.capacity_rows) + int(self._peer_ids.numel())
 
-    def _a2a(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        recv = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=send.device)
-        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
-        return recv
+    @property
+    def holder(self) -> torch.Tensor:
+        """uint8 [N] on the device: LOCAL (0), PEER (1) or HOST (2), where this rank reads each row."""
+        return self._where
 
-    def fetch(self, ids: torch.Tensor) -> torch.Tensor:
-        """``rows[ids]`` on this rank's device (global ids, duplicates fine). Every rank must call it together.
+    def fetch(self, ids: torch.Tensor, out: "torch.Tensor | None" = None) -> torch.Tensor:
+        """``rows[ids]`` on this rank's device, bit-exact, in request order (global ids, duplicates fine).
 
-        Bad ids (negative, out of range, wrong dtype or shape) raise :class:`InvalidIdsError` on *every* rank: the
-        range check rides in the counts exchange, so a rank with bad ids never leaves its peers waiting in a
-        collective. (A wrong dtype or shape raises before any exchange, on that rank only: a caller bug.)
-        """
-        ids = check_ids(ids, self.n_rows, self.device, check_range=False)
-        bad = ((ids < 0) | (ids >= self.n_rows)).any()
-        h = self.holder[ids.clamp(0, self.n_rows - 1)].to(torch.int64)
-        remote = (h >= 0) & (h != self.rank)
-        dest = torch.where(remote, h, torch.full_like(h, self.rank))
-        order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=self.world_size)
-        send_counts[self.rank] = 0
-        # header row k for rank k: (ids this rank asks of k, whether this rank's ids are bad)
-        header = torch.stack([send_counts, bad.to(torch.int64).expand(self.world_size)], dim=1)
-        recv_header = self._a2a(header, [1] * self.world_size, [1] * self.world_size)
-        sc, head = send_counts.tolist(), recv_header.tolist()  # the one host sync: split sizes (+ the bad flags)
-        rc = [int(c) for c, _ in head]
-        self._raise_bad(ids, [r for r, (_, flag) in enumerate(head) if flag])
-        n_remote = sum(sc)
-        self._counts += torch.stack([remote.sum(), (h == self.rank).sum(), (h < 0).sum()])
-        wanted = self._a2a(ids[order[dest[order] != self.rank]], sc, rc)  # grouped by destination rank
-        served = self.cache.fetch(wanted).view(torch.uint8).reshape(-1, self.row_bytes)
-        got = self._a2a(served, rc, sc)
-        out = torch.empty((ids.numel(), *self.cache.row_shape), dtype=self.cache.dtype, device=self.device)
-        # every position is fetched in place (no scatter of the whole batch): a peer's id is replaced by a row
-        # cached here, a cheap slab hit, and overwritten with what the peer sent
-        self.cache.fetch(torch.where(remote, self._filler, ids), out=out)
-        if n_remote:
-            remote_pos = order[dest[order] != self.rank]
-            words = _widest_view(out.view(torch.uint8).reshape(ids.numel(), self.row_bytes))
-            words.index_copy_(0, remote_pos, _widest_view(got))
-        n_served = sum(rc)
-        self.requests += int(ids.numel())
-        self.peer_rows += n_remote
-        self.served_rows += n_served
-        self.bytes_received += n_remote * self.row_bytes
-        header_bytes = 2 * 8 * (self.world_size - 1)
-        self.bytes_sent_total += header_bytes + 8 * n_remote + n_served * self.row_bytes
-        self.bytes_received_total += header_bytes + 8 * n_served + n_remote * self.row_bytes
+        Not a collective: ONE lookup launch reads local hits, peer hits (over NVLink, from the owner's slab) and host
+        misses. On CUDA ids are checked in the kernel (``validate="lazy"``, no host sync): a bad id raises
+        :class:`~ibpcache.errors.InvalidIdsError` from a later fetch, ``check_errors()`` or ``stats()``."""
+        out = self.cache.fetch(ids, out)
+        if self.track_sources and out.shape[0]:
+            w = self._where[check_ids(ids, self.n_rows, self.device, check_range=False).clamp(0, self.n_rows - 1)]
+            self._local_hits += torch.stack([(w == LOCAL).sum(), (w == PEER).sum()])
+        self.requests += int(out.shape[0])
         return out
 
-    def _raise_bad(self, ids: torch.Tensor, bad_ranks: list[int]) -> None:
-        """Every rank raises when any rank passed bad ids (all of them saw the flags in the same exchange)."""
-        if not bad_ranks:
-            return
-        if self.rank in bad_ranks:
-            check_ids(ids, self.n_rows, self.device)  # raises InvalidIdsError naming the bad id and the range
-        raise InvalidIdsError(f"ids out of range [0, {self.n_rows}) on rank(s) {bad_ranks}: the partitioned fetch "
-                              f"fails on every rank together")
+    def check_errors(self) -> None:
+        """Wait for this rank's queued fetches; raise a bad id or corrupt row one of them met."""
+        self.cache.check_errors()
 
     def stats(self) -> dict[str, Any]:
-        """Where this rank's requested ids were served from, and what crossed to and from peers. Syncs the device.
+        """This rank's view of the node cache. Syncs the device.
 
-        ``local_hits + peer_hits + host_misses == requests`` (ids asked by this rank; ids it served to peers are
-        ``served_rows``, counted by the asking rank). ``hit_rate`` = (local + peer hits) / requests: the node
-        cache's hit rate. ``bytes_sent`` / ``bytes_received``: everything this rank's fetches put on / took off the
-        wire (headers, ids, rows). ``local`` is the FeatureCache's own counters: it also counts the rows served to
-        peers and the filler hits that stand in for peer rows, so its hit rate is not the node's.
-        """
-        peer, local, miss = (int(v) for v in self._counts.tolist())
+        ``hit_rate``: (local + peer hits) / requests, counted by the lookup kernel (the node's hit rate).
+        ``local_hits`` / ``peer_hits`` / ``host_misses``: where this rank's requested ids were read (None with
+        ``track_sources=False``). ``replicated_rows``: the head every GPU holds; ``owned_rows``: this rank's share of
+        the tail; ``node_cached_rows``: rows this rank reads from some GPU. ``peer_access`` False means independent
+        caches (``fallback`` and ``fallback_reason`` say why). ``local``: the FeatureCache's own stats."""
+        if self.device.type == "cuda":  # fetches may run on other threads' streams (a loader's fetch thread)
+            torch.cuda.synchronize(self.device)
         st = self.cache.stats()
-        return {"rank": self.rank, "world_size": self.world_size, "rows_cached_here": int(self.cache.capacity_rows),
-                "rows_cached_on_node": self.node_cached_rows, "requests": self.requests, "local_hits": local,
-                "peer_hits": peer, "host_misses": miss,
-                "hit_rate": (local + peer) / self.requests if self.requests else None,
-                "peer_rows": self.peer_rows, "served_rows": self.served_rows, "bytes_from_peers": self.bytes_received,
-                "bytes_sent": self.bytes_sent_total, "bytes_received": self.bytes_received_total, "local": st}
+        local = peer = miss = None
+        if self.track_sources:
+            local, peer = (int(v) for v in self._local_hits.tolist())
+            miss = self.requests - local - peer
+        cached = self.cache.cached_ids.cpu()
+        replicated = (int(torch.isin(cached, self.placement.replicated).sum()) if self.peer_access
+                      else int(cached.numel()))
+        return {"rank": self.rank, "world_size": self.world_size, "requests": st["requests"],
+                "hit_rate": st["hit_rate"], "local_hits": local, "peer_hits": peer, "host_misses": miss,
+                "rows_cached_here": int(self.cache.capacity_rows), "replicated_rows": replicated,
+                "owned_rows": int(cached.numel()) - replicated, "node_cached_rows": self.node_cached_rows,
+                "placement_rule": self.placement.rule if self.peer_access else "independent: hottest rows that fit",
+                "peer_access": self.peer_access, "fallback": None if self.peer_access else "independent",
+                "fallback_reason": self.fallback_reason, "local": st}
 
     def reset_stats(self) -> None:
-        """Zero this rank's counters and its FeatureCache's (cache contents stay). Not a collective."""
-        self._counts.zero_()
-        self.requests = self.peer_rows = self.served_rows = self.bytes_received = 0
-        self.bytes_sent_total = self.bytes_received_total = 0
+        """Zero this rank's counters and its FeatureCache's (contents stay). Not a collective."""
+        self._local_hits.zero_()
+        self.requests = 0
         self.cache.reset_stats()
 
 
-def _widest_view(rows_u8: torch.Tensor) -> torch.Tensor:
-    """``[n, row_bytes]`` bytes as the widest integer words that divide a row (fewer elements to copy)."""
-    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if rows_u8.shape[1] % size == 0:
-            return rows_u8.view(dt)
-    return rows_u8
+def _uuid(index: int) -> str:
+    """A GPU's UUID as this process sees device ``index`` (to tell that ranks name the same GPUs alike)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _enable_peer_access(device: int, peer: int) -> None:
+    """Let kernels on ``device`` read ``peer``'s memory, through torch's own peer-to-peer switch: a copy between two
+    GPUs makes torch enable peer access between them (``cudaDeviceEnablePeerAccess``, an "already enabled" error
+    cleared), so no CUDA error is left behind for a later launch check to find. Both directions: which one a copy
+    enables is torch's detail."""
+    if device == peer:
+        return
+    a = torch.zeros(4, dtype=torch.uint8, device=torch.device("cuda", device))
+    b = torch.zeros(4, dtype=torch.uint8, device=torch.device("cuda", peer))
+    a.copy_(b)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    torch.cuda.synchronize(peer)

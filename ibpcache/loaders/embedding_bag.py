@@ -516,9 +516,13 @@ class _CachedBagBase(nn.Module):
         return self.cache_weight_mgr.num_write_back_history
 
     def stats(self) -> dict:
-        """Cache and host-store counters: hits/misses, evictions, write-backs, bytes fetched, compression."""
+        """Cache and host-store counters: hits/misses, evictions, write-backs, bytes fetched, compression (and, with a
+        node cache in use, its own stats under ``"node"``)."""
         out = {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim, "mode": self.mode}
         out.update(self.cache_weight_mgr.stats())
+        node = getattr(self, "_node", None)
+        if node is not None:
+            out["node"] = node.stats()
         return out
 
     def extra_repr(self) -> str:
@@ -735,12 +739,66 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         self.register_buffer("table_sizes", torch.tensor(sizes, dtype=torch.int64, device=self.device),
                              persistent=False)
         self.register_buffer("table_starts", starts[:-1].contiguous().to(self.device), persistent=False)
+        self._node: Any = None  # a node cache serving every lookup (use_node_cache)
+
+    def use_node_cache(self, cache: Any) -> None:
+        """Serve every lookup from ``cache``, a node cache (``ibpcache.cache.partitioned.PartitionedFeatureCache``)
+        over the same rows (the one shared store), instead of this module's own cache: the GPUs of a node then hold the
+        hottest rows each and a share of the warm tail, and a lookup reads peers' rows over NVLink in the same one
+        launch. Frozen tables only (the node cache is read-only): a forward that would train raises. The rows are
+        gathered by the node cache and pooled by ``F.embedding_bag`` in each bag's order, so the output equals
+        ``T`` EmbeddingBags over the decoded tables bit for bit. ``prefetch`` is a no-op then (the node cache is
+        static). ``None`` goes back to the module's own cache."""
+        if cache is not None:
+            if (int(cache.n_rows), int(cache.row_bytes)) != (self.num_embeddings,
+                                                              self.embedding_dim * self.cached_weight.element_size()):
+                raise InvalidArgumentError(f"node cache: expected {self.num_embeddings} rows of "
+                                           f"{self.embedding_dim * self.cached_weight.element_size()} bytes, got "
+                                           f"{cache.n_rows} rows of {cache.row_bytes} bytes")
+            if self.max_norm is not None:
+                raise UnsupportedError("max_norm renormalises rows in place: not with a read-only node cache")
+        self._node = cache
+
+    def prefetch(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> None:
+        if self._node is not None:
+            return  # a node cache is static: nothing to load ahead
+        super().prefetch(input, offsets)
+
+    prefetch.__doc__ = _CachedBagBase.prefetch.__doc__
+
+    def _forward_node(self, ids: torch.Tensor, offsets: Optional[torch.Tensor],
+                      psw: Optional[torch.Tensor]) -> torch.Tensor:
+        """The node cache's rows of every id, pooled per bag: ``[B, T * D]``. A bad table-local id becomes an id past
+        the table's end, which the node cache reports (at once on the CPU, from a later call on CUDA)."""
+        if self.training and torch.is_grad_enabled() and self.cached_weight.requires_grad:
+            raise UnsupportedError("a node cache serves frozen tables: call eval(), torch.no_grad() or "
+                                   "requires_grad_(False) first")
+        n_tab = self.num_tables
+        offs = None if ids.dim() == 2 else offsets.to(self.device, torch.int64, non_blocking=True)
+        global_ids, bad, _ = self._global_ids(ids, offs)
+        flat = torch.where(bad, torch.full_like(global_ids, self.num_embeddings), global_ids).reshape(-1)
+        rows = self._node.fetch(flat)
+        pos = torch.arange(flat.numel(), device=rows.device)
+        if offs is None:  # [B, T]: B*T bags of one id, sample-major
+            batch = ids.shape[0]
+            out = F.embedding_bag(pos.view(-1, 1), rows, None, None, self.norm_type, False, self.mode, False,
+                                  None if psw is None else psw.reshape(-1, 1), False, None)
+            return out.reshape(batch, n_tab * self.embedding_dim)
+        batch = (offs.numel() - (1 if self.include_last_offset else 0)) // n_tab
+        out = F.embedding_bag(pos, rows, offs, None, self.norm_type, False, self.mode, False, psw,
+                              self.include_last_offset, None)
+        return out.view(n_tab, batch, self.embedding_dim).transpose(0, 1).reshape(batch, n_tab * self.embedding_dim)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None,
                 shape_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """Look up every table at once; see the class docstring for the layouts."""
         self._check_ready()
+        if self._node is not None:
+            _check_bag_shapes(input, offsets)
+            ids = input.to(self.device, torch.int64, non_blocking=True)
+            out = self._forward_node(ids, offsets, self._to_device(per_sample_weights))
+            return shape_hook(out) if shape_hook is not None else out
         if not self.cache_op:
             raise UnsupportedError("TableBatchedCachedEmbeddingBag has no cache_op=False mode: pass table-local ids")
         _check_bag_shapes(input, offsets)

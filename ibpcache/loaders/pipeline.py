@@ -22,7 +22,7 @@ batch, so batches, features and losses equal an unpipelined loop's (given a load
 timing: DGL's and PyG's loaders with seeded workers, :class:`~ibpcache.loaders.sampling.NeighborSampler`). Without
 CUDA the stages still overlap in threads (torch's CPU ops and the cache's Numba passes release the GIL).
 
-Why ``fetch_thread=False`` exists: a fetch that is a collective (``PartitionedFeatureCache``) must be issued in
+Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different
 communicators to be submitted in one order across ranks); the caller's thread issues fetch i+1 before it returns
 batch i, so fetch and step still overlap on the device.

@@ -52,6 +52,26 @@ def test_two_gloo_ranks_share_one_embedding_store(tmp_path: Path, free_port: int
     assert payload["meta"]["prefetched_rows"] > 0
 
 
+def test_two_gloo_ranks_step_with_the_node_cache(tmp_path: Path, free_port: int, shared_data_dir: Path) -> None:
+    """--node-cache: lookups served by the node cache (independent caches on CPU ranks, as its stats say), pooled
+    bit-exact, the same DDP step."""
+    payload = _run(tmp_path, free_port, "--device", "cpu", "--bag", "3", "--node-cache")
+    _check(payload, free_port)
+    node = payload["meta"]["node_cache"]
+    assert node["peer_access"] is False and "CPU" in node["fallback_reason"]
+    assert node["local_hits"] > 0 and node["peer_hits"] == 0 and node["hit_rate"] == payload["meta"]["hit_rate"]
+
+
+@pytest.mark.gpu
+@pytest.mark.multi_gpu
+def test_two_gpus_step_with_the_node_cache(tmp_path: Path, free_port: int, shared_data_dir: Path) -> None:
+    payload = _run(tmp_path, free_port, "--device", "cuda", "--bag", "3", "--node-cache")
+    _check(payload, free_port)
+    node = payload["meta"]["node_cache"]
+    assert node["peer_access"] is True, node["fallback_reason"]
+    assert node["local_hits"] > 0 and node["hit_rate"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.multi_gpu
 def test_two_gpus_share_one_embedding_store(tmp_path: Path, free_port: int, shared_data_dir: Path) -> None:

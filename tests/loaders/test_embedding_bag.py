@@ -1188,3 +1188,53 @@ def test_fused_table_batched_lookup_on_cpu_matches_torch(table: torch.Tensor) ->
     m(single).sum().backward()
     opt.step()
     assert m.stats()["form"] == "raw"
+
+
+def test_table_batched_bags_over_a_node_cache(tmp_path) -> None:
+    """use_node_cache: every layout (one id per table, bags with offsets, per-sample weights, mean) equals T
+    EmbeddingBags over the tables bit for bit; a bad id raises; training through a read-only node cache raises; None
+    goes back to the module's own cache."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ibpcache.cache.partitioned import PartitionedFeatureCache
+    from ibpcache.errors import InvalidArgumentError, InvalidIdsError, UnsupportedError
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, dim = [50, 30, 40], 8
+    tables = [torch.randn(n, dim, generator=gen).round(decimals=2) for n in sizes]
+    weight = torch.cat(tables)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        node = PartitionedFeatureCache(weight, torch.rand(weight.shape[0], generator=gen), 0.3, device="cpu")
+        for mode in ("sum", "mean"):
+            emb = TableBatchedCachedEmbeddingBag(sizes, dim, _weight=weight, mode=mode, cache_ratio=0.1, device="cpu")
+            emb.requires_grad_(False)
+            emb.use_node_cache(node)
+            ids2 = torch.stack([torch.randint(0, n, (6,), generator=gen) for n in sizes], 1)  # [B, T]
+            want = torch.cat([F.embedding_bag(ids2[:, t:t + 1], tables[t], mode=mode) for t in range(3)], 1)
+            assert torch.equal(emb(ids2), want)
+            bags = [torch.randint(0, n, (12,), generator=gen) for n in sizes]  # 4 bags of 3 per table
+            offs = torch.arange(0, 36, 3)
+            psw = torch.rand(36, generator=gen) if mode == "sum" else None
+            got = emb(torch.cat(bags), offs, psw)
+            want = torch.cat([F.embedding_bag(bags[t], tables[t], torch.arange(0, 12, 3), mode=mode,
+                                              per_sample_weights=None if psw is None else psw[12 * t:12 * (t + 1)])
+                              for t in range(3)], 1)
+            assert torch.equal(got, want)
+        with pytest.raises(InvalidIdsError):
+            emb(torch.tensor([[0, 30, 0]]))  # table 1 has 30 rows
+        with pytest.raises(InvalidArgumentError, match="node cache"):
+            TableBatchedCachedEmbeddingBag([10], dim, _weight=weight[:10], device="cpu").use_node_cache(node)
+        emb.requires_grad_(True)
+        emb.train()
+        with pytest.raises(UnsupportedError, match="frozen"):
+            emb(ids2)
+        emb.use_node_cache(None)
+        emb.eval()
+        with torch.no_grad():
+            assert torch.equal(emb(ids2), torch.cat([F.embedding_bag(ids2[:, t:t + 1], tables[t], mode="mean")
+                                                     for t in range(3)], 1))
+    finally:
+        dist.destroy_process_group()
