@@ -6,9 +6,9 @@ after it is dealt round-robin (rank ``k % W`` owns the k-th tail row) and each r
 its share, so the node holds the head plus about ``W`` budgets' worth of tail.
 
 Serving (the peer path, CUDA): each rank's :class:`~ibpcache.cache.feature_cache.FeatureCache` owns one static slab
-with slab id = its rank. The slabs are shared once through CUDA IPC (torch's own CUDA tensor sharing,
-``torch.multiprocessing.reductions.reduce_tensor``; handles exchanged with ``all_gather_object``), peer access is
-enabled, and every rank indexes its peers' rows at (peer slab id, peer offset, flags)
+with slab id = its rank. The slabs are shared once through CUDA IPC (:mod:`ibpcache.kernels.ipc`: handles exchanged
+with ``all_gather_object``, each opened for the reader's own GPU with lazy peer access), and every rank indexes its
+peers' rows at (peer slab id, peer offset, flags)
 (:meth:`FeatureCache.add_peer_rows`). So ``fetch`` is the engine's ONE lookup launch: local hits from HBM, peer
 hits read over NVLink straight from the owner's slab (compressed rows decoded in the kernel, nothing on a wire),
 misses zero-copy from the host store. No collective, no host sync (``validate="lazy"``): ``fetch`` is a local call.
@@ -151,6 +151,7 @@ class PartitionedFeatureCache:
         self._gpu = (self.device.index if self.device.index is not None else torch.cuda.current_device()
                      ) if self.device.type == "cuda" else -1
         self._local_hits = torch.zeros(2, dtype=torch.int64, device=self.device)  # local hits, peer hits
+        self._peer_maps: dict[int, Any] = {}  # rank -> its slab mapped for this GPU (kernels.ipc.PeerMapping)
         self.requests = 0
         self._place(hot, built_with_hot=True)
 
@@ -197,11 +198,13 @@ class PartitionedFeatureCache:
         self.fallback_reason = reasons[0] if reasons else None
         if self.fallback_reason is None:
             self.cache.restock(self.placement.priority(self.rank))
+            self._unmap_peers()  # restock dropped the old peer rows
             self.fallback_reason = self._map_peers()
             if self.fallback_reason is not None:  # some rank could not map its peers: every rank falls back
                 self.cache.restock(hot)
         elif not built_with_hot:
             self.cache.restock(hot)
+            self._unmap_peers()
         self._where = self._where_table()
         self.cache.reset_stats()  # the build's own check reads are not requests
 
@@ -225,34 +228,32 @@ class PartitionedFeatureCache:
         return None
 
     def _map_peers(self) -> "str | None":
-        """Share this rank's slab through CUDA IPC, open every peer's, enable peer access and index the peers' rows.
+        """Export this rank's slab through CUDA IPC, map every peer's for this rank's GPU and index the peers' rows.
         Returns why it failed on any rank (then no rank keeps peer rows), None on success."""
-        from torch.multiprocessing.reductions import reduce_tensor
+        from ..kernels.ipc import export_tensor, open_peer
 
         torch.cuda.synchronize(self.device)  # the slab is filled before a peer may read it
         ids, entries = self.cache.own_entries()
         keep = ~torch.isin(ids, self.placement.replicated)  # peers hold the head themselves
         data = self.cache.slab.data
-        handle = reduce_tensor(data) if data.numel() else None
-        shared = self._gather((self.rank, self._gpu, handle, ids[keep], entries[keep]))
+        export = export_tensor(data) if data.numel() else None
+        shared = self._gather((self.rank, self._gpu, export, ids[keep], entries[keep]))
         err: "str | None" = None
-        slabs: dict[int, torch.Tensor] = {}
         try:
-            for rank, index, h, _, _ in shared:
-                if rank == self.rank or h is None:
-                    continue
-                _enable_peer_access(self._gpu, index)
-                fn, args = h
-                slabs[rank] = fn(*args)
-        except Exception as exc:  # any CUDA IPC / peer-access failure: every rank falls back together
-            err = f"CUDA IPC / peer access failed on rank {self.rank}: {type(exc).__name__}: {exc}"
+            for rank, _index, exp, _, _ in shared:
+                if rank != self.rank and exp is not None:
+                    self._peer_maps[rank] = open_peer(exp, self._gpu)
+        except Exception as exc:  # any CUDA IPC failure: every rank falls back together
+            err = f"CUDA IPC failed on rank {self.rank}: {type(exc).__name__}: {exc}"
         errors = [e for e in self._gather(err) if e is not None]
         if errors:
+            self._unmap_peers()
             return errors[0]
-        peers = [s for s in shared if s[0] in slabs]
+        peers = [s for s in shared if s[0] in self._peer_maps]
         none = [torch.empty(0, dtype=torch.int64)]
         self._peer_ids = torch.cat([s[3] for s in peers] or none)
-        self.cache.add_peer_rows(self._peer_ids, torch.cat([s[4] for s in peers] or none), slabs)
+        self.cache.add_peer_rows(self._peer_ids, torch.cat([s[4] for s in peers] or none),
+                                 {rank: m.tensor for rank, m in self._peer_maps.items()})
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every rank indexes its peers before any fetch reads them
         bad = self._check_peer_reads()
@@ -260,8 +261,15 @@ class PartitionedFeatureCache:
         if errors:
             self.cache.add_peer_rows(none[0], none[0], {})
             self._peer_ids = none[0]
+            self._unmap_peers()
             return errors[0]
         return None
+
+    def _unmap_peers(self) -> None:
+        """Close this rank's mappings of peer slabs (the index no longer points into them)."""
+        for mapping in self._peer_maps.values():
+            mapping.close()
+        self._peer_maps = {}
 
     def _check_peer_reads(self, k: int = 64) -> "str | None":
         """Read a few peer rows through the lookup and compare them with the host store's bytes: a mapping that
@@ -306,6 +314,7 @@ class PartitionedFeatureCache:
         none = torch.empty(0, dtype=torch.int64)
         if self.cache.peer_rows:
             self.cache.add_peer_rows(none, none, {})
+        self._unmap_peers()
         self._peer_ids = none
         self._where = self._where_table()
         dist.barrier(group=self.group)  # every rank has unmapped its peers before any frees its slab
@@ -398,16 +407,3 @@ def _uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _enable_peer_access(device: int, peer: int) -> None:
-    """Let kernels on ``device`` read ``peer``'s memory, through torch's own peer-to-peer switch: a copy between two
-    GPUs makes torch enable peer access between them (``cudaDeviceEnablePeerAccess``, an "already enabled" error
-    cleared), so no CUDA error is left behind for a later launch check to find. Both directions: which one a copy
-    enables is torch's detail."""
-    if device == peer:
-        return
-    a = torch.zeros(4, dtype=torch.uint8, device=torch.device("cuda", device))
-    b = torch.zeros(4, dtype=torch.uint8, device=torch.device("cuda", peer))
-    a.copy_(b)
-    b.copy_(a)
-    torch.cuda.synchronize(device)
-    torch.cuda.synchronize(peer)
