@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -195,6 +196,7 @@ class CachedRowManager:
         self.prefetch_write_backs = 0
         self.order = StreamOrder(self.device)  # one operation at a time, from any thread or CUDA stream
         self.fused: "FusedLookup | None" = None
+        self._fused_lock = threading.Lock()  # threads' first lookups or prefetches build ONE FusedLookup
         self._side: "torch.cuda.Stream | None" = None
         self._side_active = False  # an operation runs on the side stream now (it must not reallocate state)
         if self.n_pinned:
@@ -204,9 +206,12 @@ class CachedRowManager:
         watch_unattached(self)
 
     def fused_lookup(self, stage_bytes: int = STAGE_BYTES, compress_cache: bool = True) -> "FusedLookup":
-        """The fused inference lookup over this cache and its host store (built on first use)."""
+        """The fused inference lookup over this cache and its host store (built on first use, once: two lookups
+        over one manager would each keep their own per-slot lengths of the same slots)."""
         if self.fused is None:
-            self.fused = FusedLookup(self, stage_bytes, compress_cache)
+            with self._fused_lock:
+                if self.fused is None:
+                    self.fused = FusedLookup(self, stage_bytes, compress_cache)
         return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
