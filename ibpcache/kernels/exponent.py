@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 from ._build import device_index, launch, sm_count
 
 __all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_gather", "exp_decode_desc", "STAGED_MAX_ROW",
-           "WARP_MAX_ROW", "EXP_GEOM_FIELDS"]
+           "WARP_MAX_ROW", "WARP_SMEM_BYTES", "EXP_GEOM_FIELDS", "group_rows"]
 
 _SRC = "exponent.cu"
 _THREADS = 128
@@ -25,6 +25,8 @@ _STAGED_WARPS = 4  # IBP_EXP_WARPS
 _GATHER_WARPS = 8  # IBP_EXP_GATHER_WARPS
 STAGED_MAX_ROW = 256  # IBP_EXP_MAX_ROW: one-segment rows up to this many bytes decode a row per lane
 WARP_MAX_ROW = 2048  # IBP_EXP_WARP_MAX_ROW: rows up to this many bytes are staged in shared memory by the warp decode
+WARP_SMEM_BYTES = WARP_MAX_ROW + 16 + WARP_MAX_ROW // 2
+"""IBP_EXP_WARP_SMEM_BYTES: one warp's shared memory in the warp decoders (a staged row and its exponent bytes)."""
 EXP_GEOM_FIELDS = ("row_elems", "eshift", "emask", "raw_bits", "row_bytes", "seg", "n_seg", "hdr_field")
 """The geometry words (``ExponentTables.geom``) in the order lookup.cu's ExpRows reads them (IBP_EXP_GEOM_WORDS)."""
 
@@ -68,6 +70,18 @@ class ExponentTables:
     @property
     def device(self) -> torch.device:
         return self.lut.device
+
+
+def group_rows(row_bytes: int, row_elems: int, n_seg: int, cap: int = 32) -> int:
+    """Rows one warp decodes at once (``ibp_exp_group_rows`` in exponent.cu; keep in sync): as many as fit
+    :data:`WARP_SMEM_BYTES` (a staged row of its whole words + 16 bytes, and one exponent byte per element, each)
+    with ``G * n_seg <= 32`` segment walks, at most ``cap`` (the lookup's pooling passes its row buffer's rows);
+    1 (a row per warp) for rows over :data:`WARP_MAX_ROW` bytes or of more than 16 segments. Tests use it to pick
+    geometries that exercise grouping, and the benchmarks report it."""
+    if row_bytes > WARP_MAX_ROW or n_seg > 16 or cap < 2:
+        return 1
+    stride = ((row_bytes + 3) & ~3) + 16
+    return max(1, min(WARP_SMEM_BYTES // (stride + row_elems), 32 // n_seg, cap))
 
 
 def _p(t: "torch.Tensor | None") -> np.uint64:
