@@ -621,10 +621,13 @@ __device__ unsigned ibp_exp_decode_rows_warp(int G, const unsigned char* src, in
 
 // The same decode for rows wider than IBP_EXP_WARP_MAX_ROW, without shared memory: lane s decodes segment s and
 // writes its elements itself, reading the stored bytes with bounded byte loads. Correct for any width; slow over
-// PCIe (many small reads), which is why rows up to IBP_EXP_WARP_MAX_ROW go through ibp_exp_decode_row_warp.
+// PCIe (many small reads), which is why rows up to IBP_EXP_WARP_MAX_ROW go through ibp_exp_decode_row_warp. Not
+// inlined: a call on this rare path keeps the registers of the kernels that also hold the group decoder at what
+// the staged paths need (the lookup's ROWS kernels: 80 instead of 128 on sm_90).
 template <typename T>
-__device__ bool ibp_exp_decode_row_direct(const unsigned char* src, int len, bool compressed, T* __restrict__ dst,
-                                          const IbpExpGeom g, const int* __restrict__ lut, int max_bits, int lane) {
+__device__ __noinline__ bool ibp_exp_decode_row_direct(const unsigned char* src, int len, bool compressed,
+                                                       T* __restrict__ dst, const IbpExpGeom g,
+                                                       const int* __restrict__ lut, int max_bits, int lane) {
   if (!compressed) {
     unsigned char* out = reinterpret_cast<unsigned char*>(dst);
     for (int b = lane; b < g.row_bytes; b += 32) out[b] = src[b];

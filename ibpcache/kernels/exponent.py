@@ -146,7 +146,8 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
     Row ``ids[i]`` (or ``i`` when ``ids`` is None, M = ``n_rows``) of a store whose row ``r`` is ``lengths[r]``
     bytes at address ``base + offsets[r]`` (``offsets`` None: ``r * row_bytes``) goes to ``out_u8[i]`` (or
     ``[out_rows[i]]``). ``base`` is a device address or a pinned host one (read zero-copy). One-segment rows up to
-    :data:`STAGED_MAX_ROW` bytes decode a row per lane, everything else a row per warp. ``err`` (int64 [2], CUDA):
+    :data:`STAGED_MAX_ROW` bytes decode a row per lane, everything else a row per warp, or :func:`group_rows` rows
+    per warp where several fit its shared memory. ``err`` (int64 [2], CUDA):
     ``err[0]`` = 1 + the first i whose row is malformed, ``err[1]`` = 1 + the first i whose id is out of range.
     """
     if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
@@ -185,11 +186,12 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
 
 def exp_decode_desc(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: torch.Tensor, compressed: torch.Tensor,
                     out_rows: Optional[torch.Tensor], tab: ExponentTables, err: torch.Tensor) -> None:
-    """Decode M rows given by descriptors, a row per warp: row m is ``lengths[m]`` bytes at the absolute address
-    ``src_ptrs[m]`` (device memory or pinned host memory: slab hits and host misses of one fetch, or rows the CPU
-    staged), coded iff ``compressed[m]``, into ``out_u8[out_rows[m]]`` (or ``[m]``). The exponent form of
-    ``bitpack.decode_descriptors`` (which calls this for exponent tables). ``err`` (int64 [2], CUDA): ``err[0]`` =
-    1 + the first m whose row is malformed (checked by whoever reads it; nothing here syncs).
+    """Decode M rows given by descriptors, a row per warp (or :func:`group_rows` per warp): row m is
+    ``lengths[m]`` bytes at the absolute address ``src_ptrs[m]`` (device memory or pinned host memory: slab hits and
+    host misses of one fetch, or rows the CPU staged), coded iff ``compressed[m]``, into ``out_u8[out_rows[m]]`` (or
+    ``[m]``). The exponent form of ``bitpack.decode_descriptors`` (which calls this for exponent tables). ``err``
+    (int64 [2], CUDA): ``err[0]`` = 1 + the first m whose row is malformed (checked by whoever reads it; nothing here
+    syncs).
     """
     m = int(src_ptrs.numel())
     if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()

@@ -491,7 +491,7 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
         i64 gid = 0;
         IbpRowSource src = {nullptr, 0, false, false};
         if (live) {
-            const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
+            const i64 j = bag_order != nullptr ? bag_order[k] : k;  // bags sorted by row: host reads in address order
             i64 s, start, end;
             bool bad_offsets;
             ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t,
