@@ -396,7 +396,8 @@ class ExponentCodec(Codec):
                    device: "str | torch.device" = "cuda") -> torch.Tensor:
         """:meth:`decode` on the GPU: ``data`` on the device or in pinned host memory (read zero-copy); row i is
         ``lengths[i]`` bytes at ``offsets[i]``. Narrow one-segment rows decode a row per lane; wider or segmented
-        rows a row per warp. A malformed row raises FormatError (one sync, to check)."""
+        rows a row per warp (several narrow rows per warp where they fit its shared memory). A malformed row raises
+        FormatError (one sync, to check)."""
         from .kernels.exponent import exp_gather
 
         tab = self.kernel_tables(device)

@@ -49,6 +49,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from ibpcache import Codec, CompressedRows, ExponentCodec, datasets  # noqa: E402
+from ibpcache.kernels.exponent import group_rows  # noqa: E402
 from ibpcache.testing.timing import add_out_argument, cpu_time, cuda_time, format_table, write_results  # noqa: E402
 
 TABLES = ("cora", "pubmed", "minilm", "kv_chat_k", "kv_chat_v", "kv_code_k", "kv_code_v")
@@ -98,6 +99,8 @@ def stored_ratios(codec: Codec, real: torch.Tensor, device: str) -> dict[str, An
     return {"stored_ratio": packed.stored_ratio, "ratio": packed.ratio, "metadata_bytes": packed.metadata_nbytes,
             "compressed_fraction": packed.compressed_fraction, "ratio_verified": ok,
             "seg": getattr(codec, "seg", None), "n_seg": getattr(codec, "n_seg", None),
+            "rows_per_warp": (group_rows(codec.row_bytes, codec.row_elems, codec.n_seg)
+                              if isinstance(codec, ExponentCodec) else None),
             "chunk_bytes": getattr(codec, "chunk_bytes", None) if codec.method == "ibp" else None}
 
 

@@ -3,8 +3,9 @@
 Covers: the rows lookup (FeatureCache static, lazy validation, a bad id), the pooling lookup (sum with per-sample
 weights, mean, max; fp32 and bf16; table-batched and single-table; sorted and as-given bag order) and the staged
 path (claim + stage + lookup, with a buffer that holds every miss and one that overflows); and the same kernels'
-exponent kinds (``*_e2`` / ``*_e4``: fp32, bf16, fp16 rows, one and several segments, rows past the 2 KB stage, a
-corrupt row), the exponent descriptor decode (dynamic policy, cpu-gather transfer) and the GPU encoder (admission).
+exponent kinds (``*_e2`` / ``*_e4``: fp32, bf16, fp16 rows, one and several segments, narrow rows several per warp,
+rows past the 2 KB stage, a corrupt row), the exponent descriptor decode (dynamic policy, cpu-gather transfer) and
+the GPU encoder (admission).
 `compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py` (scripts/gpu_check.sh runs every
 scripts/sanitize_*.py). Exits non-zero if any output is wrong, so a sanitizer-clean run is also a correct one.
 """
@@ -92,7 +93,8 @@ def exponent_ok() -> bool:
     base = minilm_rows(1200, 384)
     wide = torch.cat([base, base[:, :316]], 1).contiguous()  # 2800-byte fp32 rows: the direct decode
     ids = torch.randint(0, 1200, (700,), generator=torch.Generator().manual_seed(4))
-    for x in (base, base.to(torch.bfloat16), base[:, :33].to(torch.float16).contiguous(), wide):
+    kv_like = base[:, :64].to(torch.bfloat16).contiguous()  # 128-byte rows: 14 per warp (the grouped decode)
+    for x in (base, base.to(torch.bfloat16), base[:, :33].to(torch.float16).contiguous(), kv_like, wide):
         for seg in ("auto", 384):
             codec = Codec.fit(x, method="exponent", seg=seg)
             for policy, transfer in (("static", "zero_copy"), ("static", "cpu_gather"), ("lru", "zero_copy")):

@@ -454,12 +454,180 @@ __device__ bool ibp_exp_decode_row_warp(const unsigned char* src, int len, bool 
   return ok;
 }
 
+// ------------------------------------------------------------------------------------------------------------------
+// Warp-per-group decode: several narrow rows per warp
+// ------------------------------------------------------------------------------------------------------------------
+// Why: ibp_exp_decode_row_warp walks a row's codewords with one lane per segment, so a row of 1-3 segments leaves
+// 29-31 lanes idle during the serial walk (a 128-byte bf16 KV row decoded from HBM ran at a tenth of a raw copy). A
+// group of G rows puts up to G * n_seg segment walks on the warp at once; staging and element assembly stay
+// coalesced over the whole group. Same bytes, same per-row malformed semantics, same shared memory budget.
+//
+// Layout of the warp's IBP_EXP_WARP_SMEM_VEC uint4 for a group: G staged rows of ibp_exp_group_stride bytes each
+// (the row's whole words + 16 bytes: bit windows read up to 12 bytes past a stored length), then G * d exponent
+// bytes (row r's at G * stride + r * d).
+
+// Bytes between two staged rows of a group (4-byte aligned; room for the windows' read past the row).
+__device__ __forceinline__ int ibp_exp_group_stride(const IbpExpGeom& g) { return ((g.row_bytes + 3) & ~3) + 16; }
+
+// Rows one warp decodes at once (uniform): as many as fit IBP_EXP_WARP_SMEM_BYTES (staged row + exponent bytes each)
+// with G * n_seg <= 32 segment walks, and at most `cap` (what the caller's output buffer holds); 1 (the one-row path,
+// ibp_exp_decode_row_any) for rows too wide to stage, and when only one row fits.
+__device__ __forceinline__ int ibp_exp_group_rows(const IbpExpGeom& g, int cap) {
+  if (g.row_bytes > IBP_EXP_WARP_MAX_ROW || g.n_seg > 16 || cap < 2) return 1;
+  int G = IBP_EXP_WARP_SMEM_BYTES / (ibp_exp_group_stride(g) + g.d);
+  G = min(G, 32 / g.n_seg);
+  G = min(G, cap);
+  return G < 1 ? 1 : G;
+}
+
+#define IBP_EXP_GROUP_UNROLL 2  // staged words per lane whose loads are issued before their stores
+
+// The warp (all 32 lanes, uniform G) copies G rows into shared memory: lane r < G's row (n_r bytes at src_r, any
+// alignment, n_r <= row_bytes; 0 for none) goes to w + r * stride / 4 as whole words (bytes past n_r up to the word
+// end get any content). Lanes take (row, word) pairs of the group in turn, so a warp load covers 128 contiguous
+// bytes of a row; a word is read with its aligned successor (the funnel shift realigns), and only the aligned words
+// overlapping [src_r, src_r + n_r) are read. IBP_EXP_GROUP_UNROLL words' loads go before their stores (latency of
+// dependent reads overlaps, as in ibp_stage_rows).
+__device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* src, int n, unsigned int* w,
+                                                    int stride_words, int lane) {
+  const int per_row = stride_words - 4;  // >= the words of any row (row_bytes rounded up)
+  const int total = G * per_row;
+#pragma unroll 1
+  for (int base = 0; base < total; base += 32 * IBP_EXP_GROUP_UNROLL) {
+    unsigned int lo[IBP_EXP_GROUP_UNROLL], hi[IBP_EXP_GROUP_UNROLL];
+    int at[IBP_EXP_GROUP_UNROLL], sh[IBP_EXP_GROUP_UNROLL];
+#pragma unroll
+    for (int u = 0; u < IBP_EXP_GROUP_UNROLL; ++u) {
+      const int f = base + 32 * u + lane;
+      const int r = f < total ? f / per_row : 0;
+      const int k = f - r * per_row;
+      const int nr = __shfl_sync(IBP_EXP_FULL, n, r);
+      const unsigned long long sp = __shfl_sync(IBP_EXP_FULL, reinterpret_cast<unsigned long long>(src), r);
+      const int a = (int)(sp & 3);
+      const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
+      const int nw = nr > 0 ? (a + nr + 3) >> 2 : 0;
+      const bool out = f < total && k < (nr + 3) >> 2;
+      lo[u] = out ? words[k] : 0u;
+      hi[u] = out && k + 1 < nw ? words[k + 1] : 0u;
+      at[u] = out ? r * stride_words + k : -1;
+      sh[u] = 8 * a;
+    }
+#pragma unroll
+    for (int u = 0; u < IBP_EXP_GROUP_UNROLL; ++u)
+      if (at[u] >= 0) w[at[u]] = __funnelshift_r(lo[u], hi[u], sh[u]);
+  }
+}
+
+// Decode a group of G rows with the whole warp (all 32 lanes call it; G uniform, 1 <= G <= 32; G from
+// ibp_exp_group_rows). Lane r < G holds row r (lanes >= G: ignored):
+//   src, len, compressed   as ibp_exp_decode_row_warp's (raw rows: row_bytes bytes at src; coded: 1 <= len <
+//                          row_bytes, else the row is malformed); only the aligned 4-byte words overlapping the
+//                          row's bytes are read.
+//   dst                    its output row (aligned to sizeof(T)), or nullptr: no row (nothing read or written).
+// Returns (every lane) the mask of malformed rows (bit r: row r), whose dst is left untouched; the other rows are
+// decoded exactly as ibp_exp_decode_row_warp decodes them. Steps: stage the G rows (ibp_exp_stage_group); lane
+// r * n_seg + s walks segment s of row r into the row's exponent bytes; then lanes take (row, element) pairs of the
+// group in turn and assemble elements from the raw fields and exponent bytes (coalesced stores). Ends with
+// __syncwarp(), so the caller may reuse smem at once.
+template <typename T>
+__device__ unsigned ibp_exp_decode_rows_warp(int G, const unsigned char* src, int len, bool compressed,
+                                             T* __restrict__ dst, const IbpExpGeom g, const int* __restrict__ lut,
+                                             int max_bits, uint4* smem, int lane) {
+  const int stride_words = ibp_exp_group_stride(g) >> 2;
+  unsigned int* w = reinterpret_cast<unsigned int*>(smem);
+  unsigned char* ex = reinterpret_cast<unsigned char*>(smem) + 4 * G * stride_words;
+  const bool mine = lane < G && dst != nullptr;
+  const bool len_ok = !compressed || (len >= 1 && len < g.row_bytes);
+  const int n = mine && len_ok ? (compressed ? len : g.row_bytes) : 0;
+  ibp_exp_stage_group(G, src, n, w, stride_words, lane);
+  __syncwarp();
+  // segment walks: lane -> (row r, segment s)
+  const int hdr_bits = (g.n_seg - 1) * g.hdr_field;
+  const i64 code0 = hdr_bits + (i64)g.d * g.raw_bits;
+  const int wr = lane / g.n_seg, ws = lane - wr * g.n_seg;
+  const int walk_row = wr < G ? wr : 0;
+  const int rn = __shfl_sync(IBP_EXP_FULL, n, walk_row);
+  const bool rcoded = __shfl_sync(IBP_EXP_FULL, compressed ? 1 : 0, walk_row) != 0;
+  bool walk_bad = false;
+  if (wr < G && rn > 0 && rcoded) {
+    const unsigned int* rw = w + wr * stride_words;
+    unsigned char* rex = ex + wr * g.d;
+    const i64 lim = (i64)rn * 8;
+    if (code0 > lim) {
+      walk_bad = true;
+    } else {
+      const u64 field_mask = (1ull << g.hdr_field) - 1ull;
+      // pos <= lim before every window read: the read then stays within the staged words + 12 bytes
+      i64 pos = code0 + (ws > 0 ? (i64)(ibp_exp_window_words(rw, (i64)(ws - 1) * g.hdr_field) & field_mask) : 0);
+      const int j1 = min(g.d, (ws + 1) * g.seg);
+      for (int j = ws * g.seg; j < j1 && pos <= lim; ++j) {
+        const int e = ibp_exp_lookup(ibp_exp_window_words(rw, pos), lut, max_bits);
+        pos += e & 0xFF;
+        rex[j] = (unsigned char)(e >> 8);
+      }
+      walk_bad = pos > lim;
+    }
+  }
+  const unsigned walks_bad = __ballot_sync(IBP_EXP_FULL, walk_bad);  // bit r * n_seg + s
+  const unsigned seg_bits = g.n_seg >= 32 ? IBP_EXP_FULL : (1u << g.n_seg) - 1u;
+  const bool row_bad = mine && (!len_ok || ((walks_bad >> (lane * g.n_seg)) & seg_bits) != 0);
+  const unsigned bad = __ballot_sync(IBP_EXP_FULL, lane < G && row_bad);
+  const unsigned good = __ballot_sync(IBP_EXP_FULL, mine && !row_bad);
+  __syncwarp();  // the exponent bytes of every row are visible to every lane
+  // assembly: lane -> (row, element) for fp32, (row, element pair) for 16-bit elements
+  const int per_row = sizeof(T) == 4 ? g.d : (g.d + 1) >> 1;
+  const int total = G * per_row;
+  const unsigned raw_mask = (1u << g.raw_bits) - 1u;
+  for (int base = 0; base < total; base += 32) {
+    const int f = base + lane;
+    const int r = f < total ? f / per_row : 0;
+    const int q = f - r * per_row;
+    T* rdst = reinterpret_cast<T*>(
+        __shfl_sync(IBP_EXP_FULL, reinterpret_cast<unsigned long long>(dst), r));
+    const bool rc = __shfl_sync(IBP_EXP_FULL, compressed ? 1 : 0, r) != 0;
+    if (f >= total || !((good >> r) & 1u)) continue;  // no shuffle below: lanes rejoin at the loop's top
+    const unsigned int* rw = w + r * stride_words;
+    const unsigned char* rex = ex + r * g.d;
+    if (sizeof(T) == 4) {
+      rdst[q] = (T)(rc ? ibp_exp_element<T>((unsigned)ibp_exp_window_words(rw, hdr_bits + (i64)q * g.raw_bits) &
+                                                raw_mask,
+                                            rex[q], g.eshift)
+                       : rw[q]);
+    } else {
+      const int j = 2 * q;
+      const bool two = j + 1 < g.d;
+      unsigned v0, v1 = 0;
+      if (rc) {
+        v0 = ibp_exp_element<T>((unsigned)ibp_exp_window_words(rw, hdr_bits + (i64)j * g.raw_bits) & raw_mask, rex[j],
+                                g.eshift);
+        if (two)
+          v1 = ibp_exp_element<T>((unsigned)ibp_exp_window_words(rw, hdr_bits + (i64)(j + 1) * g.raw_bits) & raw_mask,
+                                  rex[j + 1], g.eshift);
+      } else {  // stored raw: little-endian elements, element pair q is staged word q
+        v0 = rw[q] & 0xFFFFu;
+        v1 = rw[q] >> 16;
+      }
+      if (two && (reinterpret_cast<unsigned long long>(rdst) & 3) == 0) {
+        reinterpret_cast<unsigned int*>(rdst)[q] = v0 | (v1 << 16);
+      } else {
+        rdst[j] = (T)v0;
+        if (two) rdst[j + 1] = (T)v1;
+      }
+    }
+  }
+  __syncwarp();  // smem is free for the caller's next group
+  return bad;
+}
+
 // The same decode for rows wider than IBP_EXP_WARP_MAX_ROW, without shared memory: lane s decodes segment s and
 // writes its elements itself, reading the stored bytes with bounded byte loads. Correct for any width; slow over
-// PCIe (many small reads), which is why rows up to IBP_EXP_WARP_MAX_ROW go through ibp_exp_decode_row_warp.
+// PCIe (many small reads), which is why rows up to IBP_EXP_WARP_MAX_ROW go through ibp_exp_decode_row_warp. Not
+// inlined: a call on this rare path keeps the registers of the kernels that also hold the group decoder at what
+// the staged paths need (the lookup's ROWS kernels: 80 instead of 128 on sm_90).
 template <typename T>
-__device__ bool ibp_exp_decode_row_direct(const unsigned char* src, int len, bool compressed, T* __restrict__ dst,
-                                          const IbpExpGeom g, const int* __restrict__ lut, int max_bits, int lane) {
+__device__ __noinline__ bool ibp_exp_decode_row_direct(const unsigned char* src, int len, bool compressed,
+                                                       T* __restrict__ dst, const IbpExpGeom g,
+                                                       const int* __restrict__ lut, int max_bits, int lane) {
   if (!compressed) {
     unsigned char* out = reinterpret_cast<unsigned char*>(dst);
     for (int b = lane; b < g.row_bytes; b += 32) out[b] = src[b];
@@ -575,38 +743,58 @@ __device__ __forceinline__ bool ibp_exp_decode_row_any(const unsigned char* src,
                                                                             lane);
 }
 
+// A group of G rows (ibp_exp_group_rows) decoded by the calling warp, lane r < G holding row r (dst nullptr: no
+// row): G == 1 is the one-row path (ibp_exp_decode_row_any, any width; every lane holds row 0), G > 1
+// ibp_exp_decode_rows_warp. Returns (every lane) the mask of malformed rows.
+template <typename T>
+__device__ __forceinline__ unsigned ibp_exp_decode_group(int G, const unsigned char* src, int len, bool coded,
+                                                         T* __restrict__ dst, const IbpExpGeom g,
+                                                         const int* __restrict__ lut, int max_bits, uint4* smem,
+                                                         int lane) {
+  if (G == 1) {
+    if (dst == nullptr) return 0u;
+    return ibp_exp_decode_row_any<T>(src, len, coded, dst, g, lut, max_bits, smem, lane) ? 0u : 1u;
+  }
+  return ibp_exp_decode_rows_warp<T>(G, src, len, coded, dst, g, lut, max_bits, smem, lane);
+}
+
 #define IBP_EXP_GATHER_WARPS 8  // warps per block of ibp_exp_gather (8 * 3088 bytes of shared memory)
 
-// A row per warp: ibp_exp_decode_row_warp for rows up to IBP_EXP_WARP_MAX_ROW bytes, ibp_exp_decode_row_direct past.
+// A row per warp (ibp_exp_decode_row_warp up to IBP_EXP_WARP_MAX_ROW bytes, ibp_exp_decode_row_direct past), or a
+// group of G narrow rows per warp (ibp_exp_group_rows): lane L resolves row i0 + L % G of the group.
 template <typename T>
 __device__ __forceinline__ void ibp_exp_gather_impl(IBP_EXP_GATHER_PARAMS, const IbpExpGeom g,
                                                     const int* __restrict__ lut, int max_bits) {
   __shared__ uint4 smem[IBP_EXP_GATHER_WARPS][IBP_EXP_WARP_SMEM_VEC];
   const int lane = threadIdx.x & 31;
   uint4* mine = smem[threadIdx.x >> 5];
+  const int G = ibp_exp_group_rows(g, 32);
+  const int r = lane % G;
   const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
   const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-  for (i64 i = warp; i < n; i += nwarps) {
-    const i64 id = ids ? ids[i] : i;
-    if (id < 0 || id >= n_rows) {
-      if (lane == 0) ibp_exp_flag(err, 1, i);
-      continue;
-    }
-    const int len = lengths[id];
-    const unsigned char* src = base + (offsets ? offsets[id] : id * (i64)g.row_bytes);
-    T* dst = reinterpret_cast<T*>(out + (out_rows ? out_rows[i] : i) * (i64)g.row_bytes);
-    const bool coded = len < g.row_bytes;
-    bool ok = len <= g.row_bytes;
-    if (ok) ok = ibp_exp_decode_row_any<T>(src, len, coded, dst, g, lut, max_bits, mine, lane);
-    if (!ok && lane == 0) ibp_exp_flag(err, 0, i);
+  for (i64 i0 = warp * G; i0 < n; i0 += nwarps * G) {
+    const i64 i = i0 + r;
+    const bool live = i < n;  // the last group may be short
+    const i64 id = live ? (ids ? ids[i] : i) : 0;
+    const bool bad_id = live && (id < 0 || id >= n_rows);
+    if (bad_id && lane < G) ibp_exp_flag(err, 1, i);
+    const bool found = live && !bad_id;
+    const int len = found ? lengths[id] : 0;
+    const unsigned char* src = found ? base + (offsets ? offsets[id] : id * (i64)g.row_bytes) : nullptr;
+    T* dst = reinterpret_cast<T*>(out + (out_rows && live ? out_rows[i] : i) * (i64)g.row_bytes);
+    const bool fetch = found && len <= g.row_bytes;  // longer than raw: malformed, nothing read
+    const unsigned bad = ibp_exp_decode_group<T>(G, src, len, len < g.row_bytes, fetch ? dst : nullptr, g, lut,
+                                                 max_bits, mine, lane);
+    if (found && (!fetch || ((bad >> r) & 1u)) && lane < G) ibp_exp_flag(err, 0, i);
   }
 }
 
-// Decode descriptors (a row per warp): row i is lengths[i] bytes at the absolute address src_ptrs[i] (device
-// memory, or pinned host memory read zero-copy), coded iff compressed[i] != 0 (a raw row is row_bytes bytes,
-// whatever lengths[i] says), and goes to out row out_rows[i] (or i). Slab hits and host misses of one fetch decode in
-// one launch, as do the stored bytes the CPU staged (HostStore.stage): the exponent form of bitpack.cu's
-// ibp_decode_desc_c{C}. err[0] = 1 + the first i whose row is malformed (its output row is then partial).
+// Decode descriptors (a row per warp, or a group of G narrow rows per warp as ibp_exp_gather_impl): row i is
+// lengths[i] bytes at the absolute address src_ptrs[i] (device memory, or pinned host memory read zero-copy), coded
+// iff compressed[i] != 0 (a raw row is row_bytes bytes, whatever lengths[i] says), and goes to out row out_rows[i]
+// (or i). Slab hits and host misses of one fetch decode in one launch, as do the stored bytes the CPU staged
+// (HostStore.stage): the exponent form of bitpack.cu's ibp_decode_desc_c{C}. err[0] = 1 + the first i whose row is
+// malformed (its output row is then partial).
 template <typename T>
 __device__ __forceinline__ void ibp_exp_decode_desc_impl(const i64* __restrict__ src_ptrs,
                                                          const int* __restrict__ lengths,
@@ -617,15 +805,19 @@ __device__ __forceinline__ void ibp_exp_decode_desc_impl(const i64* __restrict__
   __shared__ uint4 smem[IBP_EXP_GATHER_WARPS][IBP_EXP_WARP_SMEM_VEC];
   const int lane = threadIdx.x & 31;
   uint4* mine = smem[threadIdx.x >> 5];
+  const int G = ibp_exp_group_rows(g, 32);
+  const int r = lane % G;
   const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
   const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-  for (i64 i = warp; i < n; i += nwarps) {
-    const bool coded = compressed[i] != 0;
+  for (i64 i0 = warp * G; i0 < n; i0 += nwarps * G) {
+    const i64 i = i0 + r;
+    const bool live = i < n;  // the last group may be short
+    const bool coded = live && compressed[i] != 0;
     const int len = coded ? lengths[i] : g.row_bytes;
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(src_ptrs[i]);
-    T* dst = reinterpret_cast<T*>(out + (out_rows ? out_rows[i] : i) * (i64)g.row_bytes);
-    const bool ok = ibp_exp_decode_row_any<T>(src, len, coded, dst, g, lut, max_bits, mine, lane);
-    if (!ok && lane == 0) ibp_exp_flag(err, 0, i);
+    const unsigned char* src = live ? reinterpret_cast<const unsigned char*>(src_ptrs[i]) : nullptr;
+    T* dst = live ? reinterpret_cast<T*>(out + (out_rows ? out_rows[i] : i) * (i64)g.row_bytes) : nullptr;
+    const unsigned bad = ibp_exp_decode_group<T>(G, src, len, coded, dst, g, lut, max_bits, mine, lane);
+    if (live && ((bad >> r) & 1u) && lane < G) ibp_exp_flag(err, 0, i);
   }
 }
 

@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 from ._build import device_index, launch, sm_count
 
 __all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_gather", "exp_decode_desc", "STAGED_MAX_ROW",
-           "WARP_MAX_ROW", "EXP_GEOM_FIELDS"]
+           "WARP_MAX_ROW", "WARP_SMEM_BYTES", "EXP_GEOM_FIELDS", "group_rows"]
 
 _SRC = "exponent.cu"
 _THREADS = 128
@@ -25,6 +25,8 @@ _STAGED_WARPS = 4  # IBP_EXP_WARPS
 _GATHER_WARPS = 8  # IBP_EXP_GATHER_WARPS
 STAGED_MAX_ROW = 256  # IBP_EXP_MAX_ROW: one-segment rows up to this many bytes decode a row per lane
 WARP_MAX_ROW = 2048  # IBP_EXP_WARP_MAX_ROW: rows up to this many bytes are staged in shared memory by the warp decode
+WARP_SMEM_BYTES = WARP_MAX_ROW + 16 + WARP_MAX_ROW // 2
+"""IBP_EXP_WARP_SMEM_BYTES: one warp's shared memory in the warp decoders (a staged row and its exponent bytes)."""
 EXP_GEOM_FIELDS = ("row_elems", "eshift", "emask", "raw_bits", "row_bytes", "seg", "n_seg", "hdr_field")
 """The geometry words (``ExponentTables.geom``) in the order lookup.cu's ExpRows reads them (IBP_EXP_GEOM_WORDS)."""
 
@@ -68,6 +70,18 @@ class ExponentTables:
     @property
     def device(self) -> torch.device:
         return self.lut.device
+
+
+def group_rows(row_bytes: int, row_elems: int, n_seg: int, cap: int = 32) -> int:
+    """Rows one warp decodes at once (``ibp_exp_group_rows`` in exponent.cu; keep in sync): as many as fit
+    :data:`WARP_SMEM_BYTES` (a staged row of its whole words + 16 bytes, and one exponent byte per element, each)
+    with ``G * n_seg <= 32`` segment walks, at most ``cap`` (the lookup's pooling passes its row buffer's rows);
+    1 (a row per warp) for rows over :data:`WARP_MAX_ROW` bytes or of more than 16 segments. Tests use it to pick
+    geometries that exercise grouping, and the benchmarks report it."""
+    if row_bytes > WARP_MAX_ROW or n_seg > 16 or cap < 2:
+        return 1
+    stride = ((row_bytes + 3) & ~3) + 16
+    return max(1, min(WARP_SMEM_BYTES // (stride + row_elems), 32 // n_seg, cap))
 
 
 def _p(t: "torch.Tensor | None") -> np.uint64:
@@ -132,7 +146,8 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
     Row ``ids[i]`` (or ``i`` when ``ids`` is None, M = ``n_rows``) of a store whose row ``r`` is ``lengths[r]``
     bytes at address ``base + offsets[r]`` (``offsets`` None: ``r * row_bytes``) goes to ``out_u8[i]`` (or
     ``[out_rows[i]]``). ``base`` is a device address or a pinned host one (read zero-copy). One-segment rows up to
-    :data:`STAGED_MAX_ROW` bytes decode a row per lane, everything else a row per warp. ``err`` (int64 [2], CUDA):
+    :data:`STAGED_MAX_ROW` bytes decode a row per lane, everything else a row per warp, or :func:`group_rows` rows
+    per warp where several fit its shared memory. ``err`` (int64 [2], CUDA):
     ``err[0]`` = 1 + the first i whose row is malformed, ``err[1]`` = 1 + the first i whose id is out of range.
     """
     if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
@@ -171,11 +186,12 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
 
 def exp_decode_desc(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: torch.Tensor, compressed: torch.Tensor,
                     out_rows: Optional[torch.Tensor], tab: ExponentTables, err: torch.Tensor) -> None:
-    """Decode M rows given by descriptors, a row per warp: row m is ``lengths[m]`` bytes at the absolute address
-    ``src_ptrs[m]`` (device memory or pinned host memory: slab hits and host misses of one fetch, or rows the CPU
-    staged), coded iff ``compressed[m]``, into ``out_u8[out_rows[m]]`` (or ``[m]``). The exponent form of
-    ``bitpack.decode_descriptors`` (which calls this for exponent tables). ``err`` (int64 [2], CUDA): ``err[0]`` =
-    1 + the first m whose row is malformed (checked by whoever reads it; nothing here syncs).
+    """Decode M rows given by descriptors, a row per warp (or :func:`group_rows` per warp): row m is
+    ``lengths[m]`` bytes at the absolute address ``src_ptrs[m]`` (device memory or pinned host memory: slab hits and
+    host misses of one fetch, or rows the CPU staged), coded iff ``compressed[m]``, into ``out_u8[out_rows[m]]`` (or
+    ``[m]``). The exponent form of ``bitpack.decode_descriptors`` (which calls this for exponent tables). ``err``
+    (int64 [2], CUDA): ``err[0]`` = 1 + the first m whose row is malformed (checked by whoever reads it; nothing here
+    syncs).
     """
     m = int(src_ptrs.numel())
     if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()

@@ -199,10 +199,15 @@ __device__ __forceinline__ void ibp_report_bad_offsets(volatile int* err, i64 ba
 
 // ---- codec kinds --------------------------------------------------------------------------------------
 // What a kind provides: SMEM_VEC (uint4 of per-warp shared memory its decoder needs), a constructor from the row
-// size and the three codec parameters, and decode(src, len, coded, dst, smem, lane): the calling warp (all 32 lanes,
+// size and the three codec parameters, decode(src, len, coded, dst, smem, lane): the calling warp (all 32 lanes,
 // uniform arguments) decodes one stored row into dst; false (every lane) if the row is malformed (dst then holds
-// partial output). IBP rows cannot be told malformed (every bit string decodes), so IbpRows::decode is always true
-// and the callers' error branches vanish from IBP kernels.
+// partial output); group_rows(cap): how many rows G (uniform, 1 <= G <= cap) the warp decodes at once; and
+// decode_group(G, src, len, coded, dst, smem, lane): lane r < G holds row r (dst nullptr: no row), the warp decodes
+// them all and returns (every lane) the mask of malformed rows, whose dst holds partial output (zeros must follow
+// a __syncwarp). The lookup kernels are written once over groups: lane L works on row L % G of the group, so with
+// G == 1 every lane holds the same row, as a warp-per-row loop has it. IBP rows cannot be told malformed (every bit
+// string decodes), so IbpRows::decode is always true, its group_rows is the constant 1, and the callers' error and
+// group branches vanish from IBP kernels.
 
 template <int C>
 struct IbpRows {
@@ -216,6 +221,12 @@ struct IbpRows {
                                            uint4* smem, int lane) const {
         ibp_decode_row<C>(src, len, coded, dst, row_bytes, n_chunks, mask, bitval, smem, lane);
         return true;
+    }
+    __device__ __forceinline__ int group_rows(int) const { return 1; }
+    __device__ __forceinline__ unsigned decode_group(int, const unsigned char* src, int len, bool coded,
+                                                     unsigned char* dst, uint4* smem, int lane) const {
+        if (dst != nullptr) decode(src, len, coded, dst, smem, lane);  // uniform: G == 1
+        return 0u;
     }
 };
 
@@ -240,6 +251,12 @@ struct ExpRows {
     __device__ __forceinline__ bool decode(const unsigned char* src, int len, bool coded, unsigned char* dst,
                                            uint4* smem, int lane) const {
         return ibp_exp_decode_row_any<T>(src, len, coded, reinterpret_cast<T*>(dst), g, lut, max_bits, smem, lane);
+    }
+    // Rows of few segments decode several per warp (ibp_exp_decode_rows_warp: up to 32 segment walks at once).
+    __device__ __forceinline__ int group_rows(int cap) const { return ibp_exp_group_rows(g, cap); }
+    __device__ __forceinline__ unsigned decode_group(int G, const unsigned char* src, int len, bool coded,
+                                                     unsigned char* dst, uint4* smem, int lane) const {
+        return ibp_exp_decode_group<T>(G, src, len, coded, reinterpret_cast<T*>(dst), g, lut, max_bits, smem, lane);
     }
 };
 
@@ -428,57 +445,97 @@ __device__ __forceinline__ IbpRowSource ibp_lookup_source(i64 gid, int index_mod
     return r;
 }
 
-// ROWS: one id per bag, decoded straight into its output row. Warp per bag, 8 warps per block.
+// The sum over the group's lanes r < G of a per-lane count (every lane gets it); with G == 1 lane 0's own count,
+// which every lane shares then (no shuffle: IBP kernels, whose G is the constant 1, keep their uniform counts).
+__device__ __forceinline__ u64 ibp_group_sum(u64 v, int G, int lane) {
+    if (G == 1) return v;
+    v = lane < G ? v : 0ull;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(IBP_FULL, v, o);
+    return v;
+}
+
+// Zero the output rows of the group whose bit is set in `rows` (dst of row r held by lane r), with the whole warp.
+__device__ __forceinline__ void ibp_zero_group_rows(unsigned rows, unsigned char* dst, int row_bytes, int lane) {
+    if (rows == 0u) return;
+    __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
+    while (rows != 0u) {
+        const int r = __ffs(rows) - 1;
+        unsigned char* d = reinterpret_cast<unsigned char*>(
+            __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), r));
+        for (int b = lane; b < row_bytes; b += 32) d[b] = 0;
+        rows &= rows - 1u;
+    }
+}
+
+// ROWS: one id per bag, decoded straight into its output row. A warp takes G consecutive bags of its loop at a
+// time (K::group_rows: 1 for IBP, several narrow exponent rows); lane L resolves bag L % G (index probe, source),
+// then the warp decodes the group. 8 warps per block.
 template <class K>
 __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
     uint4* smem = sdec[threadIdx.x >> 5];
+    const int G = codec.group_rows(32);
+    const int r = lane % G;  // the group's row this lane resolves
     const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
     const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
-    for (i64 k = warp; k < n_bags; k += nwarps) {
-        const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
-        int t;
-        i64 s, start, end;
-        bool bad_offsets;
-        ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
-                      start, end, bad_offsets);
-        unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
-        const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
-        const i64 id = start < end ? ids[start] : -1;
-        if (id < 0 || id >= limit) {
-            if (lane == 0) ibp_report_bad_id(err, t);
-            for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
-            continue;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;  // of this lane's rows (summed over lanes r < G)
+    for (i64 k0 = warp * G; k0 < n_bags; k0 += nwarps * G) {
+        const i64 k = k0 + r;
+        const bool live = k < n_bags;  // the last group may be short
+        unsigned char* dst = nullptr;
+        bool bad = false, staged = false;
+        int t = 0;
+        i64 gid = 0;
+        IbpRowSource src = {nullptr, 0, false, false};
+        if (live) {
+            const i64 j = bag_order != nullptr ? bag_order[k] : k;  // bags sorted by row: host reads in address order
+            i64 s, start, end;
+            bool bad_offsets;
+            ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t,
+                          s, start, end, bad_offsets);
+            dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
+            const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
+            const i64 id = start < end ? ids[start] : -1;
+            bad = id < 0 || id >= limit;
+            if (bad) {
+                if (lane < G) ibp_report_bad_id(err, t);
+            } else {
+                gid = id + (table_base != nullptr ? table_base[t] : 0);
+                src = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                        host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
+                                        step_state, staging, stage_cap, staged);
+            }
         }
-        const i64 gid = id + (table_base != nullptr ? table_base[t] : 0);
-        bool staged;
-        IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
-                                           host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
-                                           step_state, staging, stage_cap, staged);
-        if (!codec.decode(r.src, r.len, r.comp, dst, smem, lane)) {
-            if (lane == 0) ibp_report_corrupt_row(err, t);
-            __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
-            for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
+        const bool fetch = live && !bad;
+        const unsigned corrupt = codec.decode_group(G, src.src, src.len, src.comp, fetch ? dst : nullptr, smem, lane);
+        const bool mine_corrupt = fetch && ((corrupt >> r) & 1u);
+        if (mine_corrupt && lane < G) ibp_report_corrupt_row(err, t);
+        // a bad id's output row is zeros, as is a malformed row's
+        ibp_zero_group_rows(__ballot_sync(IBP_FULL, lane < G && live && (bad || mine_corrupt)), dst, row_bytes, lane);
+        if (fetch) {
+            requests += 1;
+            if (src.hit) {
+                hits += 1;
+                slab_bytes += (u64)src.len;
+            } else if (!staged) {
+                host_bytes += (u64)src.len;
+            }
+            if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[gid], 1);
         }
-        requests += 1;
-        if (r.hit) {
-            hits += 1;
-            slab_bytes += (u64)r.len;
-        } else if (!staged) {
-            host_bytes += (u64)r.len;
-        }
-        if (freq != nullptr && staging == nullptr && lane == 0) atomicAdd(&freq[gid], 1);
     }
-    ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+    ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
+                       ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
     if (staging != nullptr) ibp_finish_step(step_state);
 }
 
-// SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * PER_LANE elements.
-// Each row is decoded into the warp's shared row buffer, then every lane folds its elements (e = lane + 32 k)
-// into float registers.
+// SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * PER_LANE elements. A warp takes
+// the bag's ids G at a time (K::group_rows, capped by the row buffer; 1 for IBP): lane L resolves id L % G, the
+// warp decodes the G rows into its shared row buffer (row r at r * row_bytes), then folds them in the bag's order,
+// every lane its elements (e = lane + 32 k) into float registers, so the summation order is the one of a
+// row-by-row loop (torch's).
 template <class K, int PER_LANE>
 __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];
@@ -487,11 +544,14 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
     const int lane = threadIdx.x & 31;
     uint4* smem = sdec[threadIdx.x >> 5];
     unsigned char* rowbuf = reinterpret_cast<unsigned char*>(srow[threadIdx.x >> 5]);
+    const int G = codec.group_rows(IBP_POOL_MAX_ROW / row_bytes);
+    const int r = lane % G;  // the group's row this lane resolves
+    unsigned char* myrow = rowbuf + r * row_bytes;
     const int elem_bytes = elem == IBP_ELEM_F32 ? 4 : 2;
     const int dim = row_bytes / elem_bytes;
     const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
     const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;  // of this lane's rows (summed over lanes r < G)
     for (i64 k = warp; k < n_bags; k += nwarps) {
         const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
         int t;
@@ -506,47 +566,57 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
 #pragma unroll
         for (int q = 0; q < PER_LANE; ++q) acc[q] = 0.0f;
         int count = 0;
-        for (i64 p = start; p < end; ++p) {
-            const i64 id = ids[p];
-            if (id < 0 || id >= limit) {
-                if (lane == 0) ibp_report_bad_id(err, t);
-                continue;
-            }
+        for (i64 p0 = start; p0 < end; p0 += G) {
+            const i64 p = p0 + r;
+            const bool live = p < end;  // the bag's last group may be short
+            const i64 id = live ? ids[p] : 0;
+            const bool bad = live && (id < 0 || id >= limit);
+            if (bad && lane < G) ibp_report_bad_id(err, t);
+            const bool fetch = live && !bad;
             const i64 gid = id + base;
-            bool staged;
-            IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes,
-                                               slab_bases, host_base, host_offsets, host_stride, host_lengths,
-                                               row_bytes, stage_of, step_state, staging, stage_cap, staged);
-            if (!codec.decode(r.src, r.len, r.comp, rowbuf, smem, lane)) {  // uniform across the warp
-                if (lane == 0) ibp_report_corrupt_row(err, t);
-                continue;  // a malformed row pools nothing (rowbuf is rewritten by the next decode)
-            }
+            bool staged = false;
+            IbpRowSource src = {nullptr, 0, false, false};
+            if (fetch)
+                src = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                        host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
+                                        step_state, staging, stage_cap, staged);
+            const unsigned corrupt =
+                codec.decode_group(G, src.src, src.len, src.comp, fetch ? myrow : nullptr, smem, lane);
+            const bool used = fetch && !((corrupt >> r) & 1u);  // a malformed row pools nothing
+            if (fetch && !used && lane < G) ibp_report_corrupt_row(err, t);
+            const unsigned use = __ballot_sync(IBP_FULL, lane < G && used);
             __syncwarp();
-            const float w = psw != nullptr ? psw[p] : 1.0f;
+            for (int q0 = 0; q0 < G; ++q0) {  // the group's rows in the bag's order
+                if (!((use >> q0) & 1u)) continue;  // uniform
+                const unsigned char* row = rowbuf + q0 * row_bytes;
+                const float w = psw != nullptr ? psw[p0 + q0] : 1.0f;
 #pragma unroll
-            for (int q = 0; q < PER_LANE; ++q) {
-                const int e = lane + 32 * q;
-                if (e < dim) {
-                    const float v = ibp_elem_load(rowbuf, e, elem);
-                    if (op == IBP_OP_MAX) {
-                        if (count == 0 || v > acc[q]) acc[q] = v;
-                    } else if (psw != nullptr) {
-                        acc[q] = fmaf(v, w, acc[q]);
-                    } else {
-                        acc[q] = acc[q] + v;
+                for (int q = 0; q < PER_LANE; ++q) {
+                    const int e = lane + 32 * q;
+                    if (e < dim) {
+                        const float v = ibp_elem_load(row, e, elem);
+                        if (op == IBP_OP_MAX) {
+                            if (count == 0 || v > acc[q]) acc[q] = v;
+                        } else if (psw != nullptr) {
+                            acc[q] = fmaf(v, w, acc[q]);
+                        } else {
+                            acc[q] = acc[q] + v;
+                        }
                     }
                 }
+                count += 1;
             }
             __syncwarp();
-            count += 1;
-            requests += 1;
-            if (r.hit) {
-                hits += 1;
-                slab_bytes += (u64)r.len;
-            } else if (!staged) {
-                host_bytes += (u64)r.len;
+            if (used) {
+                requests += 1;
+                if (src.hit) {
+                    hits += 1;
+                    slab_bytes += (u64)src.len;
+                } else if (!staged) {
+                    host_bytes += (u64)src.len;
+                }
+                if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[gid], 1);
             }
-            if (freq != nullptr && staging == nullptr && lane == 0) atomicAdd(&freq[gid], 1);
         }
         unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
 #pragma unroll
@@ -559,7 +629,8 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
             }
         }
     }
-    ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+    ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
+                       ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
     if (staging != nullptr) ibp_finish_step(step_state);
 }
 
