@@ -206,12 +206,13 @@ __device__ __forceinline__ void ibp_report_bad_offsets(volatile int* err, i64 ba
 // them all and returns (every lane) the mask of malformed rows, whose dst holds partial output (zeros must follow
 // a __syncwarp). The lookup kernels are written once over groups: lane L works on row L % G of the group, so with
 // G == 1 every lane holds the same row, as a warp-per-row loop has it. IBP rows cannot be told malformed (every bit
-// string decodes), so IbpRows::decode is always true, its group_rows is the constant 1, and the callers' error and
-// group branches vanish from IBP kernels.
+// string decodes), so IbpRows::decode is always true and its group_rows the constant 1. GROUPED says which loop a
+// kind runs: the grouped ones (exponent rows) or the one-row-per-warp ones (IBP and raw rows).
 
 template <int C>
 struct IbpRows {
     static constexpr int SMEM_VEC = IBP_RING_VEC;  // the warp's ring buffer (bitpack.cu)
+    static constexpr bool GROUPED = false;  // one row per warp (ibp_lookup_rows_one / ibp_lookup_pool_one)
     int row_bytes, n_chunks;
     const u64* mask;
     const u64* bitval;
@@ -236,6 +237,7 @@ struct IbpRows {
 template <typename T>
 struct ExpRows {
     static constexpr int SMEM_VEC = IBP_EXP_WARP_SMEM_VEC;  // staged row + exponent bytes (exponent.cu)
+    static constexpr bool GROUPED = true;  // several narrow rows per warp (ibp_lookup_*_grouped)
     IbpExpGeom g;
     const int* lut;
     int max_bits;
@@ -472,7 +474,7 @@ __device__ __forceinline__ void ibp_zero_group_rows(unsigned rows, unsigned char
 // time (K::group_rows: 1 for IBP, several narrow exponent rows); lane L resolves bag L % G (index probe, source),
 // then the warp decodes the group. 8 warps per block.
 template <class K>
-__device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
+__device__ void ibp_lookup_rows_grouped(IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
@@ -537,7 +539,7 @@ __device__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
 // every lane its elements (e = lane + 32 k) into float registers, so the summation order is the one of a
 // row-by-row loop (torch's).
 template <class K, int PER_LANE>
-__device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+__device__ void ibp_lookup_pool_grouped(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];
     __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
@@ -639,6 +641,159 @@ __device__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__
         table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
         host_offsets, host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err, freq, stage_of, \
         step_state, staging, stage_cap, bag_order
+
+// One-row-per-warp forms of the two loops above, for codec kinds that never group rows (IBP, raw rows): the grouped
+// loops with G == 1 compute the same bytes, but their per-row vote and group bookkeeping cost about a fifth of the
+// throughput of raw 128-768 B cache hits (measured on an H200), so those kinds keep this plain loop.
+template <class K>
+__device__ void ibp_lookup_rows_one(IBP_LOOKUP_PARAMS) {
+    __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
+    const K codec(row_bytes, codec_n, codec_a, codec_b);
+    const int lane = threadIdx.x & 31;
+    uint4* smem = sdec[threadIdx.x >> 5];
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
+    for (i64 k = warp; k < n_bags; k += nwarps) {
+        const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
+        int t;
+        i64 s, start, end;
+        bool bad_offsets;
+        ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
+                      start, end, bad_offsets);
+        unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
+        const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
+        const i64 id = start < end ? ids[start] : -1;
+        if (id < 0 || id >= limit) {
+            if (lane == 0) ibp_report_bad_id(err, t);
+            for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
+            continue;
+        }
+        const i64 gid = id + (table_base != nullptr ? table_base[t] : 0);
+        bool staged;
+        IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                           host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
+                                           step_state, staging, stage_cap, staged);
+        if (!codec.decode(r.src, r.len, r.comp, dst, smem, lane)) {
+            if (lane == 0) ibp_report_corrupt_row(err, t);
+            __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
+            for (int b = lane; b < row_bytes; b += 32) dst[b] = 0;
+        }
+        requests += 1;
+        if (r.hit) {
+            hits += 1;
+            slab_bytes += (u64)r.len;
+        } else if (!staged) {
+            host_bytes += (u64)r.len;
+        }
+        if (freq != nullptr && staging == nullptr && lane == 0) atomicAdd(&freq[gid], 1);
+    }
+    ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+    if (staging != nullptr) ibp_finish_step(step_state);
+}
+
+template <class K, int PER_LANE>
+__device__ void ibp_lookup_pool_one(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+    __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];
+    __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];
+    const K codec(row_bytes, codec_n, codec_a, codec_b);
+    const int lane = threadIdx.x & 31;
+    uint4* smem = sdec[threadIdx.x >> 5];
+    unsigned char* rowbuf = reinterpret_cast<unsigned char*>(srow[threadIdx.x >> 5]);
+    const int elem_bytes = elem == IBP_ELEM_F32 ? 4 : 2;
+    const int dim = row_bytes / elem_bytes;
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;
+    for (i64 k = warp; k < n_bags; k += nwarps) {
+        const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
+        int t;
+        i64 s, start, end;
+        bool bad_offsets;
+        ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t, s,
+                      start, end, bad_offsets);
+        if (bad_offsets && lane == 0) ibp_report_bad_offsets(err, j);
+        const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
+        const i64 base = table_base != nullptr ? table_base[t] : 0;
+        float acc[PER_LANE];  // acc[q]: element lane + 32 q of the bag's output row
+#pragma unroll
+        for (int q = 0; q < PER_LANE; ++q) acc[q] = 0.0f;
+        int count = 0;
+        for (i64 p = start; p < end; ++p) {
+            const i64 id = ids[p];
+            if (id < 0 || id >= limit) {
+                if (lane == 0) ibp_report_bad_id(err, t);
+                continue;
+            }
+            const i64 gid = id + base;
+            bool staged;
+            IbpRowSource r = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes,
+                                               slab_bases, host_base, host_offsets, host_stride, host_lengths,
+                                               row_bytes, stage_of, step_state, staging, stage_cap, staged);
+            if (!codec.decode(r.src, r.len, r.comp, rowbuf, smem, lane)) {  // uniform across the warp
+                if (lane == 0) ibp_report_corrupt_row(err, t);
+                continue;  // a malformed row pools nothing (rowbuf is rewritten by the next decode)
+            }
+            __syncwarp();
+            const float w = psw != nullptr ? psw[p] : 1.0f;
+#pragma unroll
+            for (int q = 0; q < PER_LANE; ++q) {
+                const int e = lane + 32 * q;
+                if (e < dim) {
+                    const float v = ibp_elem_load(rowbuf, e, elem);
+                    if (op == IBP_OP_MAX) {
+                        if (count == 0 || v > acc[q]) acc[q] = v;
+                    } else if (psw != nullptr) {
+                        acc[q] = fmaf(v, w, acc[q]);
+                    } else {
+                        acc[q] = acc[q] + v;
+                    }
+                }
+            }
+            __syncwarp();
+            count += 1;
+            requests += 1;
+            if (r.hit) {
+                hits += 1;
+                slab_bytes += (u64)r.len;
+            } else if (!staged) {
+                host_bytes += (u64)r.len;
+            }
+            if (freq != nullptr && staging == nullptr && lane == 0) atomicAdd(&freq[gid], 1);
+        }
+        unsigned char* dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
+#pragma unroll
+        for (int q = 0; q < PER_LANE; ++q) {
+            const int e = lane + 32 * q;
+            if (e < dim) {
+                float v = acc[q];
+                if (op == IBP_OP_MEAN && count > 0) v = v / (float)count;
+                ibp_elem_store(dst, e, elem, v);
+            }
+        }
+    }
+    ibp_flush_counters(counters, lane, requests, hits, host_bytes, slab_bytes);
+    if (staging != nullptr) ibp_finish_step(step_state);
+}
+
+template <class K>
+__device__ __forceinline__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
+    if constexpr (K::GROUPED) {
+        ibp_lookup_rows_grouped<K>(IBP_LOOKUP_ARGS);
+    } else {
+        ibp_lookup_rows_one<K>(IBP_LOOKUP_ARGS);
+    }
+}
+
+template <class K, int PER_LANE>
+__device__ __forceinline__ void ibp_lookup_pool_impl(int op, int elem, const float* __restrict__ psw,
+                                                     IBP_LOOKUP_PARAMS) {
+    if constexpr (K::GROUPED) {
+        ibp_lookup_pool_grouped<K, PER_LANE>(op, elem, psw, IBP_LOOKUP_ARGS);
+    } else {
+        ibp_lookup_pool_one<K, PER_LANE>(op, elem, psw, IBP_LOOKUP_ARGS);
+    }
+}
 
 // The kernels of one codec kind: ibp_lookup_{stage,rows,pool,pool_wide}_NAME.
 #define IBP_LOOKUP(NAME, K)                                                                                     \
