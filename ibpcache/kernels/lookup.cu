@@ -474,7 +474,7 @@ __device__ __forceinline__ void ibp_zero_group_rows(unsigned rows, unsigned char
 // time (K::group_rows: 1 for IBP, several narrow exponent rows); lane L resolves bag L % G (index probe, source),
 // then the warp decodes the group. 8 warps per block.
 template <class K>
-__device__ void ibp_lookup_rows_grouped(IBP_LOOKUP_PARAMS) {
+__device__ __forceinline__ void ibp_lookup_rows_grouped(IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
@@ -539,7 +539,7 @@ __device__ void ibp_lookup_rows_grouped(IBP_LOOKUP_PARAMS) {
 // every lane its elements (e = lane + 32 k) into float registers, so the summation order is the one of a
 // row-by-row loop (torch's).
 template <class K, int PER_LANE>
-__device__ void ibp_lookup_pool_grouped(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+__device__ __forceinline__ void ibp_lookup_pool_grouped(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];
     __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
@@ -646,7 +646,7 @@ __device__ void ibp_lookup_pool_grouped(int op, int elem, const float* __restric
 // loops with G == 1 compute the same bytes, but their per-row vote and group bookkeeping cost about a fifth of the
 // throughput of raw 128-768 B cache hits (measured on an H200), so those kinds keep this plain loop.
 template <class K>
-__device__ void ibp_lookup_rows_one(IBP_LOOKUP_PARAMS) {
+__device__ __forceinline__ void ibp_lookup_rows_one(IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
@@ -693,7 +693,7 @@ __device__ void ibp_lookup_rows_one(IBP_LOOKUP_PARAMS) {
 }
 
 template <class K, int PER_LANE>
-__device__ void ibp_lookup_pool_one(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+__device__ __forceinline__ void ibp_lookup_pool_one(int op, int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
     __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];
     __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
