@@ -138,6 +138,26 @@ def exp_encode(rows_u8: torch.Tensor, tab: ExponentTables, dst_ptrs: torch.Tenso
                 _p(lengths)))
 
 
+def _check_out(out_u8: torch.Tensor, tab: ExponentTables) -> None:
+    """The decoders' output: contiguous CUDA uint8 [M, row_bytes], aligned to the element size, on the tables'
+    device."""
+    if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
+            or out_u8.shape[1] != tab.row_bytes or out_u8.data_ptr() % tab.elem_bytes):
+        raise InvalidArgumentError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned to "
+                                   f"{tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on "
+                                   f"{out_u8.device}")
+    if tab.lut.device != out_u8.device:
+        raise InvalidArgumentError(f"tables are on {tab.lut.device}, the output on {out_u8.device}")
+
+
+def _check_vectors(checks: list, device: torch.device) -> None:
+    """Each ``(name, tensor, dtype, numel)``: a contiguous tensor of that dtype and size on ``device``."""
+    for name, t, dt, size in checks:
+        if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != device:
+            raise InvalidArgumentError(f"{name}: expected a contiguous {dt} tensor of {size} elements on {device}, "
+                                       f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
 def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor, ids: Optional[torch.Tensor],
                n_rows: int, tab: ExponentTables, out_u8: torch.Tensor, err: torch.Tensor,
                out_rows: Optional[torch.Tensor] = None) -> None:
@@ -150,11 +170,7 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
     per warp where several fit its shared memory. ``err`` (int64 [2], CUDA):
     ``err[0]`` = 1 + the first i whose row is malformed, ``err[1]`` = 1 + the first i whose id is out of range.
     """
-    if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
-            or out_u8.shape[1] != tab.row_bytes or out_u8.data_ptr() % tab.elem_bytes):
-        raise InvalidArgumentError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned to "
-                                             f"{tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on "
-                                   f"{out_u8.device}")
+    _check_out(out_u8, tab)
     dev = device_index(out_u8)
     m = int(ids.numel()) if ids is not None else int(n_rows)
     checks = [("lengths", lengths, torch.int32, n_rows), ("err", err, torch.int64, 2)]
@@ -164,14 +180,9 @@ def exp_gather(base: int, offsets: Optional[torch.Tensor], lengths: torch.Tensor
         checks.append(("ids", ids, torch.int64, m))
     if out_rows is not None:
         checks.append(("out_rows", out_rows, torch.int64, m))
-    for name, t, dt, size in checks:
-        if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != out_u8.device:
-            raise InvalidArgumentError(f"{name}: expected a contiguous {dt} tensor of {size} elements on "
-                                                 f"{out_u8.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check_vectors(checks, out_u8.device)
     if out_rows is None and out_u8.shape[0] != m:
         raise InvalidArgumentError(f"out_u8: expected {m} rows, got {out_u8.shape[0]}")
-    if tab.lut.device != out_u8.device:
-        raise InvalidArgumentError(f"tables are on {tab.lut.device}, the output on {out_u8.device}")
     if m == 0:
         return
     args = (_p(ids), np.int64(m), np.uint64(base), _p(offsets), _p(lengths), np.int64(n_rows), _p(out_u8),
@@ -194,23 +205,14 @@ def exp_decode_desc(out_u8: torch.Tensor, src_ptrs: torch.Tensor, lengths: torch
     syncs).
     """
     m = int(src_ptrs.numel())
-    if (not out_u8.is_cuda or out_u8.dtype != torch.uint8 or out_u8.dim() != 2 or not out_u8.is_contiguous()
-            or out_u8.shape[1] != tab.row_bytes or out_u8.data_ptr() % tab.elem_bytes):
-        raise InvalidArgumentError(f"out_u8: expected a contiguous CUDA uint8 [M, {tab.row_bytes}] tensor aligned "
-                                   f"to {tab.elem_bytes} bytes, got {out_u8.dtype} {tuple(out_u8.shape)} on "
-                                   f"{out_u8.device}")
+    _check_out(out_u8, tab)
     checks = [("src_ptrs", src_ptrs, torch.int64, m), ("lengths", lengths, torch.int32, m),
               ("compressed", compressed, torch.uint8, m), ("err", err, torch.int64, 2)]
     if out_rows is not None:
         checks.append(("out_rows", out_rows, torch.int64, m))
-    for name, t, dt, size in checks:
-        if t.dtype != dt or t.numel() != size or not t.is_contiguous() or t.device != out_u8.device:
-            raise InvalidArgumentError(f"{name}: expected a contiguous {dt} tensor of {size} elements on "
-                                       f"{out_u8.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check_vectors(checks, out_u8.device)
     if out_rows is None and out_u8.shape[0] < m:
         raise InvalidArgumentError(f"out_u8: expected at least {m} rows, got {out_u8.shape[0]}")
-    if tab.lut.device != out_u8.device:
-        raise InvalidArgumentError(f"tables are on {tab.lut.device}, the output on {out_u8.device}")
     if m == 0:
         return
     dev = device_index(out_u8)
