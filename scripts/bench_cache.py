@@ -162,25 +162,36 @@ def time_phases(fc: FeatureCache, ids: torch.Tensor, iters: int) -> dict[str, fl
     return {"check_ms": check["median_ms"], "probe_ms": probe["median_ms"], "decode_ms": decode["median_ms"]}
 
 
-def bench_mode(w: Workload, stream: str, budget: float, combo: tuple[bool, bool], policy: str,
-               args: argparse.Namespace) -> dict[str, Any]:
-    batches, hotness = w.streams[stream]
-    cc, ch = combo
-    src: torch.Tensor | CompressedRows = w.packed if ch else w.rows
-    t0 = time.perf_counter()
+def build_and_time(make: Callable[[], FeatureCache], w: Workload, batches: list[torch.Tensor],
+                   args: argparse.Namespace) -> tuple[FeatureCache, float, dict[str, Any], dict[str, Any], bool]:
+    """Build a cache (timed), verify a first fetch, time fetches cycling through ``batches`` (CUDA events on a GPU),
+    read its stats (counters cover warm-up and timed batches) and verify a last fetch.
+    Returns ``(cache, build_s, timing, stats, verified)``."""
     cuda = args.device == "cuda"
-    fc = FeatureCache(src, budget, hotness=hotness, policy=policy, device=args.device,
-                      codec=w.codec if (cc or ch) else None, compress_cache=cc, compress_host=ch)
+    t0 = time.perf_counter()
+    fc = make()
     if cuda:
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     ok = verify(fc, w.rows, batches[0])
     fc.reset_stats()
     nxt = _cycle(batches)
-    timer = cuda_time if cuda else cpu_time
-    timing = timer(lambda: fc.fetch(nxt()), warmup=args.warmup, iters=args.iters)
-    st = fc.stats()  # counters cover warm-up and timed batches
+    timing = (cuda_time if cuda else cpu_time)(lambda: fc.fetch(nxt()), warmup=args.warmup, iters=args.iters)
+    st = fc.stats()
     ok &= verify(fc, w.rows, batches[-1])
+    return fc, build_s, timing, st, ok
+
+
+def bench_mode(w: Workload, stream: str, budget: float, combo: tuple[bool, bool], policy: str,
+               args: argparse.Namespace) -> dict[str, Any]:
+    batches, hotness = w.streams[stream]
+    cc, ch = combo
+    src: torch.Tensor | CompressedRows = w.packed if ch else w.rows
+    cuda = args.device == "cuda"
+    fc, build_s, timing, st, ok = build_and_time(
+        lambda: FeatureCache(src, budget, hotness=hotness, policy=policy, device=args.device,
+                             codec=w.codec if (cc or ch) else None, compress_cache=cc, compress_host=ch),
+        w, batches, args)
     phases = time_phases(fc, batches[-1], max(3, args.iters // 2)) if cuda else \
         {"check_ms": None, "probe_ms": None, "decode_ms": None}
     out_bytes = args.batch * w.row_bytes
@@ -225,17 +236,8 @@ def bench_codec(w: Workload, stream: str, budget: float, method: str, policy: st
     :func:`bench_mode`)."""
     batches, hotness = w.streams[stream]
     cuda = args.device == "cuda"
-    t0 = time.perf_counter()
-    fc = codec_cache(w, method, budget, hotness, policy, args.device)
-    if cuda:
-        torch.cuda.synchronize()
-    build_s = time.perf_counter() - t0
-    ok = verify(fc, w.rows, batches[0])
-    fc.reset_stats()
-    nxt = _cycle(batches)
-    timing = (cuda_time if cuda else cpu_time)(lambda: fc.fetch(nxt()), warmup=args.warmup, iters=args.iters)
-    st = fc.stats()
-    ok &= verify(fc, w.rows, batches[-1])
+    fc, build_s, timing, st, ok = build_and_time(
+        lambda: codec_cache(w, method, budget, hotness, policy, args.device), w, batches, args)
     n_batches = max(1, st["requests"] // args.batch)
     layout = st["host_layout"]
     rec = {"dataset": w.name, "stream": stream, "budget": budget, "mode": f"codec={method}", "policy": policy,
