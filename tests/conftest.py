@@ -8,9 +8,11 @@ ibpcache is imported inside fixtures only, so a half-written module fails its ow
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +177,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _script_module(name: str) -> Iterator[Any]:
+    """``scripts/<name>.py`` imported as a module for the ``with`` block, registered in ``sys.modules`` meanwhile
+    (dataclasses look their module up by name), so a test can call its ``main(argv)`` or its functions."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture
+def script_module() -> Callable[[str], Any]:
+    """``with script_module("bench_cache") as mod: mod.main([...])``: a benchmark script as a module."""
+    return _script_module

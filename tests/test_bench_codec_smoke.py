@@ -3,28 +3,17 @@ the CPU decoder's speed, every output verified, JSON and PNG written (the GPU ru
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_codec.py"
 
-
-def test_bench_codec_runs_on_cpu(tmp_path: Path, shared_data_dir: Path) -> None:
+def test_bench_codec_runs_on_cpu(tmp_path: Path, shared_data_dir: Path, script_module) -> None:
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("bench_codec", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
+    with script_module("bench_codec") as mod:
         rc = mod.main(["--device", "cpu", "--quick", "--gb", "0.003", "--batch", "300", "--tables", "cora,kv_chat_v",
                        "--dtypes", "fp32,bf16", "--out", str(tmp_path)])
-    finally:
-        sys.modules.pop(spec.name, None)
     assert rc == 0
     recs = json.loads((tmp_path / "bench_codec.json").read_text())["records"]
     assert {(r["table"], r["dtype"]) for r in recs} == {(t, d) for t in ("cora", "kv_chat_v") for d in ("fp32", "bf16")}

@@ -3,29 +3,18 @@ configuration and writes its JSON and PNG (the GPU run uses the same code paths 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_cache.py"
 
-
-def test_bench_cache_runs_on_cpu(tmp_path: Path) -> None:
+def test_bench_cache_runs_on_cpu(tmp_path: Path, script_module) -> None:
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")
-    spec = importlib.util.spec_from_file_location("bench_cache", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.modules.pop(spec.name, None)
-    rc = mod.main(["--device", "cpu", "--quick", "--gb", "0.003", "--batch", "400", "--datasets", "cora",
-                   "--policies", "static", "lfu", "--out", str(tmp_path)])
+    with script_module("bench_cache") as mod:
+        rc = mod.main(["--device", "cpu", "--quick", "--gb", "0.003", "--batch", "400", "--datasets", "cora",
+                       "--policies", "static", "lfu", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "bench_cache.json").read_text())
     recs = data["records"]
@@ -35,21 +24,15 @@ def test_bench_cache_runs_on_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "bench_cache.png").stat().st_size > 0
 
 
-def test_bench_cache_codec_comparison_runs_on_cpu(tmp_path: Path, shared_data_dir: Path) -> None:
+def test_bench_cache_codec_comparison_runs_on_cpu(tmp_path: Path, shared_data_dir: Path,
+                                                  script_module) -> None:
     """MiniLM-SU: the engine's codec choice against forced IBP / exponent / raw, hit rate next to speed; on the CPU
     "auto" takes the smallest store (exponent coding for these dense floats)."""
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")
-    spec = importlib.util.spec_from_file_location("bench_cache", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.modules.pop(spec.name, None)
-    rc = mod.main(["--device", "cpu", "--quick", "--gb", "0.004", "--batch", "300", "--datasets", "minilm",
-                   "--only-codecs", "--out", str(tmp_path)])
+    with script_module("bench_cache") as mod:
+        rc = mod.main(["--device", "cpu", "--quick", "--gb", "0.004", "--batch", "300", "--datasets", "minilm",
+                       "--only-codecs", "--out", str(tmp_path)])
     assert rc == 0
     recs = json.loads((tmp_path / "bench_cache.json").read_text())["records"]
     assert {r["mode"] for r in recs} == {"codec=auto", "codec=ibp", "codec=exponent", "codec=raw"}

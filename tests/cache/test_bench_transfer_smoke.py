@@ -3,28 +3,17 @@ JSON carries the ``points`` schema (the GPU run uses the same code with CUDA tra
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_transfer.py"
 
-
-def test_bench_transfer_runs_on_cpu(tmp_path: Path, shared_data_dir: Path) -> None:
+def test_bench_transfer_runs_on_cpu(tmp_path: Path, shared_data_dir: Path, script_module) -> None:
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("bench_transfer", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.modules.pop(spec.name, None)
-    rc = mod.main(["--device", "cpu", "--quick", "--gb", "0.002", "--batch", "300", "--datasets", "minilm_32B",
-                   "cora_5732B", "--out", str(tmp_path)])
+    with script_module("bench_transfer") as mod:
+        rc = mod.main(["--device", "cpu", "--quick", "--gb", "0.002", "--batch", "300", "--datasets", "minilm_32B",
+                       "cora_5732B", "--out", str(tmp_path)])
     assert rc == 0
     points = json.loads((tmp_path / "bench_transfer.json").read_text())["points"]
     assert [p["dataset"] for p in points] == ["minilm_32B", "cora_5732B"]

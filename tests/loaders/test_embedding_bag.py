@@ -897,24 +897,19 @@ def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
     assert all("trained_weights" not in r for r in records if r["method"] == "colossal")  # unavailable on CPU
 
 
-def test_bench_dlrm_compare_tables_reports_differences() -> None:
+def test_bench_dlrm_compare_tables_reports_differences(script_module) -> None:
     """The trained-weights comparison counts differing rows and their max abs difference (-0.0 vs 0.0 differs)."""
-    import importlib.util
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("bench_dlrm_cmp", root / "scripts" / "bench_dlrm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with script_module("bench_dlrm") as mod:
+        compare_tables = mod.compare_tables
     a = torch.zeros(10, 4)
     b = a.clone()
-    assert mod.compare_tables(a, b, torch.device("cpu"), chunk_rows=3) == {
+    assert compare_tables(a, b, torch.device("cpu"), chunk_rows=3) == {
         "bit_exact": True, "rows_differing": 0, "max_abs_diff": 0.0}
     b[2, 1] = -0.0
     b[7, 3] = 0.25
-    got = mod.compare_tables(a, b, torch.device("cpu"), chunk_rows=3)
+    got = compare_tables(a, b, torch.device("cpu"), chunk_rows=3)
     assert got == {"bit_exact": False, "rows_differing": 2, "max_abs_diff": 0.25}
-    assert not mod.compare_tables(a, b[:9], torch.device("cpu"))["bit_exact"]
+    assert not compare_tables(a, b[:9], torch.device("cpu"))["bit_exact"]
 
 
 # ------------------------------------------------------------------------------------------------
