@@ -57,6 +57,7 @@ from .ordering import StreamOrder
 from .plan_path import PathPlanner
 from .policy import EvictionStrategy, SlotPolicy, choose_slot_bytes, row_policy
 from .row_optimizer import RowOptimizer, watch_unattached
+from .step_graphs import StepGraphs
 from .stats import RecentCounters
 
 __all__ = ["CachedRowManager", "Prepared", "FusedLookup", "BagLayout", "pool_supported", "check_adoptable_rows",
@@ -205,13 +206,14 @@ class CachedRowManager:
         self._warmup(warmup_ratio)
         watch_unattached(self)
 
-    def fused_lookup(self, stage_bytes: int = STAGE_BYTES, compress_cache: bool = True) -> "FusedLookup":
+    def fused_lookup(self, stage_bytes: int = STAGE_BYTES, compress_cache: bool = True,
+                     graphs: bool = True) -> "FusedLookup":
         """The fused inference lookup over this cache and its host store (built on first use, once: two lookups
         over one manager would each keep their own per-slot lengths of the same slots)."""
         if self.fused is None:
             with self._fused_lock:
                 if self.fused is None:
-                    self.fused = FusedLookup(self, stage_bytes, compress_cache)
+                    self.fused = FusedLookup(self, stage_bytes, compress_cache, graphs)
         return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
@@ -652,8 +654,10 @@ class _Workspace:
         self.slots = -1
         self.ws = torch.zeros(N_WS, dtype=torch.int64, device=device)
 
-    def ensure(self, n: int, n_slots: int) -> None:
+    def ensure(self, n: int, n_slots: int) -> bool:
+        """Grow to ``n`` ids and ``n_slots`` slots; True when a buffer was replaced."""
         dev = self.device
+        grown = n > self.cap or n_slots != self.slots
         if n > self.cap:
             if self.cap:
                 _retire(self.victim, self.key, self.flags, self.rank, self.list_gid, self.list_dst, self.list_len)
@@ -669,6 +673,7 @@ class _Workspace:
             _retire(getattr(self, "bid", None))
             self.slots = n_slots
             self.bid = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=dev)
+        return grown
 
 
 _WAYS = {
@@ -679,6 +684,19 @@ _WAYS = {
     "multi": (("zero-copy", False, False), ("staged", True, False)),
 }
 """The ways a fused lookup can run, per kind: (label, stage the misses, take bags in row order)."""
+
+
+def _ways_of(kind: str) -> list:
+    """The ways of a planner kind ("single", "multi", or either + " unstaged": no staging buffer)."""
+    return [w for w in _WAYS[kind.split()[0]] if not (w[1] and kind.endswith("unstaged"))]
+
+
+def _ptr_of(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _shape_of(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    return None if t is None else (tuple(t.shape), t.dtype)
 
 
 class FusedLookup:
@@ -703,7 +721,8 @@ class FusedLookup:
     (rows decoded, then ``embedding_bag``): what the tests drive.
     """
 
-    def __init__(self, mgr: "CachedRowManager", stage_bytes: int = STAGE_BYTES, compress_cache: bool = True) -> None:
+    def __init__(self, mgr: "CachedRowManager", stage_bytes: int = STAGE_BYTES, compress_cache: bool = True,
+                 graphs: bool = True) -> None:
         if stage_bytes < 0:
             raise InvalidArgumentError(f"stage_bytes must be >= 0, got {stage_bytes}")
         self.mgr = mgr
@@ -737,6 +756,8 @@ class FusedLookup:
         self._tables: Any = None
         self._full = False  # every slot used since the stored form began (see _cache_full)
         self._form_gen = 0  # stored forms entered so far
+        self._gen = 0  # bumped whenever a buffer a lookup step reads or writes is replaced (graphs' keys)
+        self.graphs = StepGraphs(dev) if graphs and self.cuda else None
         self._fill_seen: Optional[int] = None  # the form a copy of the device's fill on its way to _fill_host is of
         if self.cuda:
             with _state_mode():
@@ -773,6 +794,7 @@ class FusedLookup:
         # ways while it times them, and growing here (a new buffer, a new slab base) would cost a host sync
         cap = min(n, self.stage_bytes // store.row_bytes) if role == "lookup" else 0
         if fresh or self.slot_len is None or cap > self.stage_cap:
+            self._gen += 1  # captured steps read the replaced buffers: none of them may replay
             _retire(self.slot_len, self.stage_buf, self.stage_gid)
             self.stage_cap = max(cap, 0 if fresh or self.slot_len is None else self.stage_cap)
             lens = torch.zeros(self.n_slots + self.stage_cap + 1, dtype=torch.int32, device=dev)
@@ -782,11 +804,13 @@ class FusedLookup:
             self.stage_buf = torch.zeros(self.stage_cap * store.row_bytes + 16, dtype=torch.uint8, device=dev)
             self.stage_gid = torch.zeros(max(self.stage_cap, 1), dtype=torch.int64, device=dev)
             self.slab_bases[1] = self.stage_buf.data_ptr()
-        self._ws[role].ensure(n, self.n_slots)
+        if self._ws[role].ensure(n, self.n_slots):
+            self._gen += 1
         key = (store.data.data_ptr(), id(store.lengths_dev), id(store.offsets_dev), store.codec,
                mgr.cached_weight.data_ptr(), self.slot_len.data_ptr())
         if key != self._src_key:
             self._src_key = key
+            self._gen += 1
             self.slab_bases[0] = mgr.cached_weight.data_ptr()
             self._tables = store.codec.kernel_tables(dev)
             index = IndexArgs(SLOT_TABLE_INDEX, self.slot_len, mgr.slot_of, self.n_slots, self.slot_bytes)
@@ -899,28 +923,93 @@ class FusedLookup:
     @_in_state_mode
     def pool(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
              include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor, layout: Any) -> None:
-        """Pool bags of ``ids`` into ``out`` (see ``kernels.lookup.lookup_pool``), admitting rows on the way."""
+        """Pool bags of ``ids`` into ``out`` (see ``kernels.lookup.lookup_pool``), admitting rows on the way: from a
+        CUDA graph of the step where one is kept (``graphs``), else eagerly."""
         mgr = self.mgr
         kind = "single" if bag_size == 1 and offsets is None else "multi"
         n = ids.numel()
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if self.stage_bytes < mgr.store.row_bytes:  # no staging buffer: only the unstaged ways remain
             kind += " unstaged"
-        ways = [w for w in _WAYS[kind.split()[0]] if not (w[1] and kind.endswith("unstaged"))]
         way = self.planner.choose(kind, n_bags, capturing)
-        label, stage, in_order = ways[way]
         timed = self.cuda and not capturing and self.planner.timing(kind, n_bags)
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         if self._done is not None and self.cuda and not capturing:  # the prefetch's rows are in place, and nothing
             torch.cuda.current_stream(mgr.device).wait_event(self._done)  # it reads is freed before it has run
-        self._enter(n, stage, "lookup")
         if capturing or (self._pending and self._pending[0][1] != n):  # not the batch that was prefetched
             self._pending.clear()
+        ran = self._replayed(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout)
+        if ran not in ("replayed", "captured"):
+            prefetched = bool(self._pending)
+            if prefetched:
+                self._pending.popleft()
+            self._step(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout, prefetched)
+        if ran in ("first", "failed", "captured"):
+            timed = False  # ways compare as they will run from now on: replayed, never eager or a capture's host time
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.planner.record(kind, n_bags, way, start, end)
+        self.calls += 1
+
+    def _replayed(self, kind: str, way: int, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,
+                  n_bags: int, include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor,
+                  layout: Any) -> str:
+        """Run the step from its CUDA graph: "replayed", or "captured" (captured on the key's second sight, then
+        replayed). Else the caller runs it eagerly: "first" (a key's first sight), "failed" (the capture failed:
+        graphs are off from now on), or "eager" (no graphs here, or inside a
+        caller's own capture)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.enabled or torch.cuda.is_current_stream_capturing():
+            return "eager"
+        self._enter(ids.numel(), _ways_of(kind)[way][1], "lookup")
+        self._cache_full()  # a cache that filled up drops the ranking of never-used slots: a new key
+        st = self.mgr.policy.device_state()
+        # a prefetched batch (pool left only this one's entry first) counts nothing into the sketch again, and the
+        # protected steps start ``back`` passes back at the next prefetched batch (a constant in the capture)
         prefetched = bool(self._pending)
+        later = list(self._pending)[1:]
+        back = self._passes + 1 - later[0][0] if later else 0
+        lay = None if layout is None else (layout.n_tables, layout.per_table, layout.sample_major,
+                                           _ptr_of(layout.table_base), _ptr_of(layout.table_rows))
+        key = (kind, way, tuple(ids.shape), ids.dtype, _shape_of(offsets), bag_size, n_bags, include_last, mode,
+               _shape_of(psw), tuple(out.shape), out.dtype, lay, self._gen, self._full, prefetched, back,
+               _ptr_of(st.ids), _ptr_of(st.sketch), _ptr_of(st.prio))
+        passes, pending = self._passes, deque(self._pending)
+
+        def body(static: tuple, static_out: torch.Tensor) -> None:
+            if prefetched:
+                self._pending.popleft()
+            try:
+                self._step(kind, way, static[0], static[1], bag_size, n_bags, include_last, mode, static[2],
+                           static_out, layout, prefetched)
+            finally:  # the host's view of passes and prefetches is settled below, once, for the step that ran
+                self._passes, self._pending = passes, deque(pending)
+
+        captures = graphs.captures
+        if not graphs.run(key, (ids, offsets, psw), out, body, keep=(layout,)):
+            return "first" if graphs.enabled else "failed"
+        # what a captured step leaves to the host: the pass count, the prefetch it consumed, the sketch's aging,
+        # the recent-window counters
+        self._passes = passes + 1
         if prefetched:
             self._pending.popleft()
+        elif self.mgr.policy.sketch is not None:
+            self.mgr.policy.counted(ids.numel())
+        self.recent.push(self.adm_stats)
+        return "captured" if graphs.captures != captures else "replayed"
+
+    def _step(self, kind: str, way: int, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,
+              n_bags: int, include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor,
+              layout: Any, prefetched: bool) -> None:
+        """One lookup step as the device runs it: admission pass, the pooled lookup, staged rows released."""
+        mgr = self.mgr
+        n = ids.numel()
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        _, stage, in_order = _ways_of(kind)[way]
+        self._enter(n, stage, "lookup")
         self._next_pass()
         keys = self.keys(ids, offsets, bag_size, include_last, layout)
         perm = self._pass(keys, "lookup", count_sketch=not prefetched, count_stats=True, stage=stage)
@@ -935,11 +1024,6 @@ class FusedLookup:
         self.kern.unstage(self._args("lookup", stage))
         if not capturing:
             self.recent.push(self.adm_stats)
-        if timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.planner.record(kind, n_bags, way, start, end)
-        self.calls += 1
 
     @_in_state_mode
     def prefetch(self, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int, include_last: bool,
@@ -1035,6 +1119,7 @@ class FusedLookup:
                 "fused_cache_rows_raw": self.mgr.base_slots,
                 "fused_staging_bytes": self.stage_buf.numel() if self.stage_buf is not None else 0,
                 "fused_calls": self.calls, "fused_prefetches": self.prefetches, "fused_plan": self.planner.plan(),
+                **({f"fused_{k}": v for k, v in self.graphs.stats().items()} if self.graphs is not None else {}),
                 "sketch_halvings": self.mgr.policy.sketch.halvings if self.mgr.policy.sketch is not None else 0}
 
 

@@ -214,6 +214,7 @@ class _CachedBagBase(nn.Module):
         validate: str = "lazy",
         stage_bytes: int = STAGE_BYTES,
         compress_cache: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         if validate not in ("eager", "lazy"):
             raise InvalidArgumentError(f"validate must be 'eager' or 'lazy', got {validate!r}")
@@ -270,6 +271,7 @@ class _CachedBagBase(nn.Module):
         self.validate = validate
         self.stage_bytes = int(stage_bytes)
         self.compress_cache = bool(compress_cache)
+        self.cuda_graphs = bool(cuda_graphs)
         # an explicitly chosen host-side path is honoured for every read; with "auto" the planner's choice serves
         # cache fills (training, prefetch, refresh) and fused inference lookups read misses zero-copy, sync-free
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
@@ -392,8 +394,8 @@ class _CachedBagBase(nn.Module):
             self._raise_pending()
         mgr = self.cache_weight_mgr
         with mgr.order.exclusive():
-            mgr.fused_lookup(self.stage_bytes, self.compress_cache).pool(ids.reshape(-1), offs, bag_size, n_bags,
-                                                      self.include_last_offset, self.mode, psw, out, layout)
+            fused = mgr.fused_lookup(self.stage_bytes, self.compress_cache, self.cuda_graphs)
+            fused.pool(ids.reshape(-1), offs, bag_size, n_bags, self.include_last_offset, self.mode, psw, out, layout)
 
     # -- prefetch -----------------------------------------------------------------------------------
     def prefetch(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None) -> None:
@@ -426,7 +428,7 @@ class _CachedBagBase(nn.Module):
         if self.fused_inference and self.cache_op and self.max_norm is None and inference \
                 and self._no_training_pending():
             flat, offs, bag_size, _, layout = self._fused_inputs(ids.contiguous(), offs)
-            fused = self.cache_weight_mgr.fused_lookup(self.stage_bytes, self.compress_cache)
+            fused = self.cache_weight_mgr.fused_lookup(self.stage_bytes, self.compress_cache, self.cuda_graphs)
             fused.prefetch(flat.reshape(-1), offs, bag_size, self.include_last_offset, layout)
             return
         if self._backward_pending:
@@ -573,7 +575,9 @@ class CachedEmbeddingBag(_CachedBagBase):
     step, in which a fused lookup reads each distinct missed row from host memory once per step; the path planner
     keeps it only where it measured faster than zero-copy reads of every miss; 0 turns it off), ``compress_cache``
     (the inference cache keeps rows as the host stores them, in slots sized to their compressed length, so the same
-    device bytes hold about ratio-times more rows; False: one row per ``row_bytes`` slot, as many as training holds).
+    device bytes hold about ratio-times more rows; False: one row per ``row_bytes`` slot, as many as training holds),
+    ``cuda_graphs`` (a fused inference step of a batch shape seen before replays from a CUDA graph: one launch
+    instead of ~40, the host time that bounds small batches; ``ibpcache.cache.step_graphs``).
     """
 
     def __init__(
@@ -606,6 +610,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         validate: str = "lazy",
         stage_bytes: int = STAGE_BYTES,
         compress_cache: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
         self.buffer_size = buffer_size
@@ -613,7 +618,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         self._setup(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
                     _weight, mode, include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio,
                     evict_strategy, compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference,
-                    validate, stage_bytes, compress_cache)
+                    validate, stage_bytes, compress_cache, cuda_graphs)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None,
@@ -710,6 +715,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         validate: str = "lazy",
         stage_bytes: int = STAGE_BYTES,
         compress_cache: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
         sizes = [int(n) for n in num_embeddings_per_table]
@@ -733,7 +739,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         self._setup(sum(sizes), embedding_dim, None, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, mode,
                     include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio, evict_strategy,
                     compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference, validate, stage_bytes,
-                    compress_cache)
+                    compress_cache, cuda_graphs)
         starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
         self.register_buffer("table_offsets", starts.to(self.device), persistent=False)
         self.register_buffer("table_sizes", torch.tensor(sizes, dtype=torch.int64, device=self.device),
