@@ -9,8 +9,13 @@ and times the store's own zero-copy lookup kernel (every id a miss) over each, a
 round, a few tens of milliseconds in all. :func:`decide_codec` then keeps compression only where it was
 measurably faster than raw (:data:`MARGIN`), and picks among the compressed candidates by speed with the same
 margin as hysteresis (a faster codec must win by the margin, else the smaller one stays), so the default
-configuration is never slower than the raw one on misses. GPU-cached rows are raw either way in the embedding-bag
-cache, so the miss path is the whole difference between the layouts there.
+configuration is never slower than the raw one on misses.
+
+GPU caches in front of the store (FeatureCache's slab, the embedding bags' fused inference slots) keep rows as they
+are stored, so a codec also changes what a cache hit costs: a hit decodes from device memory, where raw rows read
+at HBM speed and dense float rows coded by IBP or exponent coding decode several times slower. Each candidate is
+therefore also timed with the sample in device memory, and a codec that wins on misses is kept only if it does not
+lose at a hit share of :data:`HIT_SHARE` (a well-sized cache's regime): compression must pay whatever the hit rate.
 
 Calibration happens once per table, at construction, before any lookup; its host syncs are there, never in a
 lookup step. Without CUDA there is no zero-copy path to time: the smallest stored size wins (host memory is then
@@ -31,7 +36,7 @@ from ._plan_timing import MARGIN, wall_medians
 
 __all__ = ["LayoutChoice", "decide_layout", "decide_codec", "prefer_host_gather", "calibrate_layout", "pick_codec",
            "best_compressed",
-           "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN", "ROUNDS", "REPS"]
+           "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN", "ROUNDS", "REPS", "HIT_SHARE"]
 
 CALIBRATION_BYTES = 32 << 20
 """Raw bytes of the pinned sample each layout is timed on (a sample this size streams from host memory, like
@@ -39,6 +44,9 @@ the table does, rather than hitting the GPU's L2)."""
 
 MIN_RATIO = 1.02
 """Below this host compression ratio a codec is not timed: there are no bytes to save, only decode to add."""
+
+HIT_SHARE = 0.9
+"""The hit share at which a compressed layout must still cost no more than raw rows per looked-up row."""
 
 ROUNDS = 3
 REPS = 7
@@ -52,8 +60,9 @@ class LayoutChoice:
 
     ``method`` is the chosen codec method (``"raw"`` when the rows are stored raw); ``timings_ms`` the median
     lookup time of every candidate timed, ``ratios`` every candidate's compression ratio on the sample (metadata
-    excluded), ``samples`` how many timings each median is of. ``compressed_ms`` / ``ratio`` describe the chosen
-    (or, for a raw choice, the best) compressed candidate, ``raw_ms`` the raw rows."""
+    excluded), ``samples`` how many timings each median is of, ``hit_timings_ms`` the same lookups with the rows in
+    device memory. ``compressed_ms`` / ``ratio`` describe the chosen (or, for a raw choice, the best) compressed
+    candidate, ``raw_ms`` the raw rows."""
 
     compress: bool
     reason: str
@@ -67,6 +76,7 @@ class LayoutChoice:
     timings_ms: dict = field(default_factory=dict)
     ratios: dict = field(default_factory=dict)
     samples: int = 0
+    hit_timings_ms: dict = field(default_factory=dict)  # the same lookups from device memory (a cache hit)
 
     def __post_init__(self) -> None:
         if not self.method:  # the two-way form (compressed vs raw) names no codec: IBP, as it always was
@@ -105,7 +115,8 @@ def decide_layout(ratio: float, compressed_ms: Optional[float], raw_ms: Optional
 
 def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allow_raw: bool = True,
                  batch: int = 0, samples: int = 0, margin: float = MARGIN,
-                 min_ratio: float = MIN_RATIO) -> LayoutChoice:
+                 min_ratio: float = MIN_RATIO, hit_timings_ms: Optional[dict[str, float]] = None,
+                 hit_share: float = HIT_SHARE) -> LayoutChoice:
     """The rule, apart from the measuring: which codec (``ratios``' keys, compressed methods in order of
     preference) stores a table, given each one's compression ratio and, on CUDA, the median lookup time of each and
     of raw rows (``timings_ms``, key ``"raw"``; empty without CUDA).
@@ -115,7 +126,9 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
     * No timings: the smallest stored size (the largest ratio).
     * Timings: a codec must beat raw by ``margin`` (``allow_raw``), then the fastest of those wins, unless it is not
       ``margin`` faster than the one that stores the fewest bytes: equal speed keeps the smaller store
-      (hysteresis, so timing noise never flips a choice for nothing)."""
+      (hysteresis, so timing noise never flips a choice for nothing).
+    * ``hit_timings_ms`` (the same lookups from device memory): a codec beating raw on misses must also cost no more
+      than raw rows at a hit share of ``hit_share`` (misses and hits weighted), or raw rows stay."""
     ratio_of = dict(ratios)
     best_ratio = max(ratio_of.values(), default=1.0)
 
@@ -124,7 +137,13 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
         comp = [m for m in ratio_of if m in timings_ms]
         c_ms = timings_ms.get(method) if compress else min((timings_ms[m] for m in comp), default=None)
         return LayoutChoice(compress, reason, r, c_ms, timings_ms.get("raw"), batch, method=method,
-                            timings_ms=dict(timings_ms), ratios=dict(ratio_of), samples=samples)
+                            timings_ms=dict(timings_ms), ratios=dict(ratio_of), samples=samples,
+                            hit_timings_ms=dict(hits))
+
+    hits = dict(hit_timings_ms or {})
+
+    def blended(m: str) -> float:
+        return (1.0 - hit_share) * timings_ms[m] + hit_share * hits[m]
 
     eligible = [m for m, r in ratio_of.items() if r >= min_ratio]
     if not eligible:
@@ -146,6 +165,14 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
             noun = "compressed" if len(ratio_of) == 1 else fastest
             return made("raw", False, f"{noun} misses only {raw / timings_ms[fastest]:.2f}x of raw "
                                       f"(< {1 / (1 - margin):.2f}x)")
+        if all(m in hits for m in [*winners, "raw"]):
+            paying = [m for m in winners if blended(m) <= blended("raw")]
+            if not paying:
+                best = min(winners, key=blended)
+                return made("raw", False, f"{best} misses {raw / timings_ms[best]:.2f}x faster than raw, but with "
+                                          f"{hit_share:.0%} cache hits it costs {blended(best) / blended('raw'):.2f}x "
+                                          "raw (hits decode from device memory)")
+            winners = paying
     fastest = min(winners, key=lambda m: timings_ms[m])
     small = max(winners, key=lambda m: ratio_of[m])
     chosen = fastest if timings_ms[fastest] <= timings_ms[small] * (1.0 - margin) else small
@@ -231,8 +258,8 @@ def _candidates(codec: "Codec | Sequence[Codec]", allow_raw: bool) -> list[Codec
 def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", device: torch.device,
                      batch: int = 8192, reps: int = REPS, host_paths: bool = False, allow_raw: bool = True,
                      rounds: int = ROUNDS) -> LayoutChoice:
-    """Time each candidate codec's zero-copy misses, and raw rows', on a pinned sample of ``table`` (``[N, ...]``,
-    any device) on ``device``; :func:`decide_codec` decides (:func:`pick_codec` then names the codec).
+    """Time each candidate codec's zero-copy misses and device-memory hits, and raw rows', on a pinned sample of
+    ``table`` (``[N, ...]``, any device) on ``device``; :func:`decide_codec` decides (:func:`pick_codec` then names the codec).
 
     ``codec``: one codec (weighed against raw rows, as the embedding bags' and FeatureCache's two-way choice is) or
     several (e.g. IBP and exponent fitted on the same rows). ``allow_raw=False``: compression was asked for, raw rows
@@ -265,24 +292,28 @@ def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", devi
     empty = torch.empty(0, dtype=torch.int64, device=device)
     index = IndexArgs(IndexMode.NONE, empty, empty, 0, 0)
     bases = torch.zeros(8, dtype=torch.int64, device=device)
-    sources = {}
+    sources, hit_sources, keep = {}, {}, []
     for c in timed:
-        if c.method == "raw":
-            sources[c.method] = RowSource(index, bases, raw.data_ptr(), None, row_bytes, None, m)
-        else:
-            p = stores[c.method]
-            sources[c.method] = RowSource(index, bases, p.data.data_ptr(), None, row_bytes,
-                                          p.lengths.to(torch.int32).to(device), m)
+        host = raw if c.method == "raw" else stores[c.method].data
+        lengths = None if c.method == "raw" else stores[c.method].lengths.to(torch.int32).to(device)
+        resident = host.to(device)  # the same stored bytes as a GPU cache holds them
+        keep.append(resident)
+        sources[c.method] = RowSource(index, bases, host.data_ptr(), None, row_bytes, lengths, m)
+        hit_sources[c.method] = RowSource(index, bases, resident.data_ptr(), None, row_bytes, lengths, m)
     ids = torch.randint(0, m, (batch,), generator=torch.Generator().manual_seed(0)).to(device)
     out = torch.empty(batch * row_bytes, dtype=torch.uint8, device=device)
     err = LookupErrors(pin=True)
     times: dict[str, list[float]] = {c.method: [] for c in timed}
+    hit_times: dict[str, list[float]] = {c.method: [] for c in timed}
     for _ in range(rounds):  # alternate the candidates, round by round
         for c in timed:
-            times[c.method] += _time_lookup(ids, out, sources[c.method], c.kernel_tables(device), sample.dtype, err,
-                                            reps)
+            tables = c.kernel_tables(device)
+            times[c.method] += _time_lookup(ids, out, sources[c.method], tables, sample.dtype, err, reps)
+            hit_times[c.method] += _time_lookup(ids, out, hit_sources[c.method], tables, sample.dtype, err, reps)
     medians = {k: statistics.median(v) for k, v in times.items()}
-    choice = decide_codec(ratios, medians, allow_raw=raw_ok, batch=batch, samples=rounds * reps)
+    hit_medians = {k: statistics.median(v) for k, v in hit_times.items()}
+    choice = decide_codec(ratios, medians, allow_raw=raw_ok, batch=batch, samples=rounds * reps,
+                          hit_timings_ms=hit_medians)
     if not host_paths or not raw_ok:
         return choice
     # the compressed candidate the CPU's raw gather competes with: the chosen one, or the fastest if raw won

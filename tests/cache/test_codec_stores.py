@@ -65,6 +65,25 @@ def test_rule_three_way_keeps_compression_only_where_faster_than_raw() -> None:
     assert ibp.method == "ibp" and ibp.ratio == 1.15
 
 
+def test_rule_weighs_cache_hits_decoded_from_device_memory() -> None:
+    """Dense float rows (bench_dlrm, 512 B MiniLM fp32 on an H200): IBP misses 1.06x faster than raw, but IBP hits
+    decode ~3x slower than raw rows read from HBM, so at 90% hits raw rows win; sparse rows (Cora: IBP 25x) win
+    both ways; without hit timings the miss rule alone decides."""
+    ratios = {"ibp": 1.145, "exponent": 1.19}
+    misses = {"ibp": 0.0845, "exponent": 0.148, "raw": 0.0892}
+    dense = decide_codec(ratios, misses, hit_timings_ms={"ibp": 0.030, "exponent": 0.060, "raw": 0.010})
+    assert not dense.compress and dense.method == "raw" and "cache hits" in dense.reason
+    assert dense.hit_timings_ms["ibp"] == 0.030
+    assert decide_codec(ratios, misses).method == "ibp"  # misses only: compression
+    sparse = decide_codec({"ibp": 25.4}, {"ibp": 0.01, "raw": 0.10}, hit_timings_ms={"ibp": 0.009, "raw": 0.011})
+    assert sparse.compress and sparse.method == "ibp"
+    # a codec that pays on misses and costs a little on hits is kept while the blend still pays
+    blend = decide_codec({"ibp": 1.5}, {"ibp": 0.60, "raw": 1.0}, hit_timings_ms={"ibp": 0.12, "raw": 0.10})
+    assert blend.compress  # 0.1 * 0.6 + 0.9 * 0.12 = 0.168 <= 0.1 * 1.0 + 0.9 * 0.10 = 0.19
+    lose = decide_codec({"ibp": 1.5}, {"ibp": 0.60, "raw": 1.0}, hit_timings_ms={"ibp": 0.20, "raw": 0.10})
+    assert not lose.compress  # 0.24 > 0.19
+
+
 def test_rule_hysteresis_keeps_the_smaller_store_at_equal_speed() -> None:
     ratios = {"ibp": 1.15, "exponent": 1.19}
     near = decide_codec(ratios, {"ibp": 0.89, "exponent": 0.90, "raw": 1.0})  # IBP only 1% faster
