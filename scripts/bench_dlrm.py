@@ -32,6 +32,7 @@ Methods (one module over all tables each, so one lookup call per step):
                  default must be within 5% of the best of them (``--forced-dtypes``, ``--forced-traces``)
   ibpcache_rawslots  the inference cache with one row_bytes slot per row (no compressed slots): its hit rate at the
                  same budget against the default's (issue 26, item 3)
+  ibpcache_eager  every step run eagerly (``cuda_graphs=False``): what the default's CUDA-graph replays save
   colossal, torch  Colossal-AI 0.5 CachedEmbeddingBag, GPU-resident torch.nn.EmbeddingBag (--train)
 
 For every point and method: the steady-state hit rate over the timed steps (``hit_rate``) and the static top-k
@@ -74,10 +75,11 @@ from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
 METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "torch", "ibpcache", "ibpcache_ibp", "ibpcache_raw",
-           "ibpcache_unstaged", "ibpcache_rawslots")
+           "ibpcache_unstaged", "ibpcache_rawslots", "ibpcache_eager")
 OURS = {"ibpcache": dict(), "ibpcache_ibp": dict(compress=True), "ibpcache_raw": dict(compress=False),
-        "ibpcache_unstaged": dict(stage_bytes=0), "ibpcache_rawslots": dict(compress_cache=False)}
-FORCED = ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged", "ibpcache_rawslots")
+        "ibpcache_unstaged": dict(stage_bytes=0), "ibpcache_rawslots": dict(compress_cache=False),
+        "ibpcache_eager": dict(cuda_graphs=False)}
+FORCED = ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged", "ibpcache_rawslots", "ibpcache_eager")
 """Ours with one setting forced: run only for ``--forced-dtypes`` and ``--forced-traces``."""
 TRACES = ("zipf-stable", "zipf-drift", "zipf")
 ORDER = ("zipf-stable", "zipf", "zipf-drift")
@@ -570,7 +572,8 @@ def plot(records: list[dict[str, Any]]):
     ratios = sorted({r["cache_ratio"] for r in records})
     fig, axes = plt.subplots(len(panels), len(ratios), figsize=(5.5 * len(ratios), 3.6 * len(panels)), squeeze=False)
     styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "torch": "v-", "ibpcache": "o-",
-              "ibpcache_ibp": "^:", "ibpcache_raw": "o--", "ibpcache_unstaged": "d-.", "ibpcache_rawslots": "<:"}
+              "ibpcache_ibp": "^:", "ibpcache_raw": "o--", "ibpcache_unstaged": "d-.", "ibpcache_rawslots": "<:",
+              "ibpcache_eager": "o:"}
     for i, (trace, dtype, rb, bag) in enumerate(panels):
         for j, c in enumerate(ratios):
             ax = axes[i][j]
@@ -870,7 +873,7 @@ def main() -> None:
     if args.methods is None:
         args.methods = ("colossal,torch,ibpcache" if args.train
                         else "fbgemm_lfu,fbgemm_lru,ibpcache,ibpcache_ibp,ibpcache_raw,ibpcache_unstaged,"
-                             "ibpcache_rawslots")
+                             "ibpcache_rawslots,ibpcache_eager")
     if args.quick:  # smaller defaults; options given explicitly still win
         quick = {"tables": 4, "rows_per_table": 20_000, "batches": "256,1024", "budget_s": 30.0, "warmup": 10,
                  "iters": 20, "check_steps": 4, "entry_bytes": "512", "drift_period": 20}
