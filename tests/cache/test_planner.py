@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ibpcache.cache.plan_layout import MARGIN, MIN_RATIO, calibrate_layout, decide_layout
+from ibpcache.cache.plan_layout import MARGIN, MIN_RATIO, calibrate_layout, decide_codec, decide_layout
 
 
 def test_rule_keeps_compression_only_when_measurably_faster() -> None:
@@ -95,7 +95,9 @@ def test_gpu_calibration_times_both_layouts_and_stays_exact(minilm: torch.Tensor
     choice = calibrate_layout(w, codec, torch.device("cuda"))
     assert choice.compressed_ms is not None and choice.raw_ms is not None
     assert choice.compressed_ms > 0 and choice.raw_ms > 0
-    assert choice.compress == decide_layout(choice.ratio, choice.compressed_ms, choice.raw_ms, choice.batch).compress
+    assert set(choice.hit_timings_ms) == set(choice.timings_ms)  # misses and device-memory hits, every candidate
+    again = decide_codec(choice.ratios, choice.timings_ms, batch=choice.batch, hit_timings_ms=choice.hit_timings_ms)
+    assert choice.compress == again.compress and choice.method == again.method
     m = _bag(w, "cuda")
     layout = m.stats()["host_layout"]
     assert layout["raw_ms"] is not None and m.stats()["host_compress"] == layout["compress"]
