@@ -177,7 +177,8 @@ def point(dataset: str, everyone: list[dict[str, Any]]) -> dict[str, Any]:
             speedup=methods[name]["GBps"] / methods["independent"]["GBps"], replicate=p0["replicate"],
             node_capacity_vs_one_gpu=p0["node_cached_rows"] / max(one_gpu, 1), node_cached_rows=p0["node_cached_rows"],
             replicated_rows=p0["replicated_rows"], owned_rows=[r[name]["owned_rows"] for r in everyone],
-            sources={k: float(np.mean([r[name][f"{k}_fraction"] for r in everyone])) for k in ("local", "peer", "host")},
+            sources={k: float(np.mean([r[name][f"{k}_fraction"] for r in everyone]))
+                     for k in ("local", "peer", "host")},
             peer_access=all(r[name]["peer_access"] for r in everyone), fallback_reason=p0["fallback_reason"],
             placement_rule=p0["placement_rule"], placement_costs=p0["placement_costs"], costs_rule=p0["costs_rule"],
             source_costs_us_per_row=p0["source_costs_us_per_row"], setup_check=p0["setup_check"])

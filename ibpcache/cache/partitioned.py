@@ -205,7 +205,8 @@ class PartitionedFeatureCache:
         self.world_size = dist.get_world_size(group)
         if isinstance(costs, str):
             if costs != "measure":
-                raise InvalidArgumentError(f"costs must be 'measure' or three numbers (local, peer, host), got {costs!r}")
+                raise InvalidArgumentError(f"costs must be 'measure' or three numbers (local, peer, host), "
+                                           f"got {costs!r}")
             self._measure, self.costs = True, DEFAULT_COSTS
             self.costs_rule = "default: not measured"
         else:
