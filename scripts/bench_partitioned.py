@@ -1,7 +1,7 @@
 """The node cache (PartitionedFeatureCache) vs one independent cache per GPU (multi-GPU; torchrun, one process per GPU).
 
     torchrun --nproc_per_node=2 scripts/bench_partitioned.py --out DIR \
-        [--datasets cora_su,minilm_su --total-gb 2 --budgets 0.01,0.02 --replicate auto]
+        [--datasets cora_su,minilm_su --total-gb 2 --budgets 0.01,0.02 --replicate auto,0,0.25,0.5]
 
 For each data set (``<name>_su``: a registered data set's real rows scaled up to ``--total-gb``; a plain name is
 scaled up too), rank 0 compresses the rows and shares them in POSIX shared memory; every rank attaches the one store.
@@ -10,14 +10,20 @@ presampled trace. For each budget per GPU, both methods live in the same process
 
   independent  a FeatureCache per GPU (every GPU caches the same hottest rows: what DDP does without a node cache)
   partitioned  PartitionedFeatureCache: the hottest rows replicated, the warm tail dealt to the GPUs, peer rows read
-               by the one lookup launch straight from the owner's slab (CUDA IPC, NVLink); no collective per fetch
+               by the one lookup launch straight from the owner's slab (CUDA IPC, NVLink); no collective per fetch.
+               One per ``--replicate`` value: ``auto`` (method ``partitioned``: the head sized from per-source costs
+               the cache measures at set-up, kept only if it beats the independent layout on a set-up batch) and
+               fixed fractions of the budget for the head (method ``partitioned_r<f>``, e.g. ``partitioned_r0.25``;
+               0 is a pure partition), so a point shows where the measured choice sits among fixed ones
 
 Both fetch with ``validate="lazy"`` (no host sync). Each configuration runs ``--repeats`` times, the methods in turn
 (round robin), after ``--warmup`` batches; CUDA events around each fetch, medians. The first ``--verify`` batches of
 every run are compared byte for byte with the store's own decode. Also timed: a batch of ids that are all peer-owned
-(peer hit GB/s), all host misses, all local. Node GB/s = sum over ranks. Rank 0 writes ``<name>.json``
-(``{"points": [{"dataset", "gpus", "budget_per_gpu", "methods": {"partitioned": {"GBps", "hit_rate"},
-"independent": {...}}, ...}]}``) and ``<name>.png``.
+(peer hit GB/s), all host misses, all local (on the first method with peer access). Node GB/s = sum over ranks.
+Rank 0 writes ``<name>.json`` (``{"points": [{"dataset", "gpus", "budget_per_gpu", "methods": {"partitioned":
+{"GBps", "hit_rate", "replicate", "speedup", ...}, "partitioned_r0.25": {...}, "independent": {...}}, "speedup",
+"speedups", ...}]}``; ``speedup`` and the point's other placement keys are the first ``--replicate`` value's; the
+costs each ``auto`` cache measured are in ``meta.source_costs_us_per_row``) and ``<name>.png``.
 """
 
 from __future__ import annotations
@@ -76,17 +82,37 @@ def timed(fn: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor
     return {"median_ms": med, "GBps": batches[0].numel() * rows.row_bytes / (med * 1e-3) / 1e9}
 
 
+def method_name(replicate: "str | float") -> str:
+    """``partitioned`` for ``auto``, ``partitioned_r<f>`` for a fixed head fraction (``partitioned_r0.25``)."""
+    return "partitioned" if replicate == "auto" else f"partitioned_r{float(replicate):g}"
+
+
+def _replicates(text: str) -> "list[str | float]":
+    vals: "list[str | float]" = []
+    for v in (v.strip() for v in text.split(",") if v.strip()):
+        vals.append("auto" if v == "auto" else float(v))
+    if not vals or len({method_name(v) for v in vals}) != len(vals):
+        raise SystemExit(f"--replicate: a comma list of distinct values ('auto' or fractions), got {text!r}")
+    return vals
+
+
 def run_budget(args: argparse.Namespace, rows: CompressedRows, hotness: torch.Tensor, batches: list[torch.Tensor],
                budget: float, dev: torch.device, rank: int) -> dict[str, Any]:
-    """This rank's record for one budget: both methods, ``--repeats`` rounds in turn, plus the one-kind batches."""
+    """This rank's record for one budget: every method, ``--repeats`` rounds in turn, plus the one-kind batches."""
     n = rows.n_rows
     budget_bytes = int(budget * n * rows.row_bytes)
     lazy = {"validate": "lazy"} if dev.type == "cuda" else {}
-    indep = FeatureCache(rows, budget_bytes=budget_bytes, policy="static", hotness=hotness, device=dev, **lazy)
-    part = PartitionedFeatureCache(rows, hotness, budget_bytes=budget_bytes, device=dev,
-                                   replicate=args.replicate if args.replicate == "auto" else float(args.replicate),
-                                   track_sources=False)
-    methods = {"independent": indep, "partitioned": part}
+    t0 = time.perf_counter()
+    methods: dict[str, Any] = {"independent": FeatureCache(rows, budget_bytes=budget_bytes, policy="static",
+                                                           hotness=hotness, device=dev, **lazy)}
+    setup_s = {"independent": time.perf_counter() - t0}
+    parts: dict[str, PartitionedFeatureCache] = {}
+    for rep in args.replicate_values:
+        t0 = time.perf_counter()
+        parts[method_name(rep)] = PartitionedFeatureCache(rows, hotness, budget_bytes=budget_bytes, device=dev,
+                                                          replicate=rep, track_sources=False)
+        setup_s[method_name(rep)] = time.perf_counter() - t0
+    methods.update(parts)
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     hit: dict[str, float] = {}
     for _ in range(args.repeats):
@@ -94,22 +120,30 @@ def run_budget(args: argparse.Namespace, rows: CompressedRows, hotness: torch.Te
             cache.reset_stats()
             runs[name].append(timed(cache.fetch, batches, args.verify, rows, args.warmup))
             hit[name] = float(cache.stats()["hit_rate"])
-    rec: dict[str, Any] = {"rank": rank, "budget_per_gpu": budget, "budget_bytes": budget_bytes}
+    rec: dict[str, Any] = {"rank": rank, "budget_per_gpu": budget, "budget_bytes": budget_bytes,
+                           "methods": list(methods), "primary": method_name(args.replicate_values[0])}
     for name in methods:
         ms = float(np.median([r["median_ms"] for r in runs[name]]))
         rec[name] = {"median_ms": ms, "GBps": batches[0].numel() * rows.row_bytes / (ms * 1e-3) / 1e9,
-                     "GBps_runs": [r["GBps"] for r in runs[name]], "hit_rate": hit[name]}
-    rec["independent"]["rows_cached"] = int(indep.capacity_rows)
-    where = part.holder
-    src = torch.bincount(torch.cat([where[b].to(torch.int64) for b in batches]).cpu(), minlength=3)
-    st = part.stats()
-    rec["partitioned"].update(rows_cached_here=st["rows_cached_here"], node_cached_rows=st["node_cached_rows"],
-                              replicated_rows=st["replicated_rows"], owned_rows=st["owned_rows"],
-                              local_fraction=float(src[LOCAL]) / float(src.sum()),
-                              peer_fraction=float(src[PEER]) / float(src.sum()),
-                              host_fraction=float(src[HOST]) / float(src.sum()),
-                              peer_access=st["peer_access"], fallback_reason=st["fallback_reason"],
-                              placement_rule=st["placement_rule"])
+                     "GBps_runs": [r["GBps"] for r in runs[name]], "hit_rate": hit[name], "setup_s": setup_s[name]}
+    rec["independent"]["rows_cached"] = int(methods["independent"].capacity_rows)
+    for name, part in parts.items():
+        where = part.holder
+        src = torch.bincount(torch.cat([where[b].to(torch.int64) for b in batches]).cpu(), minlength=3)
+        st = part.stats()
+        rec[name].update(rows_cached_here=st["rows_cached_here"], node_cached_rows=st["node_cached_rows"],
+                         replicated_rows=st["replicated_rows"], owned_rows=st["owned_rows"],
+                         local_fraction=float(src[LOCAL]) / float(src.sum()),
+                         peer_fraction=float(src[PEER]) / float(src.sum()),
+                         host_fraction=float(src[HOST]) / float(src.sum()),
+                         peer_access=st["peer_access"], fallback_reason=st["fallback_reason"],
+                         placement_rule=st["placement_rule"], replicate=st["replicate"],
+                         placement_costs=list(st["placement_costs"]), costs_rule=st["costs_rule"],
+                         source_costs_us_per_row=st["source_costs_us_per_row"], setup_check=st["setup_check"])
+    # one-kind batches on the first method whose placement reads peers (peer access is agreed by every rank)
+    probe_on = next((name for name, part in parts.items() if part.peer_access), next(iter(parts)))
+    rec["kinds_timed_on"] = probe_on
+    where = parts[probe_on].holder
     gen = torch.Generator().manual_seed(5 + rank)
     for label, kind in (("peer_hits", PEER), ("host_misses", HOST), ("local_hits", LOCAL)):
         pool = torch.nonzero(where.cpu() == kind).reshape(-1)
@@ -118,38 +152,54 @@ def run_budget(args: argparse.Namespace, rows: CompressedRows, hotness: torch.Te
         if not bool(ok):
             continue
         picks = [pool[torch.randint(0, pool.numel(), (args.batch,), generator=gen)].to(dev) for _ in range(12)]
-        rec[label] = timed(part.fetch, picks, 2, rows, args.warmup)
-    part.close()
-    del indep, part
+        rec[label] = timed(parts[probe_on].fetch, picks, 2, rows, args.warmup)
+    for part in parts.values():
+        part.close()
+    del methods, parts
     return rec
 
 
 def point(dataset: str, everyone: list[dict[str, Any]]) -> dict[str, Any]:
     """One JSON point from every rank's record of one (data set, budget)."""
     world = len(everyone)
+    names = everyone[0]["methods"]
     methods = {}
-    for name in ("partitioned", "independent"):
+    for name in names:
         methods[name] = {"GBps": sum(r[name]["GBps"] for r in everyone),
                          "GBps_per_rank": [r[name]["GBps"] for r in everyone],
                          "GBps_runs_per_rank": [r[name]["GBps_runs"] for r in everyone],
-                         "hit_rate": float(np.mean([r[name]["hit_rate"] for r in everyone]))}
-    p0 = everyone[0]["partitioned"]
-    speedup = methods["partitioned"]["GBps"] / methods["independent"]["GBps"]
+                         "hit_rate": float(np.mean([r[name]["hit_rate"] for r in everyone])),
+                         "setup_s": max(r[name]["setup_s"] for r in everyone)}
     one_gpu = everyone[0]["independent"]["rows_cached"]
-    exceeds = p0["node_cached_rows"] > one_gpu and methods["independent"]["hit_rate"] < 0.99
+    for name in names[1:]:
+        p0 = everyone[0][name]
+        methods[name].update(
+            speedup=methods[name]["GBps"] / methods["independent"]["GBps"], replicate=p0["replicate"],
+            node_capacity_vs_one_gpu=p0["node_cached_rows"] / max(one_gpu, 1), node_cached_rows=p0["node_cached_rows"],
+            replicated_rows=p0["replicated_rows"], owned_rows=[r[name]["owned_rows"] for r in everyone],
+            sources={k: float(np.mean([r[name][f"{k}_fraction"] for r in everyone]))
+                     for k in ("local", "peer", "host")},
+            peer_access=all(r[name]["peer_access"] for r in everyone), fallback_reason=p0["fallback_reason"],
+            placement_rule=p0["placement_rule"], placement_costs=p0["placement_costs"], costs_rule=p0["costs_rule"],
+            source_costs_us_per_row=p0["source_costs_us_per_row"], setup_check=p0["setup_check"])
+    primary = everyone[0]["primary"]
+    prim = methods[primary]
+    speedup = prim["speedup"]
+    exceeds = prim["node_cached_rows"] > one_gpu and methods["independent"]["hit_rate"] < 0.99
     peer = [r["peer_hits"]["GBps"] for r in everyone if "peer_hits" in r]
     pt = {"dataset": dataset, "gpus": world, "budget_per_gpu": everyone[0]["budget_per_gpu"], "methods": methods,
-          "speedup": speedup, "peer_hit_GBps": float(np.mean(peer)) if peer else None,
+          "primary": primary, "speedup": speedup, "speedups": {m: methods[m]["speedup"] for m in names[1:]},
+          "best_method": max(names, key=lambda m: methods[m]["GBps"]),
+          "peer_hit_GBps": float(np.mean(peer)) if peer else None,
           "host_miss_GBps": _mean(everyone, "host_misses"), "local_hit_GBps": _mean(everyone, "local_hits"),
-          "node_capacity_vs_one_gpu": p0["node_cached_rows"] / max(one_gpu, 1),
-          "replicated_rows": p0["replicated_rows"], "owned_rows": [r["partitioned"]["owned_rows"] for r in everyone],
-          "sources": {k: float(np.mean([r["partitioned"][f"{k}_fraction"] for r in everyone]))
-                      for k in ("local", "peer", "host")},
-          "peer_access": all(r["partitioned"]["peer_access"] for r in everyone),
-          "fallback_reason": p0["fallback_reason"], "placement_rule": p0["placement_rule"],
-          "hot_set_exceeds_one_gpu": exceeds}
+          "kinds_timed_on": everyone[0]["kinds_timed_on"],
+          "node_capacity_vs_one_gpu": prim["node_capacity_vs_one_gpu"], "replicate": prim["replicate"],
+          "replicated_rows": prim["replicated_rows"], "owned_rows": prim["owned_rows"], "sources": prim["sources"],
+          "peer_access": prim["peer_access"], "fallback_reason": prim["fallback_reason"],
+          "placement_rule": prim["placement_rule"], "hot_set_exceeds_one_gpu": exceeds}
     pt["targets"] = {"speedup": {"target": TARGET_SPEEDUP if exceeds else 1.0, "measured": speedup,
                                  "met": speedup >= (TARGET_SPEEDUP if exceeds else 1.0)},
+                     "never_below_independent": {"target": 1.0, "measured": speedup, "met": speedup >= 1.0},
                      "peer_hit_GBps": {"target": TARGET_PEER_GBPS, "measured": pt["peer_hit_GBps"],
                                        "met": (pt["peer_hit_GBps"] or 0.0) >= TARGET_PEER_GBPS}}
     return pt
@@ -173,7 +223,9 @@ def main() -> None:
     p.add_argument("--total-gb", type=float, default=2.0)
     p.add_argument("--budget", type=float, default=0.01, help="cache bytes per GPU, as a fraction of the raw rows")
     p.add_argument("--budgets", default=None, help="comma list of budgets per GPU (default: --budget)")
-    p.add_argument("--replicate", default="auto", help="'auto' or the fraction of each budget for the shared head")
+    p.add_argument("--replicate", default="auto",
+                   help="comma list, one node cache each: 'auto' (measured costs) or the fraction of each budget for "
+                        "the shared head, e.g. auto,0,0.25,0.5 (the first is the point's 'speedup')")
     p.add_argument("--batch", type=int, default=100_000)
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
@@ -181,10 +233,15 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--verify", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke run")
+    p.add_argument("--deadline-s", type=float, default=0.0,
+                   help="start no further (data set, budget) once this many seconds have passed (0: no limit); "
+                        "the points done are written, the rest listed in meta.skipped")
     args = p.parse_args()
     names = [d.strip() for d in (args.datasets or args.dataset).split(",") if d.strip()]
     budgets = _floats(args.budgets) if args.budgets else [args.budget]
+    args.replicate_values = _replicates(args.replicate)
 
+    started = time.perf_counter()
     cpu = args.device == "cpu"
     local = int(os.environ.get("LOCAL_RANK", 0))
     if not cpu:
@@ -195,6 +252,14 @@ def main() -> None:
     points: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     configs = [(d, b) for d in names for b in budgets]
+    skipped: list[dict[str, Any]] = []
+
+    def out_of_time() -> bool:
+        """Every rank takes rank 0's view of the deadline (so all skip the same configurations)."""
+        late = [args.deadline_s > 0 and time.perf_counter() - started > args.deadline_s]
+        dist.broadcast_object_list(late, src=0)
+        return bool(late[0])
+
     bar = None
     if rank == 0:
         from tqdm import tqdm
@@ -202,6 +267,9 @@ def main() -> None:
         bar = tqdm(total=len(configs), desc="bench_partitioned")
     try:
         for dataset in names:
+            if out_of_time():
+                skipped += [{"dataset": dataset, "budget_per_gpu": b} for b in budgets]
+                continue
             seg_name = f"bench-part-{os.environ.get('MASTER_PORT', '0')}-{dataset}"
             seg = build_store(dataset, args.total_gb, "cpu" if cpu else "cuda", rank, seg_name)
             dist.barrier()
@@ -212,6 +280,9 @@ def main() -> None:
                 batches = [datasets.zipf_ids(n, args.batch, args.zipf, seed=1000 * rank + k).to(dev)
                            for k in range(args.batches)]
                 for budget in budgets:
+                    if out_of_time():
+                        skipped.append({"dataset": dataset, "budget_per_gpu": budget})
+                        continue
                     rec = run_budget(args, rows, hot.to(torch.float64), batches, budget, dev, rank)
                     everyone: list[Any] = [None] * world
                     dist.all_gather_object(everyone, rec)
@@ -227,14 +298,19 @@ def main() -> None:
                     seg.close()
         if rank == 0:
             bar.close()
-            print(format_table([{"dataset": q["dataset"], "budget": q["budget_per_gpu"],
-                                 "indep GB/s": q["methods"]["independent"]["GBps"],
-                                 "part GB/s": q["methods"]["partitioned"]["GBps"], "speedup": q["speedup"],
-                                 "hit indep": q["methods"]["independent"]["hit_rate"],
-                                 "hit part": q["methods"]["partitioned"]["hit_rate"],
-                                 "peer GB/s": q["peer_hit_GBps"], "peer access": q["peer_access"]} for q in points]))
+            print(format_table([{"dataset": q["dataset"], "budget": q["budget_per_gpu"], "method": m,
+                                 "GB/s": q["methods"][m]["GBps"], "speedup": q["methods"][m].get("speedup", 1.0),
+                                 "hit": q["methods"][m]["hit_rate"], "replicate": q["methods"][m].get("replicate"),
+                                 "peer access": q["methods"][m].get("peer_access"),
+                                 "setup s": q["methods"][m]["setup_s"]}
+                                for q in points for m in q["methods"]]))
+            costs = [{"dataset": q["dataset"], "budget_per_gpu": q["budget_per_gpu"], "method": m,
+                      **q["methods"][m]["source_costs_us_per_row"]}
+                     for q in points for m in q["methods"] if q["methods"][m].get("source_costs_us_per_row")]
+            args_meta = {k: v for k, v in vars(args).items() if k != "replicate_values"} | {"out": str(args.out)}
             write_results(args.out, args.name, records, lambda _r: plot(points),
-                          meta={"args": vars(args) | {"out": str(args.out)}}, extra={"points": points})
+                          meta={"args": args_meta, "source_costs_us_per_row": costs, "skipped": skipped,
+                                "elapsed_s": time.perf_counter() - started}, extra={"points": points})
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -243,17 +319,20 @@ def main() -> None:
 def plot(points: list[dict[str, Any]]):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
     labels = [f"{q['dataset']}\n{q['budget_per_gpu']:g}/GPU" for q in points]
     xs = np.arange(len(points))
-    for k, key in enumerate(("independent", "partitioned")):
-        axes[0].bar(xs + 0.4 * (k - 0.5), [q["methods"][key]["GBps"] for q in points], 0.4, label=key)
-        axes[1].bar(xs + 0.4 * (k - 0.5), [q["methods"][key]["hit_rate"] for q in points], 0.4, label=key)
+    names = list(points[0]["methods"]) if points else []
+    width = 0.8 / max(len(names), 1)
+    for k, key in enumerate(names):
+        off = width * (k - (len(names) - 1) / 2)
+        axes[0].bar(xs + off, [q["methods"][key]["GBps"] for q in points], width, label=key)
+        axes[1].bar(xs + off, [q["methods"][key]["hit_rate"] for q in points], width, label=key)
     axes[0].set_ylabel("node fetch GB/s of output (sum over GPUs)")
     axes[1].set_ylabel("hit rate (GPU caches of the node)")
     for ax in axes:
         ax.set_xticks(xs, labels)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(f"node cache vs independent caches, {points[0]['gpus'] if points else 0} GPUs")
     fig.tight_layout()
     return fig

@@ -346,7 +346,8 @@ def main(argv: "list[str] | None" = None) -> int:
             result["hit_rate"] = nst["hit_rate"]
             result["node_cache"] = {k: nst[k] for k in ("hit_rate", "local_hits", "peer_hits", "host_misses",
                                                         "replicated_rows", "owned_rows", "node_cached_rows",
-                                                        "peer_access", "fallback_reason")}
+                                                        "peer_access", "fallback_reason", "replicate",
+                                                        "costs_rule", "source_costs_us_per_row", "setup_check")}
         single: "list[float] | None" = None
         ok = result["steps_with_wrong_embeddings"] == 0 and result["ranks_serving_without_copy"] == world
         if rank == 0 and decoded is not None:

@@ -41,6 +41,16 @@ Timings: epoch time = mean of epochs 2..N (slowest rank); per stage (sample on t
 step) the summed spans of CUDA events on each stage's own stream (no sync in the loop; pipelined, the spans overlap
 and their sum exceeds the epoch); plus a probe of fetch throughput of batches that are all peer hits vs all host
 misses vs all local hits (CUDA events, medians). Rank 0 writes ``train_gnn_ddp.json`` and ``.png`` to ``--out``.
+The train stage is split on the device into ``forward``, ``backward`` (until the last parameter's gradient is
+accumulated: the compute), ``allreduce`` (from there until ``backward()`` returns: DDP's gradient all-reduce,
+including the wait for the slower rank) and ``optimizer``; on the host, ``train_host`` is the training thread's own
+time issuing a step, ``wait_batch`` its time blocked on the loader for the next micro-batch and ``fetch_host`` the
+fetch stage's host time per call. Each of these per rank too (``<stage>_ms_per_rank``). A train stage slower in one
+mode than another is then compute (forward/backward: kernels slowed by overlapping work), rank skew or link traffic
+(allreduce), or a host-bound step (train_host close to train). Every cache here validates ids lazily on CUDA (no host
+sync per fetch), so the modes' fetch threads behave alike. ``--modes`` runs the modes in the order given (e.g.
+``per_gpu,partitioned,reference`` to see an order effect) and ``--node-replicate`` sizes the node cache's head (1.0:
+the node cache's code path with no peer rows, a control for peer traffic).
 """
 
 from __future__ import annotations
@@ -188,10 +198,13 @@ class RankedSAGE(gnn.GraphSAGE):
 
 @dataclass
 class StageTimer:
-    """Seconds per stage, from CUDA events read once per epoch (no sync in the loop), or perf_counter on CPU."""
+    """Seconds per stage, from CUDA events read once per epoch (no sync in the loop), or perf_counter on CPU; host
+    spans (``add_host``: seconds measured on the host, on any device) are summed as they are. Stages may be added from
+    several threads (list appends)."""
 
     device: torch.device
     marks: list[tuple[str, Any, Any]] = field(default_factory=list)
+    host: list[tuple[str, float]] = field(default_factory=list)
 
     def mark(self) -> Any:
         if self.device.type == "cuda":
@@ -203,6 +216,9 @@ class StageTimer:
     def add(self, stage: str, start: Any, end: Any) -> None:
         self.marks.append((stage, start, end))
 
+    def add_host(self, stage: str, seconds: float) -> None:
+        self.host.append((stage, seconds))
+
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.device.type == "cuda":
@@ -210,8 +226,51 @@ class StageTimer:
         for stage, a, b in self.marks:
             sec = a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
             out[stage] = out.get(stage, 0.0) + sec
+        for stage, sec in self.host:
+            out[stage] = out.get(stage, 0.0) + sec
         self.marks.clear()
+        self.host.clear()
         return out
+
+
+STAGES = ("sample", "fetch", "train", "forward", "backward", "allreduce", "optimizer", "train_host", "wait_batch",
+          "fetch_host")
+"""Per-epoch stage times recorded per mode (module docstring)."""
+
+
+class GradsReady:
+    """A mark taken when each parameter's gradient has been accumulated (``register_post_accumulate_grad_hook``):
+    after ``backward()`` the latest one is where the backward compute ended, before DDP's all-reduce of the last
+    bucket finished. Recording a CUDA event changes no result."""
+
+    def __init__(self, model: torch.nn.Module, timer: StageTimer) -> None:
+        self.timer = timer
+        self.last: Any = None
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in model.parameters()
+                        if p.requires_grad]
+
+    def _hook(self, _param: torch.Tensor) -> None:
+        self.last = self.timer.mark()
+
+    def take(self) -> Any:
+        last, self.last = self.last, None
+        return last
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def batches_timed(loop: Any, timer: StageTimer) -> "Iterator[MicroBatch]":
+    """``loop``'s micro-batches; the time the training thread waits for each goes to ``wait_batch``."""
+    it = iter(loop)
+    while True:
+        t0 = time.perf_counter()
+        mb = next(it, None)
+        if mb is None:
+            return
+        timer.add_host("wait_batch", time.perf_counter() - t0)
+        yield mb
 
 
 @dataclass
@@ -243,6 +302,7 @@ class Job:
     ranks: Ranks
     labels: torch.Tensor  # on the device
     verified: int = 0
+    node_replicate: "str | float" = "auto"  # the node cache's head: "auto" (measured costs) or a budget fraction
 
     @property
     def world(self) -> int:
@@ -341,9 +401,11 @@ def make_loop(job: "Job", vranks: list[int], cache_fetch: Callable[[torch.Tensor
     src = MicroBatches(job, vranks, timer)
 
     def fetch(mb: MicroBatch) -> MicroBatch:
+        t0 = time.perf_counter()
         a = timer.mark()
         mb.x = cache_fetch(mb.input_nodes)
         timer.add("fetch", a, timer.mark())
+        timer.add_host("fetch_host", time.perf_counter() - t0)
         return mb
 
     if not job.cfg.pipelined:
@@ -358,9 +420,11 @@ def make_fetch(job: Job, mode: str) -> tuple[Callable[[torch.Tensor], torch.Tens
     budget = int(job.budget * job.rows.n_rows * job.rows.row_bytes)
     if mode == "partitioned":
         cache = PartitionedFeatureCache(job.rows, hot, budget_bytes=budget, device=job.ranks.device,
-                                        group=job.ranks.cache_group)
-    else:
-        cache = FeatureCache(job.rows, budget_bytes=budget, policy="static", hotness=hot, device=job.ranks.device)
+                                        group=job.ranks.cache_group, replicate=job.node_replicate)
+    else:  # lazy on CUDA as the node cache is: no host sync per fetch in any mode, so the fetch threads run alike
+        lazy = {"validate": "lazy"} if job.ranks.device.type == "cuda" else {}
+        cache = FeatureCache(job.rows, budget_bytes=budget, policy="static", hotness=hot, device=job.ranks.device,
+                             **lazy)
     return cache.fetch, cache
 
 
@@ -370,6 +434,17 @@ def new_model(job: Job) -> RankedSAGE:
                        job.cfg.dropout)
     model.seed_dropout(job.cfg.seed)
     return model.to(job.ranks.device)
+
+
+def _add_step(timer: StageTimer, a: Any, f: Any, grads_ready: Any, b: Any, c: Any) -> None:
+    """One step's marks: start, forward done, last gradient accumulated (None: no parameter got one), backward()
+    returned, optimizer done."""
+    ready = grads_ready if grads_ready is not None else b
+    timer.add("train", a, c)
+    timer.add("forward", a, f)
+    timer.add("backward", f, ready)
+    timer.add("allreduce", ready, b)
+    timer.add("optimizer", b, c)
 
 
 def train_ddp(job: Job, mode: str) -> Run:
@@ -388,6 +463,7 @@ def train_ddp(job: Job, mode: str) -> Run:
     timer = StageTimer(dev)
     src, loop = make_loop(job, [r], fetch, timer, collective=False)
     in_flight = StepsInFlight(dev, limit=2)
+    grads = GradsReady(model, timer)
     job.verified = 0
     _reset(cache)
     for epoch in range(cfg.epochs):
@@ -396,21 +472,27 @@ def train_ddp(job: Job, mode: str) -> Run:
         start = time.perf_counter()
         src.epoch = epoch
         losses = []
-        for mb in loop:
+        for mb in batches_timed(loop, timer):
             _pin_threads(dev)
             job.check(mb)
+            t0 = time.perf_counter()
             a = timer.mark()
             loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
+            f = timer.mark()
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            b = timer.mark()
             _pin_threads(dev)
             opt.step()
-            timer.add("train", a, timer.mark())
+            c = timer.mark()
+            _add_step(timer, a, f, grads.take(), b, c)
+            timer.add_host("train_host", time.perf_counter() - t0)
             losses.append(loss.detach())
             in_flight.step_done()
         run.losses[r] += torch.stack(losses).tolist() if losses else []
         _sync(dev)
         run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
+    grads.remove()
     run.cache = _cache_stats(cache)
     _evaluate(job, model, fetch, [r], run)
     if mode == "partitioned":
@@ -432,6 +514,7 @@ def train_reference(job: Job) -> Run:
     timer = StageTimer(dev)
     src, loop = make_loop(job, list(range(w)), fetch, timer, collective=False)
     in_flight = StepsInFlight(dev, limit=2 * w)
+    grads = GradsReady(model, timer)
     job.verified = 0
     _reset(cache)
     for epoch in range(cfg.epochs):
@@ -441,33 +524,36 @@ def train_reference(job: Job) -> Run:
         src.epoch = epoch
         losses: dict[int, list[torch.Tensor]] = {v: [] for v in range(w)}
         acc: list[torch.Tensor | None] = [None] * len(params)
-        for mb in loop:  # the W micro-batches of each global batch in rank order
+        for mb in batches_timed(loop, timer):  # the W micro-batches of each global batch in rank order
             _pin_threads(dev)
             job.check(mb)
             model.use_rank(mb.rank, dev)
+            t0 = time.perf_counter()
             a = timer.mark()
             loss = gnn.cross_entropy(model(mb.blocks, mb.x), job.labels[mb.seeds])
+            f = timer.mark()
             for p in params:
                 p.grad = None
             loss.backward()
             for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
                 g = p.grad * (1.0 / w)
                 acc[i] = g if acc[i] is None else acc[i] + g
-            timer.add("train", a, timer.mark())
-            losses[mb.rank].append(loss.detach())
-            in_flight.step_done()
+            b = timer.mark()
             if mb.rank == w - 1:
-                a = timer.mark()
                 for p, g in zip(params, acc):
                     p.grad = g
                 _pin_threads(dev)
                 opt.step()
-                timer.add("train", a, timer.mark())
                 acc = [None] * len(params)
+            _add_step(timer, a, f, grads.take(), b, timer.mark())  # "allreduce": the 1/W sums here
+            timer.add_host("train_host", time.perf_counter() - t0)
+            losses[mb.rank].append(loss.detach())
+            in_flight.step_done()
         for v in range(w):
             run.losses[v] += torch.stack(losses[v]).tolist() if losses[v] else []
         _sync(dev)
         run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
+    grads.remove()
     run.cache = _cache_stats(cache)
     _evaluate(job, model, fetch, list(range(w)), run)
     return run
@@ -524,7 +610,8 @@ def _cache_stats(cache: Any) -> dict[str, Any]:
     st = cache.stats()
     if isinstance(cache, PartitionedFeatureCache):
         keep = ("rows_cached_here", "requests", "local_hits", "peer_hits", "host_misses", "hit_rate",
-                "replicated_rows", "owned_rows", "peer_access", "fallback_reason")
+                "replicated_rows", "owned_rows", "peer_access", "fallback_reason", "replicate", "placement_rule",
+                "placement_costs", "costs_rule", "source_costs_us_per_row", "setup_check")
         return ({k: st[k] for k in keep} | {"rows_cached_on_node": st["node_cached_rows"],
                                             "host_bytes_read": st["local"]["host_bytes_read"]})
     return {"rows_cached_here": st["capacity_rows"], "rows_cached_on_node": st["capacity_rows"],
@@ -572,8 +659,8 @@ def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, An
     for mode, per_rank in runs.items():
         timed = [e for e in (r.epochs[1:] or r.epochs for r in per_rank)]
         epoch_s = [float(np.mean([e["epoch"] for e in t])) for t in timed]
-        stages = {k: float(np.mean([np.mean([e.get(k, 0.0) for e in t]) for t in timed]))
-                  for k in ("sample", "fetch", "train")}
+        stage_ranks = {k: [float(np.mean([e.get(k, 0.0) for e in t])) for t in timed] for k in STAGES}
+        stages = {k: float(np.mean(v)) for k, v in stage_ranks.items()}
         losses = {v: l for r in per_rank for v, l in r.losses.items()}
         preds = [p for v in sorted({v for r in per_rank for v in r.predictions})
                  for r in per_rank if v in r.predictions for p in r.predictions[v]]
@@ -583,6 +670,7 @@ def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, An
             "mode": mode, "processes": len(per_rank), "world": world, "pipelined": per_rank[0].pipelined,
             "epoch_ms": 1e3 * max(epoch_s),
             "epoch_ms_per_rank": [1e3 * s for s in epoch_s], **{f"{k}_ms": 1e3 * v for k, v in stages.items()},
+            **{f"{k}_ms_per_rank": [1e3 * v for v in vals] for k, vals in stage_ranks.items()},
             "hit_rate": hits / req if req else None, "rows_cached_on_node": per_rank[0].cache["rows_cached_on_node"],
             "rows_cached_per_gpu": [r.cache["rows_cached_here"] for r in per_rank],
             "accuracy": sum(r.correct for r in per_rank) / max(sum(r.tested for r in per_rank), 1),
@@ -597,6 +685,8 @@ def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, An
             rec["fallback_reason"] = next((r.cache["fallback_reason"] for r in per_rank if r.cache["fallback_reason"]),
                                           None)
             rec["probe"] = [r.probe for r in per_rank]
+            for key in ("replicate", "placement_rule", "costs_rule", "source_costs_us_per_row", "setup_check"):
+                rec[key] = per_rank[0].cache[key]
         if ref is not None and mode != "reference":
             ref_l = np.asarray([ref.losses[v] for v in sorted(ref.losses)])
             mine = np.asarray(rec["losses"])
@@ -681,6 +771,9 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--attach", default=None, help="attach this store (task=serve) instead of building one")
     p.add_argument("--save-store", default=None, help="also save the store to this file (for task=serve) and exit")
     p.add_argument("--quick", action="store_true", help="tiny graph, 3 epochs: " + " ".join(QUICK))
+    p.add_argument("--node-replicate", default="auto",
+                   help="the node cache's head: 'auto' (sized from costs it measures) or a fraction of the budget "
+                        "(1.0: no peer rows, the node cache's code path as a control)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/bench_gnn.yaml, e.g. dataset.n_nodes=200000")
     args = p.parse_args(argv)
     overrides = [*(QUICK if args.quick else []), *args.overrides]
@@ -723,7 +816,8 @@ def main(argv: "list[str] | None" = None) -> int:
         rows = CompressedRows.attach(name)
         attach_s = time.perf_counter() - t2
         sampler = BlockSampler(ds.src, ds.dst, ds.num_nodes, train_cfg.fanouts, ranks.device)
-        job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device))
+        job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device),
+                  node_replicate=args.node_replicate if args.node_replicate == "auto" else float(args.node_replicate))
         if ranks.rank == 0:
             print(f"train_gnn_ddp: {ds.name} {ds.num_nodes:,} nodes, {ds.num_edges:,} edges, {ds.row_bytes} B rows, "
                   f"store ratio {rows.ratio:.2f}x ({args.layout}); {ranks.world} ranks on {ranks.device.type}, "
@@ -743,7 +837,8 @@ def main(argv: "list[str] | None" = None) -> int:
             _free(ranks.device)
         if ranks.rank == 0:
             records, summary = summarize(runs, ranks.world)
-            cols = ["mode", "processes", "pipelined", "epoch_ms", "sample_ms", "fetch_ms", "train_ms", "hit_rate",
+            cols = ["mode", "processes", "pipelined", "epoch_ms", "sample_ms", "fetch_ms", "train_ms", "forward_ms",
+                    "backward_ms", "allreduce_ms", "optimizer_ms", "train_host_ms", "wait_batch_ms", "hit_rate",
                     "rows_cached_on_node", "accuracy", "identical_losses_vs_reference", "max_abs_loss_diff"]
             print(format_table(records, cols))
             print(summary)

@@ -48,6 +48,12 @@ def _check(doc: dict[str, Any], out: Path, peers: bool) -> None:
         assert r["processes"] == 2
         assert r["identical_losses_vs_reference"], (mode, r["max_abs_loss_diff"])
         assert r["predictions_sha1"] == ref["predictions_sha1"] and r["accuracy"] == ref["accuracy"]
+    for r in by.values():  # the train stage split: forward, backward compute, all-reduce (and wait), optimizer
+        parts = [r[f"{k}_ms"] for k in ("forward", "backward", "allreduce", "optimizer")]
+        assert min(parts) >= 0 and r["forward_ms"] > 0 and r["backward_ms"] > 0
+        assert sum(parts) == pytest.approx(r["train_ms"], rel=0.02, abs=0.05)
+        assert r["train_host_ms"] > 0 and r["wait_batch_ms"] >= 0 and r["fetch_host_ms"] > 0
+        assert len(r["allreduce_ms_per_rank"]) == r["processes"]
     part = by["partitioned"]
     one_gpu = ref["rows_cached_on_node"]
     for st in part["cache"]:
@@ -58,12 +64,22 @@ def _check(doc: dict[str, Any], out: Path, peers: bool) -> None:
     assert summary["identical_losses_partitioned"] and summary["identical_predictions_per_gpu"]
     if not peers:  # CPU ranks: independent caches, and the stats say so
         assert part["peer_access"] is False and "CPU" in part["fallback_reason"]
+        assert part["replicate"] == 1.0 and part["source_costs_us_per_row"] is None
         assert part["rows_cached_on_node"] == one_gpu and part["peer_hits"] == 0
         assert part["hit_rate"] == pytest.approx(by["per_gpu"]["hit_rate"])
         return
-    # GPUs with peer access: the head on both, the tail dealt; when a tail exists ('auto' may replicate everything
+    # GPUs: the node cache times its sources at set-up and plans with what it measured; where that (or its set-up
+    # check) says peer reads do not pay, both ranks keep independent caches and say why
+    if part["costs_rule"] == "measured":  # else the guessed plan had no peer rows to time ("default (no ...")
+        assert min(part["source_costs_us_per_row"][k] for k in ("local", "peer", "host")) > 0
+    else:
+        assert part["costs_rule"].startswith("default (no"), part["costs_rule"]
+    if part["peer_access"] is False:
+        assert "measured costs" in part["fallback_reason"] or "set-up check" in part["fallback_reason"]
+        assert part["peer_hits"] == 0 and part["rows_cached_on_node"] == one_gpu
+        return
+    # peer access: the head on both, the tail dealt; when a tail exists ('auto' may replicate everything
     # for a sharp enough head), the node holds more than one GPU, with more hits, some of them on the peer
-    assert part["peer_access"] is True, part["fallback_reason"]
     assert part["hit_rate"] >= ref["hit_rate"] - 0.01 and ref["hit_rate"] == pytest.approx(by["per_gpu"]["hit_rate"])
     if all(st["owned_rows"] > 0 for st in part["cache"]):
         assert part["rows_cached_on_node"] > one_gpu and part["hit_rate"] > ref["hit_rate"]

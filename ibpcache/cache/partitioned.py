@@ -17,6 +17,15 @@ Without peer access (CPU tensors, one rank, GPUs a process cannot see or reach, 
 failure on any rank) every rank keeps an independent cache of the hottest rows that fit, and ``stats()`` says so
 (``peer_access: False``, ``fallback: "independent"``, ``fallback_reason``). Fetches stay exact and local.
 
+How much to replicate comes from per-row costs of the three sources (:func:`plan_placement`). On CUDA they are
+measured at construction (``costs="measure"``, the default): every rank times fetches of rows that are local hits,
+peer hits and host misses (drawn by hotness, as requests are), all ranks at once, and the ranks plan with the mean.
+A peer read that is not :data:`PEER_MARGIN` cheaper than a host read gives the independent layout (no peer rows).
+The placed layout is then timed against the independent one on a hotness-weighted batch; unless it is faster on the
+node, every rank goes back to the independent layout. So a node cache built with measured costs fetches such a
+batch no slower than independent caches would (``stats()["setup_check"]`` holds both times). Elsewhere (the CPU,
+given costs) :data:`DEFAULT_COSTS` or the given costs are used as they are.
+
 Collectives: construction and :meth:`PartitionedFeatureCache.refresh` only (every rank of the group calls them).
 A refresh reallocates each rank's slab, so no rank may still read a peer slab when its owner rewrites it: ranks
 finish their queued work and meet at a barrier first; no fetch may run on any rank during a refresh.
@@ -24,6 +33,7 @@ finish their queued work and meet at a barrier first; no fetch may run on any ra
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +50,22 @@ from .entry import MAX_SLABS
 from .feature_cache import FeatureCache
 from .slab import usable_bytes
 
-__all__ = ["PartitionedFeatureCache", "Placement", "plan_placement", "DEFAULT_COSTS", "LOCAL", "PEER", "HOST"]
+__all__ = ["PartitionedFeatureCache", "Placement", "plan_placement", "DEFAULT_COSTS", "PEER_MARGIN", "LOCAL", "PEER",
+           "HOST"]
 
 DEFAULT_COSTS = (1.0, 4.0, 16.0)
 """Relative time to serve one row from this GPU's slab, a peer's slab (NVLink) and the host store (PCIe): about the
-ratio of HBM, NVLink and PCIe bandwidths of an H100 node, which bound a fetch of compressed rows."""
+ratio of HBM, NVLink and PCIe bandwidths of an H100 node. A guess: used on the CPU and wherever costs are not
+measured (``PartitionedFeatureCache(costs=...)``)."""
+
+PEER_MARGIN = 0.1
+"""How much cheaper than a host read a peer read must be before ``"auto"`` placement deals out a tail. Per-row
+costs come from batches of one kind of row, and a real batch overlaps its reads in other ways, so a peer read that
+merely ties a host read is not trusted to win: the node keeps the independent layout instead."""
+
+PROBE_BYTES = 256 << 20
+"""Output bytes of one timed probe fetch: enough rows for several waves of warps on an H100/H200 (a latency-bound
+fetch of one wave or less would overstate the per-row cost), small enough to cost milliseconds at set-up."""
 
 LOCAL, PEER, HOST = 0, 1, 2
 """Where a rank reads a row (``PartitionedFeatureCache.holder``)."""
@@ -53,16 +74,28 @@ LOCAL, PEER, HOST = 0, 1, 2
 @dataclass(frozen=True)
 class Placement:
     """Rows by hotness (``order``, hottest first, int64): ``order[:n_replicated]`` on every rank, the tail after
-    it dealt round-robin; ``rule`` says how ``n_replicated`` was chosen."""
+    it dealt round-robin; ``rule`` says how ``n_replicated`` was chosen. ``partitioned`` False: the costs say peer
+    reads do not pay, so every rank keeps an independent cache of the hottest rows (no tail is dealt).
+    ``head_bytes`` / ``budget_bytes``: the head's stored bytes and one GPU's usable budget."""
 
     order: torch.Tensor
     n_replicated: int
     world_size: int
     rule: str
+    partitioned: bool = True
+    head_bytes: int = 0
+    budget_bytes: int = 0
 
     @property
     def replicated(self) -> torch.Tensor:
         return self.order[: self.n_replicated]
+
+    @property
+    def replicate(self) -> float:
+        """The fraction of one GPU's budget the head takes (1.0: every GPU caches the same rows)."""
+        if not self.partitioned:
+            return 1.0
+        return self.head_bytes / self.budget_bytes if self.budget_bytes else 1.0
 
     def priority(self, rank: int) -> torch.Tensor:
         """float64 [N] static-policy hotness for ``rank``: the head, then this rank's tail rows in hotness order
@@ -75,9 +108,20 @@ class Placement:
         return prio
 
 
+def check_costs(costs: object) -> "tuple[float, float, float]":
+    """Three finite positive per-row costs (local, peer, host) as floats; anything else raises."""
+    try:
+        vals = tuple(float(c) for c in costs)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"costs must be three numbers (local, peer, host), got {costs!r}") from None
+    if len(vals) != 3 or not all(math.isfinite(c) and c > 0 for c in vals):
+        raise InvalidArgumentError(f"costs must be three finite positive numbers (local, peer, host), got {costs!r}")
+    return vals  # type: ignore[return-value]
+
+
 def plan_placement(hotness: torch.Tensor, lengths: torch.Tensor, budget_bytes: int, world_size: int,
-                   replicate: "str | float" = "auto", costs: "tuple[float, float, float]" = DEFAULT_COSTS
-                   ) -> Placement:
+                   replicate: "str | float" = "auto", costs: "tuple[float, float, float]" = DEFAULT_COSTS,
+                   peer_margin: float = PEER_MARGIN) -> Placement:
     """How many of the hottest rows every GPU replicates; the rest of each budget holds a share of the tail.
 
     ``lengths``: stored bytes of every row in the slab format; ``budget_bytes``: one GPU's slab budget.
@@ -87,6 +131,12 @@ def plan_placement(hotness: torch.Tensor, lengths: torch.Tensor, budget_bytes: i
     ``costs[2]`` from the host: a tail row cached on the node is local on one rank in ``W`` and a peer hit on the
     others, so growing the head trades peer hits on hot rows for host misses on the rows it pushes off the node.
     Every candidate head size is evaluated at once with prefix sums (construction time only).
+
+    With ``"auto"``, a peer read that is not ``peer_margin`` cheaper than a host read gives the independent layout
+    (``partitioned=False``: each GPU its own hottest rows). That is also where the cost model itself lands when a
+    peer read costs what a host read does: moving a head row to the tail then turns it into a peer read for
+    ``W - 1`` ranks to save at most ``W - 1`` colder host reads, which never pays; the margin keeps a peer read
+    that only measured a little cheaper from being trusted.
     """
     hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
     lens = torch.as_tensor(lengths).reshape(-1).to(torch.int64).cpu()
@@ -94,30 +144,40 @@ def plan_placement(hotness: torch.Tensor, lengths: torch.Tensor, budget_bytes: i
         raise InvalidArgumentError(f"hotness must have one score per row ({lens.numel()}), got {hot.numel()}")
     if world_size < 1:
         raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
+    c_local, c_peer, c_host = check_costs(costs)
+    if isinstance(peer_margin, bool) or not 0.0 <= float(peer_margin) < 1.0:
+        raise InvalidArgumentError(f"peer_margin must be in [0, 1), got {peer_margin!r}")
     order = torch.argsort(hot, descending=True, stable=True)
     budget = usable_bytes(int(budget_bytes))
     csum = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[order], 0)])  # bytes of the k hottest
     max_head = int(torch.searchsorted(csum, torch.tensor([budget]), right=True)) - 1  # head rows that fit
+
+    def placement(n_head: int, rule: str, partitioned: bool = True) -> Placement:
+        return Placement(order, n_head, world_size, rule, partitioned, int(csum[n_head]), budget)
+
     if isinstance(replicate, str):
         if replicate != "auto":
             raise InvalidArgumentError(f"replicate must be 'auto' or a fraction in [0, 1], got {replicate!r}")
         if world_size == 1:
-            return Placement(order, max_head, 1, "one rank: every cached row is local")
+            return placement(max_head, "one rank: every cached row is local")
+        costs_txt = f"costs={(c_local, c_peer, c_host)}"
+        if c_peer > (1.0 - float(peer_margin)) * c_host:
+            return placement(max_head, f"independent: a peer read is not {float(peer_margin):.0%} cheaper than a "
+                                       f"host read ({costs_txt})", partitioned=False)
         weight = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(hot[order].clamp_min(0), 0)])
         heads = torch.arange(max_head + 1)
         tail_end = torch.searchsorted(csum, csum[heads] + world_size * (budget - csum[heads]), right=True) - 1
         tail_end = tail_end.clamp(max=order.numel())
-        c_local, c_peer, c_host = (float(c) for c in costs)
         tail_cost = (c_local + (world_size - 1) * c_peer) / world_size
         expected = (weight[heads] * c_local + (weight[tail_end] - weight[heads]) * tail_cost
                     + (weight[-1] - weight[tail_end]) * c_host)
         n_head = int(torch.argmin(expected))  # the smallest head among equals: the most node capacity
-        return Placement(order, n_head, world_size, f"auto: least expected cost, costs={tuple(costs)}")
+        return placement(n_head, f"auto: least expected cost, {costs_txt}")
     frac = float(replicate)
     if isinstance(replicate, bool) or not 0.0 <= frac <= 1.0:
         raise InvalidArgumentError(f"replicate must be 'auto' or a fraction in [0, 1], got {replicate!r}")
     n_head = int(torch.searchsorted(csum, torch.tensor([int(frac * budget)]), right=True)) - 1
-    return Placement(order, n_head, world_size, f"replicate={frac} of the budget")
+    return placement(n_head, f"replicate={frac} of the budget")
 
 
 class PartitionedFeatureCache:
@@ -126,7 +186,11 @@ class PartitionedFeatureCache:
     ``rows``: a tensor, or (usually) a CompressedRows every rank attached from one shared store. ``hotness``: a
     score per row, the same on every rank. ``budget_bytes``: each rank's slab, as FeatureCache takes it. ``device``:
     this rank's GPU (or the CPU: independent caches). ``group``: the ranks of this node (default: the world).
-    ``replicate`` / ``costs``: see :func:`plan_placement`. ``track_sources``: count local hits, peer hits and host
+    ``replicate``: see :func:`plan_placement`. ``costs``: per-row costs (local, peer, host) for ``"auto"``
+    placement, or ``"measure"`` (default): timed on CUDA at construction with peer access, then kept for every
+    refresh (:data:`DEFAULT_COSTS` where nothing can be timed: the CPU, one rank, no peers); with ``"measure"`` the
+    placed layout must also fetch a hotness-weighted batch faster than the independent one or the node keeps the
+    independent one (module docstring). ``track_sources``: count local hits, peer hits and host
     misses per fetch (a few small device reductions; no sync); off, ``stats()`` reports only the node hit rate.
     ``cache_kwargs`` go to each rank's FeatureCache (a planned codec is chosen by rank 0 and shared, so every rank
     stores the table the same way, as peers' entries require).
@@ -134,12 +198,23 @@ class PartitionedFeatureCache:
 
     def __init__(self, rows: Any, hotness: torch.Tensor, budget_bytes: "int | float", device: "str | torch.device",
                  group: "dist.ProcessGroup | None" = None, *, replicate: "str | float" = "auto",
-                 costs: "tuple[float, float, float]" = DEFAULT_COSTS, track_sources: bool = True,
+                 costs: "tuple[float, float, float] | str" = "measure", track_sources: bool = True,
                  **cache_kwargs: Any) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.replicate, self.costs, self.track_sources = replicate, tuple(costs), bool(track_sources)
+        if isinstance(costs, str):
+            if costs != "measure":
+                raise InvalidArgumentError(f"costs must be 'measure' or three numbers (local, peer, host), "
+                                           f"got {costs!r}")
+            self._measure, self.costs = True, DEFAULT_COSTS
+            self.costs_rule = "default: not measured"
+        else:
+            self._measure, self.costs = False, check_costs(costs)
+            self.costs_rule = "given"
+        self.replicate, self.track_sources = replicate, bool(track_sources)
+        self.source_costs_us_per_row: "dict[str, Any] | None" = None  # what the probe timed (None: not timed)
+        self.setup_check: "dict[str, Any] | None" = None  # placed vs independent layout on one weighted batch
         hot = torch.as_tensor(hotness).reshape(-1).to(torch.float64).cpu()
         if torch.device(device).type == "cuda":  # no host sync per fetch: the lookup kernel checks ids
             cache_kwargs.setdefault("validate", "lazy")
@@ -152,6 +227,7 @@ class PartitionedFeatureCache:
                      ) if self.device.type == "cuda" else -1
         self._local_hits = torch.zeros(2, dtype=torch.int64, device=self.device)  # local hits, peer hits
         self._peer_maps: dict[int, Any] = {}  # rank -> its slab mapped for this GPU (kernels.ipc.PeerMapping)
+        self._peer_ids = torch.empty(0, dtype=torch.int64)
         self.requests = 0
         self._place(hot, built_with_hot=True)
 
@@ -190,14 +266,54 @@ class PartitionedFeatureCache:
 
     def _place(self, hot: torch.Tensor, built_with_hot: bool) -> None:
         """Plan the placement; where every rank can reach its peers' slabs, restock to it and map the peers, else
-        keep (or restock to) an independent cache of the hottest rows. Collective."""
-        self.placement = plan_placement(hot, self.cache.cache_lengths, self.cache.budget_bytes, self.world_size,
-                                        self.replicate, self.costs)
+        keep (or restock to) an independent cache of the hottest rows. With ``costs="measure"`` on CUDA, the first
+        placement with peer access times the three sources, plans again with the measured costs and keeps the
+        result only if it beats the independent layout (module docstring). Collective."""
+        timing = self._timing
+        baseline = None
+        if timing and built_with_hot:  # the independent layout is in place now: time it first
+            ids = self._weighted_batch(hot, torch.arange(self.n_rows))
+            baseline = (ids, self._time_fetch(ids))
+        self._apply(self._plan(hot), hot, built_with_hot)
+        if timing and self.source_costs_us_per_row is None and self.peer_access:
+            measured = self._measure_costs(hot)
+            if measured is not None:
+                self.costs, self.costs_rule = measured, "measured"
+                again = self._plan(hot)
+                if (again.n_replicated, again.partitioned) != (self.placement.n_replicated, self.placement.partitioned):
+                    self._quiesce()
+                    self._apply(again, hot, built_with_hot=False)
+                else:
+                    self.placement = again  # same rows; the rule names the measured costs
+        if baseline is not None and self.peer_access:
+            self._check_against_independent(hot, *baseline)
+        self.cache.reset_stats()  # the build's own check reads are not requests
+
+    @property
+    def _timing(self) -> bool:
+        """Costs and the set-up check are timed here: measured costs asked for, CUDA, peers, ``"auto"`` placement."""
+        return self._measure and self.device.type == "cuda" and self.world_size > 1 and self.replicate == "auto"
+
+    def _plan(self, hot: torch.Tensor) -> Placement:
+        return plan_placement(hot, self.cache.cache_lengths, self.cache.budget_bytes, self.world_size,
+                              self.replicate, self.costs)
+
+    def _apply(self, placement: Placement, hot: torch.Tensor, built_with_hot: bool) -> None:
+        """Restock this rank's slab to ``placement`` and map the peers' (or keep an independent cache where a rank
+        cannot, or where the placement deals no tail). Collective. No rank may be reading a peer slab."""
+        self.placement = placement
         self._peer_ids = torch.empty(0, dtype=torch.int64)
+        if not placement.partitioned:  # decided from costs every rank shares: no collective needed to agree
+            self.fallback_reason = f"{self.costs_rule} costs: {placement.rule}"
+            if not built_with_hot:
+                self.cache.restock(hot)
+                self._unmap_peers()
+            self._where = self._where_table()
+            return
         reasons = [r for r in self._gather(self._peer_blocker()) if r is not None]
         self.fallback_reason = reasons[0] if reasons else None
         if self.fallback_reason is None:
-            self.cache.restock(self.placement.priority(self.rank))
+            self.cache.restock(placement.priority(self.rank))
             self._unmap_peers()  # restock dropped the old peer rows
             self.fallback_reason = self._map_peers()
             if self.fallback_reason is not None:  # some rank could not map its peers: every rank falls back
@@ -206,7 +322,90 @@ class PartitionedFeatureCache:
             self.cache.restock(hot)
             self._unmap_peers()
         self._where = self._where_table()
-        self.cache.reset_stats()  # the build's own check reads are not requests
+
+    def _quiesce(self) -> None:
+        """Every rank's queued fetches done, then a barrier: past it no rank reads a peer slab. Collective."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def _to_independent(self, hot: torch.Tensor, reason: "str | None") -> None:
+        """Every rank back to an independent cache of the hottest rows, peers unmapped. Collective."""
+        self._quiesce()
+        self.cache.restock(hot)
+        self._unmap_peers()
+        self._peer_ids = torch.empty(0, dtype=torch.int64)
+        self.fallback_reason = reason
+        self._where = self._where_table()
+        dist.barrier(group=self.group)  # every rank has unmapped its peers before any maps a new slab
+
+    # ------------------------------------------------------------------------------------------------
+    # set-up timing (CUDA; syncs, construction only)
+    # ------------------------------------------------------------------------------------------------
+
+    def _probe_rows(self) -> int:
+        return int(min(max(PROBE_BYTES // max(self.row_bytes, 1), 16384), 131072))
+
+    def _weighted_batch(self, hot: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+        """:meth:`_probe_rows` ids from ``pool`` drawn with probability ~ hotness (uniform where ``pool`` holds no
+        positive hotness), seeded per rank, on the device: what requests for those rows look like."""
+        gen = torch.Generator().manual_seed(9176 + self.rank)
+        return _weighted_sample(pool, hot, self._probe_rows(), gen).to(self.device)
+
+    def _time_fetch(self, ids: torch.Tensor, warmup: int = 2, repeats: int = 5) -> float:
+        """Median microseconds of a fetch of ``ids`` on this rank while every rank fetches its own (the ranks start
+        together, as they fetch in training). CUDA events, construction only (syncs). Collective."""
+        out = torch.empty((ids.numel(), *self.cache.row_shape), dtype=self.cache.dtype, device=self.device)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                 for _ in range(warmup + repeats)]
+        for start, end in marks:
+            start.record()
+            self.cache.fetch(ids, out)
+            end.record()
+        marks[-1][1].synchronize()
+        self.cache.check_errors()
+        return 1e3 * float(np.median([a.elapsed_time(b) for a, b in marks[warmup:]]))
+
+    def _measure_costs(self, hot: torch.Tensor) -> "tuple[float, float, float] | None":
+        """Per-row microseconds of a local hit, a peer hit and a host miss, the mean over ranks (so every rank
+        plans the same placement): each rank times :meth:`_probe_rows` rows of each kind drawn by hotness from the
+        rows it reads that way. None (default costs kept) where some rank has no local or no peer rows. A node
+        that caches every row has no misses to time: a host read is then taken as ``DEFAULT_COSTS``' ratio to a
+        local one. Collective."""
+        where = self._where.cpu()
+        pools = [torch.nonzero(where == kind).reshape(-1) for kind in (LOCAL, PEER, HOST)]
+        have = [all(flags) for flags in zip(*self._gather([p.numel() > 0 for p in pools]))]
+        if not (have[LOCAL] and have[PEER]):
+            self.costs_rule = "default (no local or no peer rows to time)"
+            return None
+        mine = [self._time_fetch(self._weighted_batch(hot, pool)) / self._probe_rows() if ok else None
+                for pool, ok in zip(pools, have)]
+        everyone = self._gather(mine)
+        us = [float(np.mean([r[k] for r in everyone])) if have[k] else None for k in range(3)]
+        note = "timed"
+        if us[HOST] is None:
+            us[HOST] = us[LOCAL] * DEFAULT_COSTS[HOST] / DEFAULT_COSTS[LOCAL]
+            note = "host: no misses to time, DEFAULT_COSTS' ratio to a local read"
+        costs = tuple(max(float(c), 1e-9) for c in us)
+        self.source_costs_us_per_row = {"local": costs[LOCAL], "peer": costs[PEER], "host": costs[HOST],
+                                        "rows_per_probe": self._probe_rows(), "per_rank": everyone, "note": note}
+        return costs  # type: ignore[return-value]
+
+    def _check_against_independent(self, hot: torch.Tensor, ids: torch.Tensor, independent_us: float) -> None:
+        """Time ``ids`` (a hotness-weighted batch) on the placed layout; unless the node fetches it faster than it
+        did on the independent layout (times summed over ranks), every rank goes back to that layout. Collective."""
+        placed_us = self._time_fetch(ids)
+        times = self._gather((independent_us, placed_us))
+        indep, placed = sum(t[0] for t in times), sum(t[1] for t in times)
+        kept = "placed" if placed < indep else "independent"
+        self.setup_check = {"batch_rows": int(ids.numel()), "independent_us": [t[0] for t in times],
+                            "placed_us": [t[1] for t in times], "speedup": indep / placed if placed else None,
+                            "kept": kept}
+        if kept == "independent":
+            self._to_independent(hot, f"set-up check: the placed layout fetched a hotness-weighted batch in "
+                                      f"{placed:.0f} us (sum over ranks) vs {indep:.0f} us independent")
 
     def _peer_blocker(self) -> "str | None":
         """Why this rank cannot read its peers' slabs directly (None: it can try)."""
@@ -301,7 +500,9 @@ class PartitionedFeatureCache:
             raise InvalidArgumentError(f"hotness must have one score per row ({self.n_rows}), got {hot.numel()}")
         pending = self._drain()
         dist.barrier(group=self.group)  # no rank reads a peer slab past this point
-        self._place(hot, built_with_hot=False)
+        if self._timing:  # the set-up check times the independent layout first, as at construction
+            self._to_independent(hot, None)
+        self._place(hot, built_with_hot=self._timing)
         self.reset_stats()
         if pending is not None:  # raised once every rank is through (no rank left waiting at a barrier)
             raise pending
@@ -376,7 +577,12 @@ class PartitionedFeatureCache:
         ``local_hits`` / ``peer_hits`` / ``host_misses``: where this rank's requested ids were read (None with
         ``track_sources=False``). ``replicated_rows``: the head every GPU holds; ``owned_rows``: this rank's share of
         the tail; ``node_cached_rows``: rows this rank reads from some GPU. ``peer_access`` False means independent
-        caches (``fallback`` and ``fallback_reason`` say why). ``local``: the FeatureCache's own stats."""
+        caches (``fallback`` and ``fallback_reason`` say why). ``replicate``: the fraction of one GPU's budget the
+        head takes (1.0 for independent caches). ``placement_costs``: the per-row costs (local, peer, host) the
+        placement was planned with and ``costs_rule`` where they came from (``measured``, ``given``, default);
+        ``source_costs_us_per_row``: what the set-up probe timed, in microseconds per row (None if nothing was
+        timed); ``setup_check``: the placed vs the independent layout on one hotness-weighted batch (None if not
+        run). ``local``: the FeatureCache's own stats."""
         if self.device.type == "cuda":  # fetches may run on other threads' streams (a loader's fetch thread)
             torch.cuda.synchronize(self.device)
         st = self.cache.stats()
@@ -393,13 +599,28 @@ class PartitionedFeatureCache:
                 "owned_rows": int(cached.numel()) - replicated, "node_cached_rows": self.node_cached_rows,
                 "placement_rule": self.placement.rule if self.peer_access else "independent: hottest rows that fit",
                 "peer_access": self.peer_access, "fallback": None if self.peer_access else "independent",
-                "fallback_reason": self.fallback_reason, "local": st}
+                "fallback_reason": self.fallback_reason,
+                "replicate": self.placement.replicate if self.peer_access else 1.0,
+                "placement_costs": self.costs, "costs_rule": self.costs_rule,
+                "source_costs_us_per_row": self.source_costs_us_per_row, "setup_check": self.setup_check, "local": st}
 
     def reset_stats(self) -> None:
         """Zero this rank's counters and its FeatureCache's (contents stay). Not a collective."""
         self._local_hits.zero_()
         self.requests = 0
         self.cache.reset_stats()
+
+
+def _weighted_sample(pool: torch.Tensor, hotness: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` ids from ``pool`` (int64) with probability ~ ``hotness`` of each (negative counts as 0; uniform where
+    nothing in ``pool`` is positive or the sum is not finite): an inverse-CDF lookup, any pool size."""
+    weight = hotness[pool].clamp_min(0)
+    cdf = torch.cumsum(weight, 0)
+    total = float(cdf[-1]) if cdf.numel() else 0.0
+    if not (total > 0 and math.isfinite(total)):
+        return pool[torch.randint(0, pool.numel(), (n,), generator=gen)]
+    u = torch.rand(n, generator=gen, dtype=torch.float64) * total
+    return pool[torch.searchsorted(cdf, u, right=True).clamp(max=pool.numel() - 1)]
 
 
 def _uuid(index: int) -> str:

@@ -4,6 +4,8 @@
 caches: the fallback), ``nccl`` one GPU per rank (peer slabs through CUDA IPC). MODE ``ibp`` (default) / ``exponent``:
 rank 0 codes real rows (bundled Cora) with that method and shares them, every rank attaches; ``auto``: every rank
 passes the rows themselves with ``codec="auto"`` and ``compress_host="auto"`` (rank 0 plans, the others follow).
+``ibp`` and ``exponent`` plan with the guessed ``DEFAULT_COSTS`` (a placement with peer rows, whatever this machine
+measures); ``auto`` with ``costs="measure"`` (the default: timed sources and the set-up check on CUDA).
 Every rank fetches a seeded batch (duplicates, hot rows), on CUDA a batch of peer-owned rows under
 ``torch.cuda.set_sync_debug_mode("error")``, then refreshes to a reversed hotness and fetches again. Saves what the
 test checks.
@@ -29,7 +31,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, mode: 
     seg = None
     try:
         from ibpcache import Codec, CompressedRows
-        from ibpcache.cache.partitioned import PEER, PartitionedFeatureCache
+        from ibpcache.cache.partitioned import DEFAULT_COSTS, PEER, PartitionedFeatureCache
         from ibpcache.datasets import load_cora
 
         table = load_cora().features
@@ -39,7 +41,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, mode: 
             seg = Codec.fit(table, method=mode).compress(table, layout="inplace", pin=False).share(name)
         dist.barrier()
         rows = table if mode == "auto" else CompressedRows.attach(name)
-        kwargs = {"codec": "auto", "compress_host": "auto"} if mode == "auto" else {}
+        kwargs = {"codec": "auto", "compress_host": "auto"} if mode == "auto" else {"costs": DEFAULT_COSTS}
         hotness = (torch.randperm(n, generator=torch.Generator().manual_seed(7)) + 1.0) ** -1.2
         budget = 0.004 if mode != "exponent" else 0.02
         cache = PartitionedFeatureCache(rows, hotness, budget_bytes=budget, device=device, **kwargs)
@@ -78,7 +80,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, mode: 
                  peer_hits=peer_hits, after=after.cpu().view(torch.uint8).numpy(),
                  cached_after=cache.cache.cached_ids.cpu().numpy(), after_requests=st2["requests"],
                  method=cache.cache.codec.method, compress_host=cache.cache.compress_host,
-                 chosen_by=str(cache.cache.host_layout.get("chosen_by", "")))
+                 chosen_by=str(cache.cache.host_layout.get("chosen_by", "")), costs_rule=np.array(st["costs_rule"]),
+                 placement_costs=np.array(st["placement_costs"]), replicate=st["replicate"],
+                 source_costs=np.array([np.nan] * 3 if st["source_costs_us_per_row"] is None else
+                                       [st["source_costs_us_per_row"][k] for k in ("local", "peer", "host")]),
+                 setup_kept=np.array(str((st["setup_check"] or {}).get("kept"))))
         dist.barrier()
     finally:
         if seg is not None:

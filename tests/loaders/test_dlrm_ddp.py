@@ -58,7 +58,7 @@ def test_two_gloo_ranks_step_with_the_node_cache(tmp_path: Path, free_port: int,
     payload = _run(tmp_path, free_port, "--device", "cpu", "--bag", "3", "--node-cache")
     _check(payload, free_port)
     node = payload["meta"]["node_cache"]
-    assert node["peer_access"] is False and "CPU" in node["fallback_reason"]
+    assert node["peer_access"] is False and "CPU" in node["fallback_reason"] and node["replicate"] == 1.0
     assert node["local_hits"] > 0 and node["peer_hits"] == 0 and node["hit_rate"] == payload["meta"]["hit_rate"]
 
 
@@ -68,7 +68,9 @@ def test_two_gpus_step_with_the_node_cache(tmp_path: Path, free_port: int, share
     payload = _run(tmp_path, free_port, "--device", "cuda", "--bag", "3", "--node-cache")
     _check(payload, free_port)
     node = payload["meta"]["node_cache"]
-    assert node["peer_access"] is True, node["fallback_reason"]
+    # peers read, unless the costs the node cache measured (or its set-up check) kept independent caches
+    assert node["peer_access"] is True or any(why in node["fallback_reason"]
+                                              for why in ("measured costs", "set-up check")), node["fallback_reason"]
     assert node["local_hits"] > 0 and node["hit_rate"] > 0
 
 
