@@ -227,8 +227,9 @@ class Block:
 
     @classmethod
     def from_hop(cls, hop: Hop, device: torch.device) -> "Block":
-        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL)."""
-        deg = torch.bincount(hop.dst, minlength=hop.n_dst).to(torch.float32)
+        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL); its
+        degrees without a host read (``Hop.dst_degree``), since this runs in the sampling stage, ahead of training."""
+        deg = hop.dst_degree().to(torch.float32)
         inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
         move = {"device": device, "non_blocking": True}
         return cls(hop.src.to(**move), hop.dst.to(**move), hop.n_src, hop.n_dst, inv.to(**move))
@@ -527,6 +528,7 @@ class _TorchBatches:
         n = self.nids.numel()
         order = (torch.randperm(n, generator=torch.Generator().manual_seed(batch_key(*self.key, epoch)))
                  if self.shuffle else torch.arange(n))
+        order = order.to(self.nids.device)  # one copy per epoch, not one blocking copy of indices per batch
         seeds = [self.nids[order[i:i + self.batch_size]] for i in range(0, n, self.batch_size)]
         for first in range(0, len(seeds), self.chunk):
             group = seeds[first:first + self.chunk]
