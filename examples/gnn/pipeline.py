@@ -683,12 +683,18 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[Grap
             **_stage_shares(batches, items, fetch, model, opt, device, threads, walls)}
 
 
+#: batches of the profiled stage pass (two of the torch sampler's default chunks): enough for per-batch shares, few
+#: enough that the profile's events take a second, not ten, to read
+_PROFILED_BATCHES = 8
+
+
 def _stage_shares(batches: Any, items: list[_Sampled], fetch: _Fetch, model: GraphSAGE, opt: Any,
                   device: torch.device, threads: int, walls: dict[str, float]) -> dict[str, "float | None"]:
-    """What each stage costs what the stages share, seconds per epoch, from one profiled pass
-    (:class:`~ibpcache.testing.stages.StageProfile`): ``<stage>_gpu`` (its kernels' busy time), ``<stage>_copy``
-    (its copies'), ``<stage>_host`` (its wall time alone minus its waits for the GPU). GPU numbers are None without
-    CUDA; all are None if the profiler fails (a warning says why: the timed numbers stand without them).
+    """What each stage costs what the stages share, seconds per epoch, from one profiled pass over the first
+    ``_PROFILED_BATCHES`` batches (:class:`~ibpcache.testing.stages.StageProfile`): ``<stage>_gpu`` (its kernels'
+    busy time), ``<stage>_copy`` (its copies'), ``<stage>_host`` (its wall time alone minus its waits for the GPU).
+    GPU numbers are None without CUDA; all are None if the profiler fails (a warning says why: the timed numbers
+    stand without them).
 
     Why: when the stages share one GPU, a pipelined epoch cannot beat the sum of their GPU time, which may exceed
     the slowest stage alone; the host numbers say how much Python each stage needs, which the stages' threads
@@ -698,6 +704,7 @@ def _stage_shares(batches: Any, items: list[_Sampled], fetch: _Fetch, model: Gra
 
     names = ("sample", "fetch", "train")
     empty: dict[str, "float | None"] = {f"{n}_{k}": None for n in names for k in ("gpu", "copy", "host")}
+    items = items[:_PROFILED_BATCHES]
     prof = StageProfile(device)
     sampled = 0
     try:

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["StageBusy", "StageProfile", "stage_busy", "union_length"]
+__all__ = ["StageBusy", "StageProfile", "Span", "profile_spans", "stage_busy", "union_length"]
 
 #: the prefix of a stage window's name in the profile (a ``record_function`` range)
 WINDOW_PREFIX = "ibpcache.stage:"
@@ -70,19 +70,31 @@ def _is_wait(name: str) -> bool:
     return "Synchronize" in name or name.startswith("cudaMemcpy")
 
 
-def stage_busy(events: Iterable[Any]) -> dict[str, StageBusy]:
-    """Per stage window, from profiler events (``torch.profiler.profile().events()``: objects with ``name``,
-    ``device_type`` and ``time_range.start / .end`` in microseconds): each device activity and each blocking CUDA
-    call goes to the window its start falls in. Windows are the ``record_function`` ranges named
-    ``WINDOW_PREFIX + stage``; a stage may have many."""
+#: one profiler event: (name, on the device?, start us, end us, kineto activity type or "")
+Span = tuple[str, bool, float, float, str]
+
+
+def _device_kind(name: str, activity: str) -> "str | None":
+    """``"copy"``, ``"kernel"`` or None (not work: the GPU-side span of a ``record_function`` range, sync markers)."""
+    if activity == "gpu_memcpy" or name.startswith("Memcpy"):
+        return "copy"
+    if activity == "gpu_user_annotation" or name.startswith(WINDOW_PREFIX):
+        return None
+    return "kernel" if activity in ("kernel", "gpu_memset", "") else None
+
+
+def stage_busy(spans: Iterable[Span]) -> dict[str, StageBusy]:
+    """Per stage window, from profiler spans (:data:`Span`; :func:`profile_spans` reads them from a profile): each
+    device activity and each blocking CUDA call goes to the window its start falls in. Windows are the
+    ``record_function`` ranges named ``WINDOW_PREFIX + stage`` (host side); a stage may have many."""
     windows: list[tuple[float, float, str]] = []
-    device: list[tuple[float, float, bool]] = []  # start, end, is_copy
+    device: list[tuple[float, float, str]] = []  # start, end, kind
     waits: list[tuple[float, float]] = []
-    cuda = torch.autograd.DeviceType.CUDA
-    for e in events:
-        name, start, end = str(e.name), float(e.time_range.start), float(e.time_range.end)
-        if e.device_type == cuda:
-            device.append((start, end, name.startswith("Memcpy")))
+    for name, on_device, start, end, activity in spans:
+        if on_device:
+            kind = _device_kind(name, activity)
+            if kind is not None:
+                device.append((start, end, kind))
         elif name.startswith(WINDOW_PREFIX):
             windows.append((start, end, name[len(WINDOW_PREFIX):]))
         elif _is_wait(name):
@@ -90,31 +102,41 @@ def stage_busy(events: Iterable[Any]) -> dict[str, StageBusy]:
     windows.sort()
     starts = [w[0] for w in windows]
     out: dict[str, StageBusy] = {}
-    kernels: dict[str, list[tuple[float, float]]] = {}
-    copies: dict[str, list[tuple[float, float]]] = {}
+    work: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for a, b, stage in windows:
         busy = out.setdefault(stage, StageBusy())
         busy.wall_ms += (b - a) / 1e3
         busy.windows += 1
-        kernels.setdefault(stage, [])
-        copies.setdefault(stage, [])
 
     def owner(t: float) -> "str | None":
         i = bisect.bisect_right(starts, t) - 1
         return windows[i][2] if i >= 0 and t < windows[i][1] else None
 
-    for a, b, is_copy in device:
+    for a, b, kind in device:
         stage = owner(a)
         if stage is not None:
-            (copies if is_copy else kernels)[stage].append((a, b))
+            work.setdefault((stage, kind), []).append((a, b))
     for a, b in waits:
         stage = owner(a)
         if stage is not None:
             out[stage].wait_ms += (b - a) / 1e3
     for stage, busy in out.items():
-        busy.kernel_ms = union_length(kernels[stage]) / 1e3
-        busy.copy_ms = union_length(copies[stage]) / 1e3
+        busy.kernel_ms = union_length(work.get((stage, "kernel"), [])) / 1e3
+        busy.copy_ms = union_length(work.get((stage, "copy"), [])) / 1e3
     return out
+
+
+def profile_spans(prof: Any) -> list[Span]:
+    """The spans of a finished ``torch.profiler.profile``: from kineto's raw events when the profile exposes them
+    (``prof.profiler.kineto_results``: no per-event Python objects, no call tree, seconds faster on a GPU step's
+    thousands of events), else from ``prof.events()``."""
+    cuda = torch.autograd.DeviceType.CUDA
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None and hasattr(raw, "events"):
+        return [(e.name(), e.device_type() == cuda, e.start_ns() / 1e3, e.end_ns() / 1e3,
+                 str(e.activity_type() or "")) for e in raw.events()]
+    return [(e.name, e.device_type == cuda, float(e.time_range.start), float(e.time_range.end),
+             str(getattr(e, "activity_type", None) or "")) for e in prof.events()]
 
 
 class StageProfile:
@@ -145,7 +167,7 @@ class StageProfile:
         prof, self._prof = self._prof, None
         prof.__exit__(*exc)
         if exc[0] is None:
-            self._result = stage_busy(prof.events())
+            self._result = stage_busy(profile_spans(prof))
 
     def _sync(self) -> None:
         if self._cuda:
