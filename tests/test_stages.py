@@ -79,3 +79,20 @@ def test_gpu_kernels_and_syncs_are_seen() -> None:
     got = prof.result()
     assert got["matmul"].kernel_ms > 0.1 and got["matmul"].wait_ms > 0.0
     assert got["host"].kernel_ms < 0.5 * got["host"].wall_ms  # mostly sleep
+
+
+def test_spans_come_from_raw_events_or_from_the_public_list() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from ibpcache.testing.stages import profile_spans
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function(WINDOW_PREFIX + "x"):
+            torch.randn(8) + 1
+    raw = profile_spans(prof)
+    public = profile_spans(type("P", (), {"events": prof.events})())  # no kineto_results: the public list
+    for spans in (raw, public):
+        window = [s for s in spans if s[0] == WINDOW_PREFIX + "x"]
+        assert len(window) == 1 and window[0][3] > window[0][2] and not window[0][1]
+        assert any(s[0] == "aten::randn" for s in spans)
+    assert stage_busy(raw)["x"].windows == stage_busy(public)["x"].windows == 1

@@ -132,9 +132,11 @@ def profile_spans(prof: Any) -> list[Span]:
     thousands of events), else from ``prof.events()``."""
     cuda = torch.autograd.DeviceType.CUDA
     raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if raw is not None and hasattr(raw, "events"):
+    try:  # the raw events' accessors vary across torch versions; prof.events() is the public, slower way
         return [(e.name(), e.device_type() == cuda, e.start_ns() / 1e3, e.end_ns() / 1e3,
-                 str(e.activity_type() or "")) for e in raw.events()]
+                 str(e.activity_type() if hasattr(e, "activity_type") else "")) for e in raw.events()]
+    except AttributeError:
+        pass
     return [(e.name, e.device_type == cuda, float(e.time_range.start), float(e.time_range.end),
              str(getattr(e, "activity_type", None) or "")) for e in prof.events()]
 
