@@ -1,6 +1,7 @@
 """scripts/train_gnn.py end to end at a tiny size on the CPU: every record says how its batches arrived (sampler,
-pipelined), runs of one sampler have identical losses, stage times and targets are reported, and the JSON / PNG
-are written. The GPU run is the benchmark itself (see the script's docstring)."""
+pipelined), runs of one sampler have identical losses, stage times, the stages' host shares, targets and what bounds
+the epoch are reported, and the JSON / PNG are written. The GPU run is the benchmark itself (see the script's
+docstring)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def test_quick_run_on_cpu_writes_every_variant(tmp_path: Path) -> None:
         assert r["slowest_stage_ms"] == max(r["sample_ms"], r["fetch_ms"], r["train_ms"])
         assert r["speedup_vs_dgl_pinned"] is not None and r["speedup_vs_dgl_pinned_unpipelined"] is not None
         assert r["run"]["pipelined"] == r["pipelined"] and len(r["run"]["losses"]) == 2
+        # the profiled stage pass: host shares on the CPU (no GPU numbers, so no GPU bound)
+        assert all(r[f"{n}_host_ms"] is not None and r[f"{n}_host_ms"] >= 0 for n in ("sample", "fetch", "train"))
+        assert r["host_busy_ms"] > 0 and r["gpu_busy_ms"] is None and r["bound_ms"] is None
     assert doc["meta"]["all_modes_identical"]
     assert doc["meta"]["datasets"]["cora_su"]["variants"] == [["dgl", False], ["dgl", True], ["torch", False],
                                                               ["torch", True]]
@@ -49,3 +53,6 @@ def test_quick_run_on_cpu_writes_every_variant(tmp_path: Path) -> None:
     assert {"vs_dgl_pinned", "vs_dgl_pinned_pipelined", "epoch_vs_slowest_stage"} <= set(goals["dgl"])
     assert (tmp_path / "train_gnn.png").stat().st_size > 0
     assert "Targets of issue 25" in res.stdout
+    assert len(doc["meta"]["limits"]) == 2 and "What bounds the pipelined" in res.stdout  # ibp_cm pipelined x 2
+    assert goals["torch"]["limit"]["by"] in {"GPU", "host", "overlap"} or goals["torch"]["limit"]["by"].startswith(
+        "slowest stage")

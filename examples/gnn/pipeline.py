@@ -12,7 +12,9 @@ plain-torch ``NeighborSampler`` (on the GPU when the graph fits; the same sample
 pipelined -- ``ibpcache.loaders.pipeline.PipelinedLoader`` samples batch i+2, fetches the features of batch i+1 on
 a side stream and hands batch i to the training step, all at once -- or not (sample, fetch, train in turn). Each
 epoch records its wall time; each stage's own time comes from a separate pass after training (stages timed inside
-an overlapped loop would need syncs that serialize it). The paper reports the mean of epochs 2..N.
+an overlapped loop would need syncs that serialize it), and a profiled repeat of that pass gives what each stage
+costs the GPU and the host, so a pipelined epoch is compared with what its stages share, not only with the slowest
+stage alone (:func:`_bound`). The paper reports the mean of epochs 2..N.
 """
 
 from __future__ import annotations
@@ -227,8 +229,9 @@ class Block:
 
     @classmethod
     def from_hop(cls, hop: Hop, device: torch.device) -> "Block":
-        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL)."""
-        deg = torch.bincount(hop.dst, minlength=hop.n_dst).to(torch.float32)
+        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL); its
+        degrees without a host read (``Hop.dst_degree``), since this runs in the sampling stage, ahead of training."""
+        deg = hop.dst_degree().to(torch.float32)
         inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
         move = {"device": device, "non_blocking": True}
         return cls(hop.src.to(**move), hop.dst.to(**move), hop.n_src, hop.n_dst, inv.to(**move))
@@ -357,7 +360,9 @@ class EpochTimes:
     then per batch the fetch and the training step, each timed between device syncs). Timing stages inside the
     pipelined loop would need syncs that serialize it, so the stage times of a mode come from that pass and are the
     same in its pipelined and unpipelined records; a pipelined epoch near ``max(sample, fetch, train)`` means the
-    overlap works, one near their sum that it does not.
+    overlap works, one near their sum that it does not. That holds for stages on separate resources (DGL's sampler in
+    CPU worker processes); stages that share the GPU (the torch sampler on it, the fetch, the step) cannot beat the
+    sum of their GPU time either, which the records report beside it (``gpu_busy_ms``, :func:`_bound`).
     """
 
     epoch: float = 0.0
@@ -527,6 +532,7 @@ class _TorchBatches:
         n = self.nids.numel()
         order = (torch.randperm(n, generator=torch.Generator().manual_seed(batch_key(*self.key, epoch)))
                  if self.shuffle else torch.arange(n))
+        order = order.to(self.nids.device)  # one copy per epoch, not one blocking copy of indices per batch
         seeds = [self.nids[order[i:i + self.batch_size]] for i in range(0, n, self.batch_size)]
         for first in range(0, len(seeds), self.chunk):
             group = seeds[first:first + self.chunk]
@@ -637,10 +643,11 @@ def _evaluate(model: GraphSAGE, batches: Any) -> tuple[float, str]:
 
 
 def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[GraphSAGE, Any]],
-                 device: torch.device, cfg: TrainConfig, threads: int) -> dict[str, float]:
+                 device: torch.device, cfg: TrainConfig, threads: int) -> dict[str, Any]:
     """Each stage alone, seconds per epoch: sampling an epoch's batches (with the sampler's own workers or chunks,
     as in training), then per batch the fetch and one training step (of a throwaway model), each between device
-    syncs. ``cfg.stage_batches`` > 0 times that many batches and scales to an epoch."""
+    syncs. ``cfg.stage_batches`` > 0 times that many batches and scales to an epoch. Then the same stages once more
+    under the profiler, for what they cost the resources they share (:func:`_stage_shares`)."""
     per_epoch = len(batches)
     limit = cfg.stage_batches if cfg.stage_batches > 0 else per_epoch
     _sync(device)
@@ -671,7 +678,64 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[Grap
         fetch_s += t1 - t0
         train_s += time.perf_counter() - t1
     scale = per_epoch / len(items)
-    return {"sample": sample_s * scale, "fetch": fetch_s * scale, "train": train_s * scale, "batches": len(items)}
+    walls = {"sample": sample_s * scale, "fetch": fetch_s * scale, "train": train_s * scale}
+    return {**walls, "batches": len(items),
+            **_stage_shares(batches, items, fetch, model, opt, device, threads, walls)}
+
+
+#: batches of the profiled stage pass (two of the torch sampler's default chunks): enough for per-batch shares, few
+#: enough that the profile's events take a second, not ten, to read
+_PROFILED_BATCHES = 8
+
+
+def _stage_shares(batches: Any, items: list[_Sampled], fetch: _Fetch, model: GraphSAGE, opt: Any,
+                  device: torch.device, threads: int, walls: dict[str, float]) -> dict[str, "float | None"]:
+    """What each stage costs what the stages share, seconds per epoch, from one profiled pass over the first
+    ``_PROFILED_BATCHES`` batches (:class:`~ibpcache.testing.stages.StageProfile`): ``<stage>_gpu`` (its kernels'
+    busy time), ``<stage>_copy`` (its copies'), ``<stage>_host`` (its wall time alone minus its waits for the GPU).
+    GPU numbers are None without CUDA; all are None if the profiler fails (a warning says why: the timed numbers
+    stand without them).
+
+    Why: when the stages share one GPU, a pipelined epoch cannot beat the sum of their GPU time, which may exceed
+    the slowest stage alone; the host numbers say how much Python each stage needs, which the stages' threads
+    share through one interpreter.
+    """
+    from ibpcache.testing.stages import StageProfile
+
+    names = ("sample", "fetch", "train")
+    empty: dict[str, "float | None"] = {f"{n}_{k}": None for n in names for k in ("gpu", "copy", "host")}
+    items = items[:_PROFILED_BATCHES]
+    prof = StageProfile(device)
+    sampled = 0
+    try:
+        with prof:
+            with prof.stage("sample"):
+                for _ in batches:
+                    sampled += 1
+                    if sampled >= len(items):
+                        break
+            for s in items:
+                with prof.stage("fetch"):
+                    batch = fetch(s)
+                _pin_cpu_threads(device, threads)
+                with prof.stage("train"):
+                    _step(model, opt, batch)
+        busy = prof.result()
+    except Exception as exc:  # noqa: BLE001 - a measurement aid; the run's own numbers do not depend on it
+        warnings.warn(f"stage profile failed ({type(exc).__name__}: {exc}); GPU/host shares not reported",
+                      stacklevel=2)
+        return empty
+    per_epoch = len(batches)
+    out = dict(empty)
+    for n in names:
+        b = busy.get(n)
+        if b is None:
+            continue
+        scale = per_epoch / max(sampled if n == "sample" else len(items), 1) / 1e3  # ms of the pass -> s/epoch
+        if device.type == "cuda":
+            out[f"{n}_gpu"], out[f"{n}_copy"] = b.kernel_ms * scale, b.copy_ms * scale
+        out[f"{n}_host"] = b.host_ms(walls[n] / scale) * scale
+    return out
 
 
 def build_torch_sampler(ds: GnnDataset, cfg: TrainConfig, device: torch.device) -> NeighborSampler:
@@ -911,6 +975,7 @@ def _records(ds: GnnDataset, results: list[RunResult], fit_s: float) -> list[dic
             "epoch_ms": mean.epoch * 1e3, "sample_ms": mean.sample * 1e3, "fetch_ms": mean.fetch * 1e3,
             "train_ms": mean.train * 1e3, "wait_ms": mean.wait * 1e3, "slowest_stage_ms": slowest * 1e3,
             "epoch_vs_slowest_stage": mean.epoch / slowest if slowest > 0 else None,
+            **_bound(r, mean.epoch),
             "batches": mean.batches,
             "input_rows_per_batch": mean.input_rows / max(mean.batches, 1), "accuracy": r.accuracy,
             **stats_summary(r, ds),
@@ -926,6 +991,37 @@ def _records(ds: GnnDataset, results: list[RunResult], fit_s: float) -> list[dic
         }
         records.append(rec)
     return records
+
+
+def _bound(r: RunResult, epoch_s: float) -> dict[str, Any]:
+    """What an epoch of ``r`` cannot beat, from its stages' shares (:func:`_stage_shares`), in ms:
+
+    * ``gpu_busy_ms``: the stages' kernel time summed; they share the GPU's SMs, so however they overlap the epoch is
+      at least this (short kernels of two streams can share the SMs, so read it as "at least about");
+    * ``copy_busy_ms``: their copy time summed (copy engines, beside the kernels);
+    * ``bound_ms`` = the larger, ``bound_by`` which, ``epoch_vs_bound`` = epoch / bound (1.0: the GPU is never
+      idle);
+    * ``host_busy_ms``: their host time summed (each stage alone, minus its waits for the GPU). Not a bound: the
+      stages' threads share one interpreter but torch releases it inside its ops; an epoch far above
+      ``bound_ms`` and near this is host-bound.
+
+    Also each stage's share: ``<stage>_gpu_ms``, ``<stage>_host_ms``. None where not measured (CPU runs, no
+    stage pass, the profiler failed).
+    """
+    st = r.stages
+    out: dict[str, Any] = {}
+    for kind in ("gpu", "copy", "host"):
+        parts = [st.get(f"{n}_{kind}") for n in ("sample", "fetch", "train")]
+        if kind != "copy":
+            out.update({f"{n}_{kind}_ms": v * 1e3 if v is not None else None
+                        for n, v in zip(("sample", "fetch", "train"), parts)})
+        out[f"{kind}_busy_ms"] = sum(parts) * 1e3 if parts and all(v is not None for v in parts) else None
+    shared = {k: out[f"{k}_busy_ms"] for k in ("gpu", "copy") if out[f"{k}_busy_ms"]}
+    by = max(shared, key=shared.get) if shared else None
+    out["bound_ms"] = shared[by] if by else None
+    out["bound_by"] = by
+    out["epoch_vs_bound"] = epoch_s * 1e3 / out["bound_ms"] if by else None
+    return out
 
 
 def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainConfig:

@@ -19,6 +19,13 @@ launch work, not the GPU, bounds a per-batch sampler. :meth:`NeighborSampler.sam
 and samples them together (node ids are made unique per batch by keying them ``batch * num_nodes + node``); each
 batch comes out exactly as if it had been sampled alone.
 
+Why so few host reads: a call reads the GPU back twice per hop (the hop's edge count, which sizes its output, and
+``unique``'s size) and once at the end (every batch's sizes and the seed checks), no more. Each read waits for the
+sampler's queued kernels, and when the sampler runs ahead of training on the same GPU (a pipelined loader) those
+kernels share the GPU with the training step's, so every read is a stall of the sampler thread; ``bincount``,
+``nonzero``, a mask index and a tensor built from a Python list would each add one. Sizes known on the host are
+kept there, counts of sorted ids come from ``searchsorted``, host integers go over through pinned memory.
+
 Two layouts of the result, one algorithm:
 
 * ``frontier=False`` (DGL's message-flow blocks): hop ``h`` samples every node known so far, so hop ``h``'s
@@ -130,6 +137,12 @@ class Hop:
     n_dst: int
     eid: "torch.Tensor | None" = None  # int64 [E], ids in the input edge order (when the sampler keeps them)
 
+    def dst_degree(self) -> torch.Tensor:
+        """int64 [n_dst]: the hop's edges per destination position (``bincount(dst, minlength=n_dst)``), from a
+        ``searchsorted`` on ``dst``, which is ascending: ``bincount`` on a GPU reads the largest id back to the host,
+        a stall for a sampler that runs ahead of training."""
+        return _per_batch(self.dst, self.n_dst)
+
     def record_stream(self, stream: Any) -> None:
         for t in (self.src, self.dst, self.eid):
             if t is not None and t.is_cuda:
@@ -156,6 +169,30 @@ class Sample:
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
+
+
+def _host_ints(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host integers on ``device``. To a GPU through pinned memory without blocking: a copy from
+    pageable memory (``torch.tensor(values, device=...)``) waits for the stream, which in a sampler thread means
+    for its queued kernels, on a GPU that is busy training."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _per_batch(sorted_bid: torch.Tensor, n_batch: int) -> torch.Tensor:
+    """How many entries of ``sorted_bid`` (ascending batch ids in ``[0, n_batch)``) each batch has: ``bincount``'s
+    counts from a ``searchsorted``, because ``bincount`` on a GPU reads the largest id back to the host."""
+    edges = torch.searchsorted(sorted_bid, torch.arange(n_batch + 1, device=sorted_bid.device))
+    return edges[1:] - edges[:-1]
+
+
+def _ranges(start: torch.Tensor, length: torch.Tensor, total: int) -> torch.Tensor:
+    """``cat([arange(s, s + l) for s, l in zip(start, length)])`` with ``total`` = the lengths' sum known on the
+    host: the indices of a mask that selects one run per batch, without ``nonzero``'s host read."""
+    run = torch.repeat_interleave(torch.arange(start.numel(), device=start.device), length, output_size=total)
+    return start[run] + torch.arange(total, device=start.device) - _exclusive_cumsum(length)[run]
 
 
 class NeighborSampler:
@@ -240,29 +277,34 @@ class NeighborSampler:
         return checked
 
     def _sample_many(self, batches: list[torch.Tensor], keys: list[int]) -> list[Sample]:
-        dev, n_graph = self.device, self.num_nodes
+        dev = self.device
         batches = self._check_seeds(batches)
         n_batch = len(batches)
         if n_batch == 0:
             return []
         counts = [int(s.numel()) for s in batches]
-        nodes = torch.cat(batches)
-        count = torch.tensor(counts, dtype=torch.int64, device=dev)  # nodes known per batch
+        seeds = torch.cat(batches)
+        count = _host_ints(counts, dev)  # nodes known per batch
+        hop_keys = _host_ints([[batch_key(key, h) for key in keys] for h in range(len(self.fanouts))], dev)
         total = sum(counts)
         bid = torch.repeat_interleave(torch.arange(n_batch, device=dev), count, output_size=total)
-        self._check_distinct(nodes, bid)
+        flags = self._seed_flags(seeds, bid)
+        # Out-of-range seeds are clamped so no gather reads past the graph; flags raises before any result is
+        # returned (read with the sizes at the end: one host read, not one more per call).
+        nodes = seeds.clamp(0, self.num_nodes - 1)
         lo = torch.zeros(n_batch, dtype=torch.int64, device=dev)  # first position of each batch's frontier
+        lo_total = 0
         per_hop: list[tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor,
                             torch.Tensor]] = []
         for h, k in enumerate(self.fanouts):
             ptr = _exclusive_cumsum(count)
             pos = torch.arange(total, device=dev) - ptr[bid]  # each node's position in its batch
-            sampled = torch.nonzero(pos >= lo[bid]).reshape(-1) if self.frontier else None
-            s_nodes = nodes if sampled is None else nodes[sampled]
-            s_bid = bid if sampled is None else bid[sampled]
-            s_pos = pos if sampled is None else pos[sampled]
-            hop_keys = torch.tensor([batch_key(key, h) for key in keys], dtype=torch.int64, device=dev)
-            nbr, seg, eid = self._hop(s_nodes, hop_keys[s_bid], k)
+            if self.frontier:
+                sampled = _ranges(ptr + lo, count - lo, total - lo_total)
+                s_nodes, s_bid, s_pos = nodes[sampled], bid[sampled], pos[sampled]
+            else:
+                s_nodes, s_bid, s_pos = nodes, bid, pos
+            nbr, seg, eid = self._hop(s_nodes, hop_keys[h][s_bid], k)
             e_bid = s_bid[seg]
             dst_pos = s_pos[seg]
             src_pos, new_nodes, new_bid, n_new = self._relabel(nodes, bid, ptr, count, nbr, e_bid, n_batch)
@@ -272,20 +314,22 @@ class NeighborSampler:
             grown[new_ptr[bid] + pos] = nodes
             new_rank = torch.arange(new_nodes.numel(), device=dev) - _exclusive_cumsum(n_new)[new_bid]
             grown[new_ptr[new_bid] + count[new_bid] + new_rank] = new_nodes
-            edges_per_batch = torch.bincount(e_bid, minlength=n_batch)
-            per_hop.append((src_pos, dst_pos, eid, edges_per_batch, count, new_count))
-            lo = count
+            per_hop.append((src_pos, dst_pos, eid, _per_batch(e_bid, n_batch), count, new_count))
+            lo, lo_total = count, total
             nodes, count, total = grown, new_count, int(grown.numel())
             bid = torch.repeat_interleave(torch.arange(n_batch, device=dev), count, output_size=total)
-        return self._split(nodes, count, per_hop, n_batch)
+        return self._split(nodes, count, per_hop, n_batch, flags)
 
-    def _check_distinct(self, nodes: torch.Tensor, bid: torch.Tensor) -> None:
-        """Seeds in range and distinct within their batch (one host read of two flags)."""
+    def _seed_flags(self, nodes: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
+        """int64 [2] on the device: (some seed is outside the graph, some batch repeats a seed); read by
+        :meth:`_split` with the sizes."""
         if nodes.numel() == 0:
-            return
+            return torch.zeros(2, dtype=torch.int64, device=self.device)
         keyed = torch.sort(bid * self.num_nodes + nodes).values
-        flags = torch.stack([(nodes < 0).any() | (nodes >= self.num_nodes).any(),
-                             (keyed[1:] == keyed[:-1]).any()]).tolist()
+        return torch.stack([(nodes < 0).any() | (nodes >= self.num_nodes).any(),
+                            (keyed[1:] == keyed[:-1]).any()]).to(torch.int64)
+
+    def _raise_bad_seeds(self, flags: list[int]) -> None:
         if flags[0]:
             raise InvalidIdsError(f"NeighborSampler: seed ids outside [0, {self.num_nodes})")
         if flags[1]:
@@ -294,7 +338,11 @@ class NeighborSampler:
     def _hop(self, nodes: torch.Tensor, node_batch_keys: torch.Tensor, k: int
              ) -> tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]:
         """(neighbour id, index into ``nodes``, edge id) of up to ``k`` distinct in-edges per node, ordered by node
-        then CSC position."""
+        then CSC position. One host read (the edge count, which sizes the output).
+
+        Floyd's draws are computed for every node and kept where the node has more than ``k`` in-neighbours (the
+        others take all of theirs): selecting those nodes first would be one more host read, and a node's draws
+        depend only on its degree and key, so the kept ones are the same either way."""
         dev = self.device
         start = self.colptr[nodes]
         deg = self.colptr[nodes + 1] - start
@@ -302,24 +350,22 @@ class NeighborSampler:
         total = int(counts.sum())
         seg = torch.repeat_interleave(torch.arange(nodes.numel(), device=dev), counts, output_size=total)
         first = _exclusive_cumsum(counts)
-        offset = torch.arange(total, device=dev) - torch.repeat_interleave(first, counts, output_size=total)
+        offset = torch.arange(total, device=dev) - first[seg]
         if k > 0 and total:
-            big = torch.nonzero(deg > k).reshape(-1)
-            if big.numel():
-                node_keys = mix32((mix32(nodes[big]) + node_batch_keys[big]) & _M32)
-                chosen = self._floyd(deg[big], node_keys, k)
-                slots = first[big].unsqueeze(1) + torch.arange(k, device=dev)
-                offset[slots.reshape(-1)] = chosen.reshape(-1)
-        pos = torch.repeat_interleave(start, counts, output_size=total) + offset
+            node_keys = mix32((mix32(nodes) + node_batch_keys) & _M32)
+            chosen = self._floyd(deg, node_keys, k)
+            # a node with deg > k has exactly k edges, offsets 0..k-1: its j-th edge takes its j-th draw
+            offset = torch.where((deg > k)[seg], chosen.reshape(-1)[seg * k + offset], offset)
+        pos = start[seg] + offset
         return self.row[pos], seg, (self.eid[pos] if self.eid is not None else None)
 
     def _floyd(self, deg: torch.Tensor, node_keys: torch.Tensor, k: int) -> torch.Tensor:
-        """A uniform k-subset of ``[0, deg)`` per row (Floyd: for ``hi = deg-k .. deg-1`` take ``t ~ U[0, hi]``, or
-        ``hi`` when ``t`` is taken already), sorted ascending. All k draws are hashed at once; only the
-        dedup step runs per draw."""
+        """A uniform k-subset of ``[0, deg)`` per row with ``deg > k`` (Floyd: for ``hi = deg-k .. deg-1`` take
+        ``t ~ U[0, hi]``, or ``hi`` when ``t`` is taken already), sorted ascending; rows with ``deg <= k`` get values
+        the caller ignores. All k draws are hashed at once; only the dedup step runs per draw."""
         dev = self.device
         steps = torch.arange(k, device=dev)
-        salt = torch.tensor([(j * _GOLDEN) & _M32 for j in range(k)], dtype=torch.int64, device=dev)
+        salt = (steps * _GOLDEN) & _M32
         draws = mix32((node_keys.unsqueeze(1) + salt) & _M32)
         hi = (deg - k).unsqueeze(1) + steps  # [n, k]
         t = _rand_below(draws, hi + 1)
@@ -337,6 +383,8 @@ class NeighborSampler:
 
         Returns (position of each neighbour, new node ids, their batch, new nodes per batch); a batch's new nodes
         are its neighbours not yet in its list, ascending. Keys ``batch * num_nodes + node`` keep batches apart.
+        One host read (``unique``'s size): known neighbours are replaced by a key above every real one, which is
+        appended once so it is always the last unique key and is dropped by size, not by a mask.
         """
         dev, n = self.device, self.num_nodes
         keyed = e_bid * n + nbr
@@ -347,20 +395,23 @@ class NeighborSampler:
         else:
             known_order = at = torch.zeros_like(keyed)
             known = torch.zeros_like(keyed, dtype=torch.bool)
-        new_keys = torch.unique(keyed[~known])  # sorted: batch-major, ascending ids
+        above = torch.full((1,), n_batch * n, dtype=torch.int64, device=dev)
+        new_keys = torch.unique(torch.cat([torch.where(known, above, keyed), above]))[:-1]  # batch-major, ascending
         new_bid = torch.div(new_keys, n, rounding_mode="floor")
         new_nodes = new_keys - new_bid * n
-        n_new = torch.bincount(new_bid, minlength=n_batch)
+        n_new = _per_batch(new_bid, n_batch)
         rank = torch.searchsorted(new_keys, keyed)
         src_pos = torch.where(known, known_order[at] - ptr[e_bid],
                               count[e_bid] + rank - _exclusive_cumsum(n_new)[e_bid])
         return src_pos, new_nodes, new_bid, n_new
 
-    @staticmethod
-    def _split(nodes: torch.Tensor, count: torch.Tensor, per_hop: list, n_batch: int) -> list[Sample]:
-        """Per-batch views of the chunk's tensors (one host read of every size)."""
-        sizes = torch.stack([count] + [t for hop in per_hop for t in hop[3:]]).tolist()
-        node_count, hop_sizes = sizes[0], sizes[1:]
+    def _split(self, nodes: torch.Tensor, count: torch.Tensor, per_hop: list, n_batch: int,
+               flags: torch.Tensor) -> list[Sample]:
+        """Per-batch views of the chunk's tensors (one host read of every size and of the seed flags)."""
+        sizes = torch.cat([flags, torch.stack([count] + [t for hop in per_hop for t in hop[3:]]).reshape(-1)]).tolist()
+        self._raise_bad_seeds(sizes[:2])
+        node_count = sizes[2:2 + n_batch]
+        hop_sizes = [sizes[2 + n_batch * (i + 1):2 + n_batch * (i + 2)] for i in range(3 * len(per_hop))]
         out = [Sample(nodes=t) for t in torch.split(nodes, node_count)]
         for h, (src, dst, eid, *_rest) in enumerate(per_hop):
             edges, before, after = hop_sizes[3 * h], hop_sizes[3 * h + 1], hop_sizes[3 * h + 2]

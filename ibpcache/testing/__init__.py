@@ -1,8 +1,10 @@
-"""Helpers for benchmarks and tests: timing with CUDA events, medians, JSON/PNG result files.
+"""Helpers for benchmarks and tests: timing with CUDA events, medians, JSON/PNG result files, what pipeline stages
+cost the GPU and the host (stages.py).
 
 Importing this package touches no CUDA device and does not import matplotlib.
 """
 
+from ibpcache.testing.stages import StageBusy, StageProfile, stage_busy, union_length
 from ibpcache.testing.timing import (
     add_out_argument,
     cpu_time,
@@ -15,6 +17,10 @@ from ibpcache.testing.timing import (
 )
 
 __all__ = [
+    "StageBusy",
+    "StageProfile",
+    "stage_busy",
+    "union_length",
     "add_out_argument",
     "cpu_time",
     "cuda_time",

@@ -81,6 +81,7 @@ def test_real_distinct_in_neighbours_of_cora(cora: Any, frontier: bool) -> None:
         assert torch.equal(cora.src[hop.eid], u) and torch.equal(cora.dst[hop.eid], v)
         lo = sampled_before if frontier else 0  # PyG hops sample only the previous hop's new nodes
         per = torch.bincount(hop.dst, minlength=hop.n_dst)
+        assert torch.equal(hop.dst_degree(), per)
         assert torch.equal(per[lo:], deg[out.nodes[lo:hop.n_dst]].clamp(max=k)) and int(per[:lo].sum()) == 0
         assert len(set(zip(hop.src.tolist(), hop.dst.tolist()))) == hop.src.numel()  # no edge twice
         assert int(hop.src.max()) < hop.n_src and int(hop.dst.max()) < hop.n_dst <= hop.n_src
@@ -202,3 +203,34 @@ def test_gpu_samples_equal_cpu_samples(cora: Any, frontier: bool) -> None:
         assert _same(a, b)
     assert choose_sampler_device(100_000, int(src.numel()), "auto").type == "cuda"  # 2M edges fit any GPU
     assert choose_sampler_device(10**9, 10**12, "auto").type == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frontier", [False, True])
+def test_gpu_sampling_reads_the_gpu_back_twice_per_hop_and_once_per_call(cora: Any, frontier: bool) -> None:
+    """A sampler running ahead of training stalls at every host read; a call of H hops makes at most 2 H + 1 (the
+    sync debug mode reports each), and a Hop's degrees need none. Bad seeds still raise (clamped, checked at the
+    end), without a device-side assert."""
+    import warnings
+
+    gpu = _sampler(cora, [10, 25], "cuda", frontier)
+    batches = [b.cuda() for b in _batches(cora.num_nodes, [512, 512, 300])]
+    gpu.sample(batches, [1, 2, 3])  # warm-up: pinned host blocks, kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = gpu.sample(batches, [1, 2, 3])
+            degrees = [hop.dst_degree() for s in out for hop in s.hops]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    assert len(syncs) <= 2 * 2 + 1, [str(w.message) for w in syncs]
+    hops = [hop for s in out for hop in s.hops]
+    assert all(torch.equal(d.cpu(), torch.bincount(h.dst.cpu(), minlength=h.n_dst)) for d, h in zip(degrees, hops))
+    with pytest.raises(InvalidIdsError, match="outside"):
+        gpu.sample(torch.tensor([cora.num_nodes, -1], device="cuda"), 0)
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        gpu.sample(torch.tensor([4, 4], device="cuda"), 0)
+    assert _same(gpu.sample(batches[0], 9), _sampler(cora, [10, 25], frontier=frontier).sample(batches[0].cpu(), 9))
