@@ -24,9 +24,9 @@ Methods (one module over all tables each, so one lookup call per step):
                  (``SparseType.FP16`` for fp16) and output precision; its UVM cache counters give its hit rate
                  (``1 - unique misses / requested ids``: it counts each distinct missed row once per step, so this
                  is an upper bound of its per-lookup hit rate); staged by ../shared/tools/stage-fbgemm
-  fbgemm_lfu_graph / fbgemm_lru_graph  the same modules with each batch shape's forward captured once in a CUDA
-                 graph and replayed (its cached forward captures exactly): the strongest FBGEMM a latency-bound user
-                 can run, and what ibpcache's own graph replays are measured against
+                 (FBGEMM's cached forward is not graph-safe: captured in a CUDA graph it replayed exactly on a stable
+                 trace but faulted with an illegal address once the hot set drifted, on an H200, 2026-11-26; so it
+                 runs eagerly, as TorchRec runs it)
   ibpcache       TableBatchedCachedEmbeddingBag as a user gets it (all defaults: compress="auto", the fused
                  inference path admitting rows on the device every step into compressed slots, the path planner
                  choosing staging and bag order); built twice, the two modules' points interleaved ("runs": two
@@ -77,13 +77,11 @@ from ibpcache import datasets
 from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
-METHODS = ("fbgemm_lfu", "fbgemm_lru", "fbgemm_lfu_graph", "fbgemm_lru_graph", "colossal", "torch", "ibpcache", "ibpcache_ibp", "ibpcache_raw",
+METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "torch", "ibpcache", "ibpcache_ibp", "ibpcache_raw",
            "ibpcache_unstaged", "ibpcache_rawslots", "ibpcache_eager")
 OURS = {"ibpcache": dict(), "ibpcache_ibp": dict(compress=True), "ibpcache_raw": dict(compress=False),
         "ibpcache_unstaged": dict(stage_bytes=0), "ibpcache_rawslots": dict(compress_cache=False),
         "ibpcache_eager": dict(cuda_graphs=False)}
-FBGEMM = ("fbgemm_lfu", "fbgemm_lru", "fbgemm_lfu_graph", "fbgemm_lru_graph")
-"""FBGEMM's policies, eager and CUDA-graphed: targets compare against the best of them."""
 FORCED = ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged", "ibpcache_rawslots", "ibpcache_eager")
 """Ours with one setting forced: run only for ``--forced-dtypes`` and ``--forced-traces``."""
 TRACES = ("zipf-stable", "zipf-drift", "zipf")
@@ -205,36 +203,6 @@ def build_fbgemm(name: str, table: torch.Tensor, tables: int, rows: int, ratio: 
     return emb
 
 
-class Graphed:
-    """A module's forward replayed from a CUDA graph per input shape (captured after three eager warm-up calls on
-    a side stream, as torch's docs prescribe); inputs are copied into the graph's static buffers and the output is
-    cloned, as a fresh forward output would be."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.graphs: dict[tuple, tuple] = {}
-
-    def __call__(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        key = (tuple(ids.shape), tuple(offsets.shape))
-        if key not in self.graphs:
-            s_ids, s_offs = ids.clone(), offsets.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self.module(s_ids, s_offs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.module(s_ids, s_offs)
-            self.graphs[key] = (graph, s_ids, s_offs, out)
-        graph, s_ids, s_offs, out = self.graphs[key]
-        s_ids.copy_(ids)
-        s_offs.copy_(offsets)
-        graph.replay()
-        return out.clone()
-
-
 class Method:
     """One embedding module over all tables plus the layout glue; ``lookup`` returns [B, T * D]."""
 
@@ -246,11 +214,8 @@ class Method:
         self.rows = table.shape[0] // tables
         self.dim = table.shape[1]
         self.cache_ratio = cache_ratio
-        self.graphed: "Graphed | None" = None
         if name.startswith("fbgemm"):
             self.module = build_fbgemm(name, table, tables, self.rows, cache_ratio, device)
-            if name.endswith("_graph"):
-                self.graphed = Graphed(self.module)
         elif name == "colossal":
             cls, strategy = colossal
             weight = table.clone() if train else table  # it writes evicted rows back into the tensor it is given
@@ -297,8 +262,6 @@ class Method:
             if bag == 1:
                 return out.view(batch, -1)
             return out.view(self.tables, batch, self.dim).transpose(0, 1).reshape(batch, -1)
-        if self.graphed is not None:
-            return self.graphed(ids, offsets)
         return self.module(ids, offsets)
 
     def step(self, inp: tuple, bag: int, nxt: "tuple | None" = None) -> torch.Tensor:
@@ -552,8 +515,7 @@ KEYS = ("trace", "dtype", "row_bytes", "batch", "cache_ratio", "bag", "mode")
 
 
 def check_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 27's inference targets point by point: ibpcache >= 1.5x the best FBGEMM (LFU or LRU, eager or
-    CUDA-graphed; ``speedup_vs_best_fbgemm_eager`` keeps the ratio to eager FBGEMM too) at 512 B / 2 KB rows
+    """Issue 27's inference targets point by point: ibpcache >= 1.5x the better FBGEMM policy at 512 B / 2 KB rows
     (>= 2x at a 10% cache and batch >= 4096), >= 1.0x at 128 B, >= 1.3x with fp16 tables; on zipf-stable a hit rate
     >= 0.95x the oracle's and never lower for the larger cache; the two runs within 10% of each other; the default
     within 5% of the best forced setting."""
@@ -571,10 +533,7 @@ def check_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
         if ours.get("status") != "ok":
             misses.append(f"{tag}: ibpcache did not run ({ours.get('error')})")
             continue
-        fb = [m[k]["M_lookups_per_s"] for k in FBGEMM if m.get(k, {}).get("status") == "ok"]
-        eager = [m[k]["M_lookups_per_s"] for k in FBGEMM if not k.endswith("_graph") and m.get(k, {}).get("status") == "ok"]
-        if eager:
-            pt["speedup_vs_best_fbgemm_eager"] = ours["M_lookups_per_s"] / max(eager)
+        fb = [m[k]["M_lookups_per_s"] for k in ("fbgemm_lfu", "fbgemm_lru") if m.get(k, {}).get("status") == "ok"]
         if fb:
             need = 1.0 if pt["row_bytes"] <= 128 else (2.0 if pt["cache_ratio"] >= 0.1 and pt["batch"] >= 4096
                                                        else 1.5)
@@ -582,8 +541,7 @@ def check_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
                 need = max(need, 1.3)
             got = ours["M_lookups_per_s"] / max(fb)
             pt["speedup_vs_best_fbgemm"] = got
-            judge(got >= need, f"{tag}: {got:.2f}x the best FBGEMM (target {need}x; "
-                               f"{pt.get('speedup_vs_best_fbgemm_eager', float('nan')):.2f}x eager FBGEMM)")
+            judge(got >= need, f"{tag}: {got:.2f}x the better FBGEMM policy (target {need}x)")
         if pt["trace"] == "zipf-stable" and ours.get("oracle_hit_rate"):
             frac = ours["hit_rate"] / ours["oracle_hit_rate"]
             judge(frac >= 0.95, f"{tag}: hit rate {ours['hit_rate']:.3f} = {frac:.3f}x the oracle's")
@@ -616,7 +574,7 @@ def plot(records: list[dict[str, Any]]):
     panels = sorted({(r["trace"], r["dtype"], r["row_bytes"], r["bag"]) for r in records})
     ratios = sorted({r["cache_ratio"] for r in records})
     fig, axes = plt.subplots(len(panels), len(ratios), figsize=(5.5 * len(ratios), 3.6 * len(panels)), squeeze=False)
-    styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "fbgemm_lfu_graph": "P-", "fbgemm_lru_graph": "P--", "colossal": "x:", "torch": "v-", "ibpcache": "o-",
+    styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "torch": "v-", "ibpcache": "o-",
               "ibpcache_ibp": "^:", "ibpcache_raw": "o--", "ibpcache_unstaged": "d-.", "ibpcache_rawslots": "<:",
               "ibpcache_eager": "o:"}
     for i, (trace, dtype, rb, bag) in enumerate(panels):
@@ -917,7 +875,7 @@ def main() -> None:
         args.bags = "1,20" if args.train else "1"
     if args.methods is None:
         args.methods = ("colossal,torch,ibpcache" if args.train
-                        else "fbgemm_lfu,fbgemm_lru,fbgemm_lfu_graph,fbgemm_lru_graph,ibpcache,ibpcache_ibp,ibpcache_raw,ibpcache_unstaged,"
+                        else "fbgemm_lfu,fbgemm_lru,ibpcache,ibpcache_ibp,ibpcache_raw,ibpcache_unstaged,"
                              "ibpcache_rawslots,ibpcache_eager")
     if args.quick:  # smaller defaults; options given explicitly still win
         quick = {"tables": 4, "rows_per_table": 20_000, "batches": "256,1024", "budget_s": 30.0, "warmup": 10,
