@@ -648,7 +648,8 @@ def _merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if all("hit_rate" in r for r in ok):
         out["hit_rate"] = float(np.mean([r["hit_rate"] for r in ok]))
     out["verified"] = None if any(r["verified"] is None for r in ok) else all(r["verified"] for r in ok)
-    out["runs"] = [{k: r.get(k) for k in ("M_lookups_per_s", "median_ms", "hit_rate", "iters", "plan", "verified")}
+    out["runs"] = [{k: r.get(k) for k in ("M_lookups_per_s", "median_ms", "hit_rate", "iters", "plan", "verified",
+                                          "host_layout")}
                    for r in ok]
     if len(rates) > 1:
         out["spread"] = (max(rates) - min(rates)) / max(rates)
