@@ -74,36 +74,38 @@ def profile(fn, n: int) -> dict:
             "top_us": {k: round(v, 1) for k, v in top.items()}}
 
 
-def _fbgemm_graph(m, trace, table_dev, rows: int, batch: int, inputs: list) -> dict:
-    ids0, offs0, _ = inputs[0]
-    s_ids, s_offs = ids0.clone(), offs0.clone()
+def _graphed(m, trace, table_dev, rows: int, batch: int, inputs: list, ours: bool) -> dict:
+    """Capture the module's forward in a CUDA graph after warm-up calls on a side stream, verify 5 replays with new
+    ids against torch, and time replays like the eager step (FBGEMM: can a user capture its cached TBE at all?)."""
+    static = (inputs[0][0].clone(),) if ours else (inputs[0][0].clone(), inputs[0][1].clone())
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(3):
-                m.module(s_ids, s_offs)
+            for _ in range(1 if ours else 3):
+                m.module(*static)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):
-            out = m.module(s_ids, s_offs)
+            out = m.module(*static)
     except Exception as exc:  # noqa: BLE001 -- report why it cannot be captured
         return {"graph_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     ok = True
     for _ in range(5):
         local = trace.batch(batch, 1)
-        s_ids.copy_(local.reshape(-1))
+        static[0].copy_(local.t() if ours else local.reshape(-1))  # ours: [B, T]; FBGEMM: table-major ids
         graph.replay()
         want = bd.reference(table_dev, local, rows, 1).to(out.dtype)
         ok &= bool(torch.equal(out.view(torch.uint8), want.view(torch.uint8)))
     it = iter(range(10 ** 9))
 
     def replay():
-        s_ids.copy_(inputs[next(it) % len(inputs)][0])
+        static[0].copy_(inputs[next(it) % len(inputs)][0])
         graph.replay()
 
-    return {"graph_idle_ms": timed_idle(replay, 60), "graph_b2b_ms": back_to_back(replay, 60), "graph_verified": ok}
+    return {"graph_idle_ms": timed_idle(replay, 60), "graph_host_ms": host_ms(replay, 60),
+            "graph_b2b_ms": back_to_back(replay, 60), "graph_verified": ok}
 
 
 def run(name: str, table: torch.Tensor, table_dev: torch.Tensor, rows: int, ratio: float, batch: int,
@@ -122,37 +124,11 @@ def run(name: str, table: torch.Tensor, table_dev: torch.Tensor, rows: int, rati
 
     res = {"method": name, "ratio": ratio, "batch": batch, "idle_ms": timed_idle(step, 60), "host_ms": host_ms(step, 60),
            "b2b_ms": back_to_back(step, 60), **profile(step, 20)}
-    if name.startswith("fbgemm"):  # can a user capture FBGEMM's cached TBE forward in a CUDA graph?
-        res.update(_fbgemm_graph(m, trace, table_dev, rows, batch, inputs))
     if name.startswith("ibpcache"):
         st = m.module.stats()
         res["stats_plan"] = st.get("fused_plan")
         res["graph_stats"] = {k: v for k, v in st.items() if "graph" in k}
-        static = inputs[0][0].clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(side):
-            m.module(static)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
-            out = m.module(static)
-        ok = True
-        for k in range(5):
-            local = trace.batch(batch, 1)
-            static.copy_(local.t())
-            graph.replay()
-            want = bd.reference(table_dev, local, rows, 1).to(out.dtype)
-            ok &= bool(torch.equal(out.view(torch.uint8), want.view(torch.uint8)))
-        jt = iter(range(10 ** 9))
-
-        def replay():
-            static.copy_(inputs[next(jt) % len(inputs)][0])
-            graph.replay()
-
-        res.update(graph_idle_ms=timed_idle(replay, 60), graph_host_ms=host_ms(replay, 60),
-                   graph_b2b_ms=back_to_back(replay, 60), graph_verified=ok)
+    res.update(_graphed(m, trace, table_dev, rows, batch, inputs, name.startswith("ibpcache")))
     del m
     bd.free_memory()
     return res
