@@ -34,6 +34,16 @@ class _Captured:
     keep: tuple  # objects the graph reads that nothing else may keep alive (layouts' tensors)
 
 
+def _release(cap: _Captured) -> None:
+    """Drop a captured step. Its static buffers may still be read by a replay in flight: they are marked in use by
+    the current stream, which the owner's StreamOrder has ordered after every earlier replay, so their memory is
+    reused only after those replays; the graph itself is freed by CUDA once it completes."""
+    if torch.cuda.is_available():
+        for t in (*cap.inputs, cap.out):
+            if t is not None and t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+
+
 class StepGraphs:
     """Captured steps of one owner, keyed (see the module docstring); at most ``max_graphs`` kept, least recently
     replayed dropped first."""
@@ -51,7 +61,8 @@ class StepGraphs:
         self._stream: Optional[torch.cuda.Stream] = None
 
     def clear(self) -> None:
-        self._graphs.clear()
+        while self._graphs:
+            _release(self._graphs.popitem()[1])
         self._seen.clear()
 
     def disable(self, reason: str) -> None:
@@ -77,7 +88,7 @@ class StepGraphs:
                 return False
             self._graphs[key] = cap
             while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
+                _release(self._graphs.popitem(last=False)[1])
         else:
             self._graphs.move_to_end(key)
         for static, given in zip(cap.inputs, inputs):

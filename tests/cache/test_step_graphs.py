@@ -1,0 +1,59 @@
+"""StepGraphs: a step captured on its key's second sight and replayed with new inputs; least recently used graphs
+dropped past ``max_graphs``; a capture that fails turns graphs off with the reason, and the caller runs eagerly.
+(The embedding bags' use of it is tested in tests/loaders/test_embedding_bag.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ibpcache.cache.step_graphs import StepGraphs
+
+
+def test_off_without_cuda() -> None:
+    g = StepGraphs(torch.device("cpu"))
+    x, out = torch.ones(4), torch.empty(4)
+    assert not g.enabled
+    assert not g.run(("k",), (x,), out, lambda s, o: o.copy_(s[0]))
+    assert g.stats() == {"graphs": 0, "graph_captures": 0, "graph_replays": 0, "graphs_enabled": False,
+                         "graph_error": None}
+
+
+def _double(static: tuple, out: torch.Tensor) -> None:
+    torch.mul(static[0], 2, out=out)
+
+
+@pytest.mark.gpu
+def test_capture_on_second_sight_replay_and_eviction() -> None:
+    g = StepGraphs(torch.device("cuda"), max_graphs=2)
+    out = torch.empty(8, device="cuda")
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    assert not g.run(("a",), (x,), out, _double)  # first sight: the caller runs it
+    for k in range(3):
+        y = x + k
+        assert g.run(("a",), (y,), out, _double)
+        assert torch.equal(out, y * 2)
+    assert g.captures == 1 and g.replays == 3
+    for key in ("b", "c"):  # two more keys: "a" is dropped (max_graphs=2)
+        g.run((key,), (x,), out, _double)
+        assert g.run((key,), (x,), out, _double)
+    assert g.stats()["graphs"] == 2 and g.captures == 3
+    assert g.run(("a",), (x + 5,), out, _double)  # "a" was seen: captured again, replayed
+    assert torch.equal(out, (x + 5) * 2) and g.captures == 4
+
+
+@pytest.mark.gpu
+def test_a_failed_capture_turns_graphs_off() -> None:
+    g = StepGraphs(torch.device("cuda"))
+    out = torch.empty(4, device="cuda")
+    x = torch.ones(4, device="cuda")
+
+    def fails(static: tuple, o: torch.Tensor) -> None:
+        o.copy_(static[0])
+        raise KeyError("a step that cannot be captured")
+
+    assert not g.run(("s",), (x,), out, fails)
+    assert not g.run(("s",), (x,), out, fails)
+    assert not g.enabled and "cannot be captured" in g.error and g.stats()["graphs"] == 0
+    assert not g.run(("s",), (x,), out, _double)  # off from now on: the caller runs every step
+    torch.cuda.synchronize()  # the device is usable afterwards
