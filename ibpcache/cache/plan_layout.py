@@ -134,6 +134,7 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
       two identical modules 21-28% apart)."""
     ratio_of = dict(ratios)
     best_ratio = max(ratio_of.values(), default=1.0)
+    hits = dict(hit_timings_ms or {})
 
     def made(method: str, compress: bool, reason: str) -> LayoutChoice:
         r = ratio_of.get(method, best_ratio) if compress else best_ratio
@@ -142,8 +143,6 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
         return LayoutChoice(compress, reason, r, c_ms, timings_ms.get("raw"), batch, method=method,
                             timings_ms=dict(timings_ms), ratios=dict(ratio_of), samples=samples,
                             hit_timings_ms=dict(hits))
-
-    hits = dict(hit_timings_ms or {})
 
     def blended(m: str) -> float:
         return (1.0 - hit_share) * timings_ms[m] + hit_share * hits[m]

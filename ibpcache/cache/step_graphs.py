@@ -38,10 +38,9 @@ def _release(cap: _Captured) -> None:
     """Drop a captured step. Its static buffers may still be read by a replay in flight: they are marked in use by
     the current stream, which the owner's StreamOrder has ordered after every earlier replay, so their memory is
     reused only after those replays; the graph itself is freed by CUDA once it completes."""
-    if torch.cuda.is_available():
-        for t in (*cap.inputs, cap.out):
-            if t is not None and t.is_cuda:
-                t.record_stream(torch.cuda.current_stream(t.device))
+    for t in (*cap.inputs, cap.out):
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class StepGraphs:
