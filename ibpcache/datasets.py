@@ -494,20 +494,24 @@ def degree_proportional_ids(degrees: torch.Tensor, n: int, seed: int = 0) -> tor
     return _sample_weighted(weights, _check_count(n, "n", 0), _generator(seed))
 
 
-def zipf_ids(n_rows: int, n: int, a: float = 1.05, seed: int = 0) -> torch.Tensor:
+def zipf_ids(n_rows: int, n: int, a: float = 1.05, seed: int = 0, hot_seed: "int | None" = None) -> torch.Tensor:
     """``n`` ids in ``[0, n_rows)`` from a bounded Zipf law: the row of rank ``k`` (1-based) has P ~ ``k ** -a``.
 
     Unlike ``numpy.random.zipf`` (needs ``a > 1``, unbounded support, rank == value), any ``a >= 0`` works
     (``a = 0`` is uniform), every id is in range, and ranks are mapped to ids through a seeded random
     permutation, so the hottest rows are not simply the smallest ids. Sampling is an exact inverse-CDF lookup
     (a float64 CDF of ``n_rows`` entries, 16 bytes per row of temporary memory).
+
+    The permutation (which rows are hot) comes from ``seed`` unless ``hot_seed`` is given. Draws that must share
+    one hot set (a cache's batches, a presampled hotness trace, several ranks) pass the same ``hot_seed`` and
+    different ``seed``s: with only ``seed`` varying, each draw has its own hot rows and a cache sees a uniform trace.
     """
     n_rows = _check_count(n_rows, "n_rows", 1)
     n = _check_count(n, "n", 0)
     if not (isinstance(a, numbers.Real) and math.isfinite(a) and a >= 0):
         raise FormatError(f"Zipf exponent a must be a finite number >= 0, got {a!r}")
     gen = _generator(seed)
-    perm = torch.randperm(n_rows, generator=gen)
+    perm = torch.randperm(n_rows, generator=gen if hot_seed is None else _generator(hot_seed))
     weights = torch.arange(1, n_rows + 1, dtype=torch.float64).pow_(-float(a))
     return perm[_sample_weighted(weights, n, gen)]
 

@@ -257,6 +257,23 @@ def test_zipf_ids_range_determinism_and_skew() -> None:
     assert hottest != {0}  # the permutation moves the hot rows away from id 0
 
 
+def test_zipf_draws_share_a_hot_set_only_through_hot_seed() -> None:
+    """A cache benchmark's batches must share one hot set: the same ``hot_seed`` gives the same hottest rows for
+    any ``seed`` (and other draws of them); ``seed`` alone gives each draw its own hot rows."""
+    n_rows, n = 20_000, 50_000
+
+    def top(ids: torch.Tensor, k: int = 20) -> set[int]:
+        return set(torch.bincount(ids, minlength=n_rows).topk(k).indices.tolist())
+
+    shared = [D.zipf_ids(n_rows, n, seed=s, hot_seed=7) for s in range(3)]
+    assert not torch.equal(shared[0], shared[1])
+    assert len(top(shared[0]) & top(shared[1])) >= 15 and len(top(shared[1]) & top(shared[2])) >= 15
+    own = [D.zipf_ids(n_rows, n, seed=s) for s in range(2)]
+    assert len(top(own[0]) & top(own[1])) <= 2
+    with pytest.raises(FormatError):
+        D.zipf_ids(10, 5, hot_seed=1.5)
+
+
 def test_zipf_uniform_and_bad_args() -> None:
     ids = D.zipf_ids(10, 100_000, a=0.0, seed=0)
     counts = torch.bincount(ids, minlength=10).double() / 100_000
