@@ -1,0 +1,48 @@
+"""scripts/experiments/exp_lookup_profile.py on the CPU: argument checks, and a tiny run of one set on real MiniLM
+rows (ratios, the CPU decoder's check of every codec's stored rows, the JSON written). The GPU timings need
+``python scripts/experiments/exp_lookup_profile.py --out DIR`` on a GPU machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ibpcache.errors import InvalidArgumentError
+
+SCRIPT = "experiments/exp_lookup_profile"
+
+
+def test_parse_segs(script_module: Any) -> None:
+    with script_module(SCRIPT) as mod:
+        assert mod.parse_segs("auto, none,64") == ["auto", None, 64]
+        for bad in ("0", "-3", "x", "auto,1.5"):
+            with pytest.raises(InvalidArgumentError):
+                mod.parse_segs(bad)
+
+
+def test_bad_arguments_exit(script_module: Any) -> None:
+    with script_module(SCRIPT) as mod:
+        for argv in (["--device", "cpu", "--dists", "gauss"], ["--device", "cpu", "--kernels", "pool,decode"],
+                     ["--device", "cpu", "--reps", "5"], ["--device", "cpu", "--dtypes", "bf8"]):
+            with pytest.raises(SystemExit):
+                mod.parse_args(argv)
+
+
+def test_cpu_run_on_minilm_rows(tmp_path: Path, shared_data_dir: Path, script_module: Any) -> None:
+    with script_module(SCRIPT) as mod:
+        rc = mod.main(["--device", "cpu", "--quick", "--dtypes", "fp16", "--entry-bytes", "512", "--dists",
+                       "zipf,uniform", "--seg", "auto,32", "--out", str(tmp_path)])
+    assert rc == 0
+    recs = json.loads((tmp_path / "exp_lookup_profile.json").read_text())["records"]
+    by = {(r["dist"], r["method"]): r for r in recs}
+    assert set(by) == {(d, m) for d in ("zipf", "uniform") for m in ("raw", "ibp", "exp_segauto", "exp_seg32")}
+    assert all(r["verified"] for r in recs)
+    assert all(by["zipf", m]["cpu_verified"] for m in ("raw", "ibp", "exp_segauto", "exp_seg32"))
+    z = {m: by["zipf", m] for m in ("raw", "ibp", "exp_segauto", "exp_seg32")}
+    assert z["raw"]["ratio"] == 1.0
+    # real fp16 MiniLM rows: exponent coding stores smaller than IBP; 8 segments of 32 pay header bits for lanes
+    assert z["exp_segauto"]["ratio"] > z["ibp"]["ratio"] > 1.05
+    assert z["exp_seg32"]["n_seg"] == 8 and z["exp_seg32"]["ratio"] < z["exp_segauto"]["ratio"]
