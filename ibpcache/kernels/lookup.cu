@@ -278,6 +278,13 @@ __device__ __forceinline__ void ibp_report_corrupt_row(volatile int* err, int t)
         u64 *counters, int *err, int *freq, i64 *stage_of, i64 *step_state, const unsigned char *staging,       \
         i64 stage_cap, const i64 *bag_order
 
+// ... and as a call passes them on
+#define IBP_LOOKUP_ARGS                                                                                           \
+    ids, n_ids, bag_offsets, bag_size, n_bags, include_last, n_tables, per_table, sample_major, table_base,        \
+        table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
+        host_offsets, host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err, freq, stage_of, \
+        step_state, staging, stage_cap, bag_order
+
 // ---- in-step deduplication of misses (optional: staging == nullptr turns it off) --------------------------
 // A step with staging is three launches: CLAIM (thread per bag: every missed row claims a staging index once,
 // tagged with the step's generation in stage_of[gid] = gen << 32 | index), STAGE (a warp per claimed row reads it
@@ -533,6 +540,95 @@ __device__ __forceinline__ void ibp_lookup_rows_grouped(IBP_LOOKUP_PARAMS) {
     if (staging != nullptr) ibp_finish_step(step_state);
 }
 
+// SUM / MEAN / MAX of one-id bags (bag_offsets == nullptr, bag_size == 1: one-hot features, the embedding bags'
+// "single" step, and what the layout planner times; kernels ibp_lookup_pool_single_NAME for the grouped kinds, picked
+// by lookup.py), G bags per warp at once: lane L resolves bag L % G, the warp
+// decodes the G rows into its row buffer, then writes each bag's output row. Why: ibp_lookup_pool_grouped groups
+// the ids of ONE bag, so a bag of one id decodes one row per warp and only its n_seg lanes walk codewords (2 of 32
+// for a 512 B exponent row); grouping across bags, as ibp_lookup_rows_grouped does, puts G * n_seg walks on the
+// warp. Each value is computed as the bag loop computes a bag of one id (from 0: one add, fma or first-value max;
+// MEAN divides by the count, 1); a bag that pooled nothing (bad id, malformed row) is zeros, as there.
+template <class K>
+__device__ __forceinline__ void ibp_lookup_pool_single(const K& codec, uint4* smem, unsigned char* rowbuf, int op,
+                                                       int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+    const int lane = threadIdx.x & 31;
+    const int G = codec.group_rows(IBP_POOL_MAX_ROW / row_bytes);
+    const int r = lane % G;  // the group's bag this lane resolves
+    const int dim = row_bytes / (elem == IBP_ELEM_F32 ? 4 : 2);
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;  // of this lane's rows (summed over lanes r < G)
+    for (i64 k0 = warp * G; k0 < n_bags; k0 += nwarps * G) {
+        const i64 k = k0 + r;
+        const bool live = k < n_bags;  // the last group may be short
+        unsigned char* dst = nullptr;
+        bool bad = false, staged = false;
+        int t = 0;
+        i64 gid = 0;
+        float w = 1.0f;
+        IbpRowSource src = {nullptr, 0, false, false};
+        if (live) {
+            const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in order
+            i64 s, start, end;
+            bool bad_offsets;  // never: fixed bags of one id
+            ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t,
+                          s, start, end, bad_offsets);
+            dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
+            const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
+            const i64 id = ids[start];
+            bad = id < 0 || id >= limit;
+            if (bad) {
+                if (lane < G) ibp_report_bad_id(err, t);
+            } else {
+                gid = id + (table_base != nullptr ? table_base[t] : 0);
+                src = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                        host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
+                                        step_state, staging, stage_cap, staged);
+            }
+            if (psw != nullptr) w = psw[start];
+        }
+        const bool fetch = live && !bad;
+        const unsigned corrupt =
+            codec.decode_group(G, src.src, src.len, src.comp, fetch ? rowbuf + r * row_bytes : nullptr, smem, lane);
+        const bool used = fetch && !((corrupt >> r) & 1u);  // a malformed row pools nothing
+        if (fetch && !used && lane < G) ibp_report_corrupt_row(err, t);
+        const unsigned live_bags = __ballot_sync(IBP_FULL, lane < G && live);
+        const unsigned use = __ballot_sync(IBP_FULL, lane < G && used);
+        __syncwarp();  // the decoded rows are visible to every lane
+        for (int q0 = 0; q0 < G; ++q0) {
+            if (!((live_bags >> q0) & 1u)) continue;  // uniform
+            unsigned char* bag_dst = reinterpret_cast<unsigned char*>(
+                __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), q0));
+            const float bw = __shfl_sync(IBP_FULL, w, q0);
+            const bool pooled = (use >> q0) & 1u;
+            const unsigned char* row = rowbuf + q0 * row_bytes;
+            for (int e = lane; e < dim; e += 32) {
+                float v = 0.0f;  // a bag that pooled nothing
+                if (pooled) {
+                    const float x = ibp_elem_load(row, e, elem);
+                    v = op == IBP_OP_MAX ? x : (psw != nullptr ? fmaf(x, bw, 0.0f) : 0.0f + x);
+                    if (op == IBP_OP_MEAN) v = v / 1.0f;
+                }
+                ibp_elem_store(bag_dst, e, elem, v);
+            }
+        }
+        __syncwarp();  // the row buffer is free for the next group
+        if (used) {
+            requests += 1;
+            if (src.hit) {
+                hits += 1;
+                slab_bytes += (u64)src.len;
+            } else if (!staged) {
+                host_bytes += (u64)src.len;
+            }
+            if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[gid], 1);
+        }
+    }
+    ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
+                       ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
+    if (staging != nullptr) ibp_finish_step(step_state);
+}
+
 // SUM / MEAN / MAX over each bag, rows of at most IBP_POOL_MAX_ROW bytes and 32 * PER_LANE elements. A warp takes
 // the bag's ids G at a time (K::group_rows, capped by the row buffer; 1 for IBP): lane L resolves id L % G, the
 // warp decodes the G rows into its shared row buffer (row r at r * row_bytes), then folds them in the bag's order,
@@ -635,12 +731,6 @@ __device__ __forceinline__ void ibp_lookup_pool_grouped(int op, int elem, const 
                        ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
     if (staging != nullptr) ibp_finish_step(step_state);
 }
-
-#define IBP_LOOKUP_ARGS                                                                                           \
-    ids, n_ids, bag_offsets, bag_size, n_bags, include_last, n_tables, per_table, sample_major, table_base,        \
-        table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
-        host_offsets, host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err, freq, stage_of, \
-        step_state, staging, stage_cap, bag_order
 
 // One-row-per-warp forms of the two loops above, for codec kinds that never group rows (IBP, raw rows): the grouped
 // loops with G == 1 compute the same bytes, but their per-row vote and group bookkeeping cost about a fifth of the
@@ -814,3 +904,18 @@ __device__ __forceinline__ void ibp_lookup_pool_impl(int op, int elem, const flo
 IBP_FOR_EACH_C(IBP_LOOKUP_IBP)
 IBP_LOOKUP(e2, ExpRows<unsigned short>)
 IBP_LOOKUP(e4, ExpRows<unsigned int>)
+
+// One-id bags of the grouped kinds (ibp_lookup_pool_single): ibp_lookup_pool_single_NAME, a kernel of its own: the
+// two loops inlined in one kernel take ~166 registers on sm_90, the bag loop alone 128.
+#define IBP_LOOKUP_POOL_SINGLE(NAME, K)                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
+        ibp_lookup_pool_single_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                  \
+        __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];                                                     \
+        __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];                                           \
+        const K codec(row_bytes, codec_n, codec_a, codec_b);                                                    \
+        ibp_lookup_pool_single<K>(codec, sdec[threadIdx.x >> 5],                                                \
+                                  reinterpret_cast<unsigned char*>(srow[threadIdx.x >> 5]), op, elem, psw,      \
+                                  IBP_LOOKUP_ARGS);                                                             \
+    }
+IBP_LOOKUP_POOL_SINGLE(e2, ExpRows<unsigned short>)
+IBP_LOOKUP_POOL_SINGLE(e4, ExpRows<unsigned int>)

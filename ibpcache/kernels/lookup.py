@@ -270,5 +270,15 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
     if staging is not None:
         _stage(common, n_bags, dev, src, tables, counters, staging, err_ptr)
     args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + common
+    launch(_SRC, _pool_kernel(kind, tables, elem, bag_offsets is None and bag_size == 1), dev, grid,
+           32 * _POOL_WARPS, args)
+
+
+def _pool_kernel(kind: str, tables: Tables, elem: ElemType, one_id_bags: bool) -> str:
+    """The pooling kernel of a launch: bags of one id of exponent rows group rows across bags
+    (``ibp_lookup_pool_single_e*``: a bag loop decodes a one-id bag's row with only its segments' lanes), other bags
+    take the bag loop, in its wide form (more accumulators) for rows of more than 512 elements."""
+    if one_id_bags and isinstance(tables, ExponentTables):
+        return f"ibp_lookup_pool_single_{kind}"
     wide = tables.row_bytes // (4 if elem is ElemType.F32 else 2) > _POOL_NARROW_ELEMS
-    launch(_SRC, f"ibp_lookup_pool_{'wide_' if wide else ''}{kind}", dev, grid, 32 * _POOL_WARPS, args)
+    return f"ibp_lookup_pool_{'wide_' if wide else ''}{kind}"

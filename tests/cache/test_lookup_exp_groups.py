@@ -1,6 +1,6 @@
 """Grouped exponent decode: a warp decodes G narrow rows at once (``ibp_exp_decode_rows_warp`` in exponent.cu: lanes
 over (row, segment) walks), in the engine's lookup kernels (ROWS: G consecutive bags; POOL: G rows of a bag, folded
-in the bag's order) and in exponent.cu's gather / descriptor kernels.
+in the bag's order, or G one-id bags) and in exponent.cu's gather / descriptor kernels.
 
 CPU (runs everywhere): the G formula's invariants (shared memory budget, <= 32 walks, room for the bit windows'
 read past a row), and the test geometries below: each groups (G > 1), mixes raw and coded rows, and its planted
@@ -341,6 +341,59 @@ def test_gpu_lookup_pool_groups(real_rows: Any, name: str, dtype: torch.dtype, c
     assert counters.cpu().tolist() == _expected_counters(eng, rows, staging == "full")
     if freq is not None:
         assert np.array_equal(freq.cpu().numpy(), np.bincount(rows, minlength=N_ROWS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staging,ordered", [("none", False), ("none", True), ("full", False)])
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False), ("max", False)])
+@pytest.mark.parametrize("name,dtype,cols,seg", GEOMETRIES, ids=IDS)
+def test_gpu_lookup_pool_one_id_bags(real_rows: Any, name: str, dtype: torch.dtype, cols: int, seg: Any, mode: str,
+                                     weighted: bool, staging: str, ordered: bool) -> None:
+    """Bags of one id (no offsets, bag_size 1: ibp_lookup_pool_single_e*, G bags per warp) write the bytes the bag
+    loop writes for the same bags given as offsets, and torch's embedding_bag's; a bad id's or malformed row's bag
+    is zeros and reported, its group's neighbours exact; bag_order (bags taken in row order) changes nothing;
+    counters and freq count the pooled rows."""
+    from ibpcache.kernels.lookup import CORRUPT_ROW, ElemType, LookupErrors, PoolOp, lookup_pool
+
+    case = make_case(real_rows, name, dtype, cols, seg)
+    c = case.codec
+    eng = make_engine(case, "host" if staging == "none" else "slab")
+    G = group_rows(c.row_bytes, c.row_elems, c.n_seg, POOL_MAX_ROW // c.row_bytes)
+    assert G > 1
+    n = 7 * 32 * G + 5  # no multiple of G: the last group is short
+    ids = _ids(n, cols + 11, bad=True)
+    ids[40: 40 + len(case.bad_lengths)] = torch.tensor(sorted(case.bad_lengths))  # inside one group
+    psw = None
+    if weighted:
+        psw = (torch.rand(n, generator=torch.Generator().manual_seed(3)) * 4 - 2).to(dtype).float().cuda()
+    order = torch.argsort(ids.clamp(0, N_ROWS)).cuda() if ordered else None
+    op, elem = PoolOp[mode.upper()], ElemType.of(dtype)
+    outs, reports = [], []
+    for offsets in (None, torch.arange(n, device="cuda")):  # the one-id kernel, then the bag loop
+        st = _staging(staging, c.row_bytes)
+        err = LookupErrors(pin=True)
+        out = torch.full((n, c.row_bytes), 0xAB, dtype=torch.uint8, device="cuda")
+        counters = torch.zeros(4, dtype=torch.int64, device="cuda")
+        freq = torch.zeros(N_ROWS, dtype=torch.int32, device="cuda") if st is None else None
+        lookup_pool(ids.cuda(), offsets, 1 if offsets is None else 0, n, False, op, elem, psw, out, eng.src,
+                    eng.tables, counters, err.ptr, freq=freq, staging=st, bag_order=order)
+        torch.cuda.synchronize()
+        outs.append(out.cpu())
+        reports.append(_kind(err))
+        valid = (ids >= 0) & (ids < N_ROWS)
+        keep = valid.clone()
+        keep[valid] = torch.from_numpy(~eng.corrupt[ids[valid].numpy()])
+        rows = ids[keep].numpy()
+        assert counters.cpu().tolist() == _expected_counters(eng, rows, staging == "full")
+        if freq is not None:
+            assert np.array_equal(freq.cpu().numpy(), np.bincount(rows, minlength=N_ROWS))
+    assert torch.equal(outs[0], outs[1]), "one-id bags differ from the bag loop"
+    kept_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), keep.to(torch.int64).cumsum(0)[:-1]])
+    want = torch.nn.functional.embedding_bag(ids[keep].cuda(), case.rows.cuda(), kept_offsets.cuda(), mode=mode,
+                                             per_sample_weights=psw[keep.cuda()].to(dtype) if psw is not None else None)
+    assert torch.equal(outs[0], want.cpu().view(torch.uint8).reshape(n, -1)), "one-id bags differ from torch"
+    expect = {LookupErrors.BAD_ID} | ({CORRUPT_ROW} if eng.corrupt.any() else set())
+    assert reports[0] in expect and reports[1] in expect
 
 
 @pytest.mark.gpu
