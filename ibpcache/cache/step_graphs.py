@@ -43,6 +43,25 @@ def _release(cap: _Captured) -> None:
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
+def _unstick_generator(device: torch.device) -> None:
+    """Give the device's default CUDA generator back to the caller after a capture that ended in an error.
+
+    torch puts that generator in capture mode when a capture begins and takes it out only when the capture ends
+    cleanly; a capture CUDA invalidated (a body that syncs, say) raises first, leaving every later random op on the
+    device failing with "Offset increment outside graph capture". A probe draw (its offset restored) tells whether
+    the generator is stuck; a stuck one gets a fresh state holding the same seed and offset, so the user's random
+    stream goes on exactly where it was.
+    """
+    gen = torch.cuda.default_generators[torch.device(device).index or 0]
+    saved = gen.get_state()
+    try:
+        torch.empty(4, device=device).uniform_(generator=gen)
+    except RuntimeError:
+        gen.graphsafe_set_state(gen.clone_state())
+    else:
+        gen.set_state(saved)
+
+
 class StepGraphs:
     """Captured steps of one owner, keyed (see the module docstring); at most ``max_graphs`` kept, least recently
     replayed dropped first."""
@@ -119,6 +138,7 @@ class StepGraphs:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 -- any capture failure: eager steps, the reason in stats()
             caller.wait_stream(self._stream)
+            _unstick_generator(self.device)
             self.disable(f"{type(exc).__name__}: {exc}")
             return None
         caller.wait_stream(self._stream)

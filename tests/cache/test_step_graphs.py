@@ -57,3 +57,24 @@ def test_a_failed_capture_turns_graphs_off() -> None:
     assert not g.enabled and "cannot be captured" in g.error and g.stats()["graphs"] == 0
     assert not g.run(("s",), (x,), out, _double)  # off from now on: the caller runs every step
     torch.cuda.synchronize()  # the device is usable afterwards
+
+
+@pytest.mark.gpu
+def test_a_capture_cuda_invalidates_leaves_torch_random_usable() -> None:
+    """A step that syncs cannot be captured: CUDA invalidates the capture and torch raises before it takes its
+    default generator out of capture mode. Graphs go off, and the user's CUDA random stream goes on unchanged."""
+    g = StepGraphs(torch.device("cuda"))
+    out = torch.empty(4, device="cuda")
+    x = torch.ones(4, device="cuda")
+
+    def syncs(static: tuple, o: torch.Tensor) -> None:
+        o.copy_(static[0] * float(static[0].sum()))  # .item() under capture: the capture is invalidated
+
+    torch.cuda.manual_seed(123)
+    expected = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed(123)
+    assert not g.run(("s",), (x,), out, syncs)
+    assert not g.run(("s",), (x,), out, syncs)
+    assert not g.enabled and g.error
+    assert torch.equal(torch.rand(8, device="cuda"), expected)  # usable, and the same draws as without the capture
+    torch.cuda.synchronize()
