@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StepGraphs"]
+__all__ = ["StepGraphs", "unstick_generator"]
 
 Inputs = tuple[Optional[torch.Tensor], ...]
 
@@ -43,7 +43,7 @@ def _release(cap: _Captured) -> None:
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
-def _unstick_generator(device: torch.device) -> None:
+def unstick_generator(device: torch.device) -> None:
     """Give the device's default CUDA generator back to the caller after a capture that ended in an error.
 
     torch puts that generator in capture mode when a capture begins and takes it out only when the capture ends
@@ -138,7 +138,7 @@ class StepGraphs:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 -- any capture failure: eager steps, the reason in stats()
             caller.wait_stream(self._stream)
-            _unstick_generator(self.device)
+            unstick_generator(self.device)
             self.disable(f"{type(exc).__name__}: {exc}")
             return None
         caller.wait_stream(self._stream)
