@@ -496,7 +496,7 @@ def test_gpu_planner_times_three_candidates(minilm: torch.Tensor, cora: Any) -> 
         fc = FeatureCache(rows, 0.02, device="cuda", codec="auto", compress_host="auto")
         lay = fc.stats()["host_layout"]
         assert set(lay["timings_ms"]) == {"ibp", "exponent", "raw"} and lay["samples"] == ROUNDS * REPS
-        again = decide_codec(lay["ratios"], lay["timings_ms"])
+        again = decide_codec(lay["ratios"], lay["timings_ms"], hit_timings_ms=lay["hit_timings_ms"])
         # the rule on the recorded medians, unless the CPU's raw gather then beat the chosen codec (static caches)
         assert lay["method"] == again.method or (lay["method"] == "raw" and "CPU gather" in lay["reason"])
         ids = torch.randint(0, rows.shape[0], (5000,), generator=torch.Generator().manual_seed(6))
