@@ -16,12 +16,13 @@ times: the ops and the would-be syncs are what a GPU step pays for. Writes ``tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -68,12 +69,37 @@ def _timed(step: Callable[[], Any], cuda: bool) -> tuple[float, float]:
     return a.elapsed_time(b), host
 
 
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+"""Tensor methods that read device values on the host: each is a sync on CUDA."""
+
+
+@contextlib.contextmanager
+def count_host_reads() -> Iterator[Counter]:
+    """Count Python-level calls of :data:`HOST_READS` on tensors while the block runs."""
+    seen: Counter = Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def counted(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            seen[name] += 1
+            return fn(self, *a, **k)
+        return counted
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
 def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
-    """Per-step counts: kernel launches, aten ops, and the events that make the host wait (SYNC_OPS)."""
+    """Per-step counts: kernel launches, aten ops, the events that make the host wait (SYNC_OPS) and host reads."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts) as prof, count_host_reads() as reads:
         for _ in range(n):
             step()
         if cuda:
@@ -92,6 +118,7 @@ def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
     launches = names["cudaLaunchKernel"] + names["cuLaunchKernel"] + names["cudaLaunchKernelExC"]
     return {"kernels_per_step": kernels / n, "launch_calls_per_step": launches / n,
             "kernel_ms_per_step": kernel_us / 1e3 / n, "aten_ops_per_step": aten / n, "sync_ops_per_step": syncs,
+            "host_reads_per_step": {k: v / n for k, v in reads.items()},
             "top_ops": {k: c / n for k, c in names.most_common(25)}}
 
 
