@@ -122,15 +122,14 @@ def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
             "top_ops": {k: c / n for k, c in names.most_common(25)}}
 
 
-def run_point(bd: Any, table: torch.Tensor, trace: Any, args: argparse.Namespace, opt: str, bag: int, batch: int,
-              device: torch.device) -> dict[str, Any]:
-    """One module trained as bench_dlrm trains it; timings and profile counts of its steps."""
-    cuda = device.type == "cuda"
-    method = bd.Method("ibpcache", table, args.tables, args.cache_ratio, None, True, args.lr, device, opt)
+def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch: int, cuda: bool) -> dict[str, Any]:
+    """Steps of one (bag, batch) point on ``method`` (trained on, as bench_dlrm's windows do): timings, profile counts,
+    and the hit rate of the point's own lookups."""
     trace.reset(batch + 7919 * bag)
     n = args.warmup + args.iters + args.profile_steps + 1
     inputs = [method.inputs(trace.batch(batch, bag), bag) for _ in range(n)]
     method.module.prefetch(inputs[0][0], inputs[0][1])
+    before = method.module.stats()
     dev_ms, host_ms = [], []
     for i in range(args.warmup + args.iters):
         d, h = _timed(lambda: method.step(inputs[i], bag, inputs[i + 1]), cuda)
@@ -145,12 +144,11 @@ def run_point(bd: Any, table: torch.Tensor, trace: Any, args: argparse.Namespace
         method.step(inputs[i], bag, inputs[i + 1])
 
     prof = _profile(step, args.profile_steps, cuda)
-    st = method.module.stats()
-    res = {"optimizer": opt, "bag": bag, "batch": batch, "tables": args.tables, "rows_per_table": args.rows,
-           "device_ms": statistics.median(dev_ms), "host_ms": statistics.median(host_ms),
-           "hit_rate": st["hits"] / max(1, st["hits"] + st["misses"]), **prof}
-    del method
-    return res
+    after = method.module.stats()
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    return {"bag": bag, "batch": batch, "tables": args.tables, "rows_per_table": args.rows,
+            "device_ms": statistics.median(dev_ms), "host_ms": statistics.median(host_ms),
+            "hit_rate": hits / max(1, hits + misses), **prof}
 
 
 def main(argv: "list[str] | None" = None) -> None:
@@ -163,12 +161,14 @@ def main(argv: "list[str] | None" = None) -> None:
     table = datasets.resample_rows(bd.real_rows(args.entry_bytes), args.rows * args.tables, seed=args.entry_bytes)
     trace = bd.Trace("zipf-stable", args.rows, args.tables, 1.05, device, 200)
     results = []
-    for opt in args.optimizers.split(","):
+    for opt in args.optimizers.split(","):  # one module per optimizer, as bench_dlrm builds them
+        method = bd.Method("ibpcache", table, args.tables, args.cache_ratio, None, True, args.lr, device, opt)
         for bag in (int(b) for b in args.bags.split(",")):
             for batch in (int(b) for b in args.batches.split(",")):
-                r = run_point(bd, table, trace, args, opt, bag, batch, device)
+                r = {"optimizer": opt, **run_point(method, trace, args, bag, batch, device.type == "cuda")}
                 results.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}), flush=True)
+        del method
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
