@@ -428,6 +428,9 @@ class _CachedBagBase(nn.Module):
         that backward would write (FBGEMM locks such rows; this cache does not, and raises instead when it can tell).
         Bad ids raise here, before the cache changes (one host sync). On CUDA it never resizes the cache: rows beyond
         the free and evictable slots are left to the forward (which serves an oversized batch from a grown cache).
+        When every row found a slot, the forward of the same ``input`` / ``offsets`` tensors (not written to since, and
+        no other cache operation in between) takes their slots from here: no ``unique``, no host sync, so with SGD the
+        whole step (forward, backward, optimizer) never waits for the device.
         """
         self._check_ready()
         if not self.cache_op:
