@@ -135,6 +135,25 @@ class Prepared:
         return self.slot_u.index_select(0, self.inv.reshape(-1)).view(self.inv.shape)
 
 
+@dataclass
+class _Ahead:
+    """A batch a prefetch made resident, kept for the lookup of the same inputs that follows it (FBGEMM's TBE hands
+    its prefetch's cache locations to the forward the same way): that lookup then needs no ``unique`` and no host
+    read, so a training step over prefetched rows never waits for the device. ``key``: the caller's input tensors
+    and their version counters (the same tensors, unchanged)."""
+
+    key: tuple
+    prep: Prepared
+    counts: torch.Tensor
+    n_ids: int
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    """Tensors compare by identity (the same object), everything else by value."""
+    return len(a) == len(b) and all(x is y if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) else x == y
+                                    for x, y in zip(a, b))
+
+
 class CachedRowManager:
     """The row cache in front of a :class:`HostStore` (Colossal-AI's ``CachedParamMgr`` role, plus the inference form).
 
@@ -200,6 +219,7 @@ class CachedRowManager:
         self._fused_lock = threading.Lock()  # threads' first lookups or prefetches build ONE FusedLookup
         self._side: "torch.cuda.Stream | None" = None
         self._side_active = False  # an operation runs on the side stream now (it must not reallocate state)
+        self._ahead: Optional[_Ahead] = None  # the last prefetch's batch, while no slot has changed since
         if self.n_pinned:
             self._place(torch.tensor(list(pinned_ids), dtype=torch.int64, device=dev),
                         torch.arange(self.n_pinned, dtype=torch.int64, device=dev))
@@ -278,6 +298,7 @@ class CachedRowManager:
         empty (its rows were clean copies of host rows), the padding row pinned again."""
         if self.form == "raw":
             return
+        self._ahead = None
         self._clear_slots()
         self.policy.reset(self.base_slots, self.n_pinned)
         self.form = "raw"
@@ -294,6 +315,7 @@ class CachedRowManager:
         host store is current). From the raw form every row leaves: written back if dirty, its optimizer state saved,
         and every evicted row brought up to date with the attached optimizer's updates, since inference reads host
         rows as they are."""
+        self._ahead = None
         if self.form == "raw":
             self._shrink()
             slots = self.occupied_slots()
@@ -329,7 +351,7 @@ class CachedRowManager:
     @_in_state_mode
     def prepare_unique(self, ids: torch.Tensor, checks: Sequence[torch.Tensor] = (),
                        verify: Optional[Callable[[list], None]] = None, count: bool = True,
-                       grow: bool = True) -> "Prepared":
+                       grow: bool = True, remember: Optional[tuple] = None) -> "Prepared":
         """Make the rows of ``ids`` (int64 on the cache device) resident and say where they are.
 
         ``checks`` (0-d int64 tensors, e.g. "some id is out of range") ride along with the one device sync
@@ -339,7 +361,10 @@ class CachedRowManager:
         ``count=False`` (a prefetch): the rows are admitted and touched, but the lookup and its hits/misses are
         not counted as one (``prefetched_rows`` counts the admissions). ``grow=False`` (a prefetch on a side stream):
         the cache is never resized; misses beyond the free and evictable slots stay out (the lookup admits them).
+        ``remember`` (a prefetch): a key of the caller's inputs; when every row found a slot, the lookup that passes
+        the same key to :meth:`take_prepared` reuses this batch's slots with no device sync.
         """
+        self._ahead = None
         self.use_raw()
         if grow:
             self._shrink()
@@ -371,23 +396,49 @@ class CachedRowManager:
         pinned_pos = vals[3] if self.n_pinned and vals[2] else None
         n_uniq = int(uniq.numel())
         written = 0
+        all_placed = True  # every id has a slot now (a best-effort prefetch may leave some out)
         if n_miss:
             miss_pos = torch.nonzero(~hit).squeeze(1)
             avail = (self.slots - self.n_pinned) - (n_uniq - n_miss - n_pinned_hits)
             if not grow and n_miss > avail:  # best effort: what fits without resizing
                 miss_pos = miss_pos[:avail]
                 n_miss = avail
+                all_placed = False
             if n_miss:
                 miss_ids = uniq.index_select(0, miss_pos)
                 dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - vals[0] - n_pinned_hits)
                 slot_u.index_copy_(0, miss_pos, dest)
-        self.policy.touch(slot_u[slot_u >= 0])
+        self.policy.touch(slot_u if all_placed else slot_u[slot_u >= 0])  # a boolean mask syncs on CUDA
+        prep = Prepared(slot_u, inv.view(ids.shape), uniq, pinned_pos)
         if count:
             self._record(n_uniq - vals[0], vals[0], written)
         else:
             self.prefetched_rows += int(n_miss)
             self.prefetch_write_backs += int(written)
-        return Prepared(slot_u, inv.view(ids.shape), uniq, pinned_pos)
+            if remember is not None and all_placed and self.slots == self.base_slots:
+                self._ahead = _Ahead(remember, prep, counts, int(flat.numel()))
+        return prep
+
+    def take_prepared(self, key: Optional[tuple], ids: torch.Tensor) -> Optional[Prepared]:
+        """The slots of the batch the last prefetch made resident under ``key`` (``ids``: the lookup's rows, shaped as
+        it wants ``inv``), if no slot has changed since, counted
+        as the lookup :meth:`prepare_unique` would count (every row a hit); else None. No device sync, and the same
+        cache state and statistics as :meth:`prepare_unique` of those ids would leave."""
+        ahead, self._ahead = self._ahead, None
+        if (ahead is None or key is None or self.form != "raw" or self.slots != self.base_slots or ahead.n_ids != ids.numel()
+                or not _same_key(ahead.key, key)):
+            return None
+        prep = ahead.prep
+        if self.device.type == "cuda":  # made on the side stream: its blocks wait for this stream's use too
+            for t in (prep.slot_u, prep.inv, prep.uniq, ahead.counts):
+                t.record_stream(torch.cuda.current_stream(self.device))
+        self._tick()
+        self.lookups += ahead.n_ids
+        self.policy.count(prep.uniq, ahead.counts)
+        self.policy.touch(prep.slot_u)
+        n_uniq = int(prep.uniq.numel())
+        self._record(n_uniq, 0, 0)
+        return Prepared(prep.slot_u, prep.inv.view(ids.shape), prep.uniq, prep.pinned_pos)
 
     def _tick(self) -> None:
         """One more counted lookup: a step of the cache and of its policy's clock (prefetches are not steps)."""
@@ -446,6 +497,7 @@ class CachedRowManager:
         """Return to ``P + C`` slots after an oversized batch: rows above the base are evicted."""
         if self.slots == self.base_slots:
             return
+        self._ahead = None
         high = torch.arange(self.base_slots, self.slots, device=self.device)
         occupied = high[self.id_of[self.base_slots:] >= 0]
         if occupied.numel():

@@ -159,6 +159,14 @@ def _verifier(ids: torch.Tensor, bad_ids: Optional[torch.Tensor], offsets: Optio
     return verify
 
 
+def _input_key(input: torch.Tensor, offsets: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What makes a forward's inputs those a prefetch saw: the same tensor objects, not written to since (None for
+    inference tensors, which keep no version counter)."""
+    if input.is_inference() or offsets is not None and offsets.is_inference():
+        return None
+    return (input, input._version, offsets, None if offsets is None else offsets._version)
+
+
 def _as_freq(mapping: Any, n: int) -> Optional[torch.Tensor]:
     if mapping is None:
         return None
@@ -311,7 +319,8 @@ class _CachedBagBase(nn.Module):
         return F.embedding_bag(slots, self.cached_weight, offsets, max_norm, self.norm_type, self.scale_grad_by_freq,
                                self.mode, self.sparse, psw, self.include_last_offset, self._padding_slot)
 
-    def _prepare(self, ids: torch.Tensor, checks: list, verify: Callable[[list], None]) -> tuple[Prepared, bool]:
+    def _prepare(self, ids: torch.Tensor, checks: list, verify: Callable[[list], None], key: Optional[tuple]
+                 ) -> tuple[Prepared, bool]:
         """Make ``ids`` (global, valid) resident; say whether the reduction must use the ranked path.
 
         Inference reduces straight over slots. Training reduces over each id's rank among the batch's
@@ -326,7 +335,9 @@ class _CachedBagBase(nn.Module):
             raise StateError("this embedding table serves adopted CompressedRows (read-only): use it for inference "
                              "(torch.no_grad() or weight.requires_grad_(False)), or build it from the dense table "
                              "to train")
-        prep = mgr.prepare_unique(ids, checks, verify)
+        prep = mgr.take_prepared(key, ids)  # a prefetched batch: its slots, checked then, with no sync now
+        if prep is None:
+            prep = mgr.prepare_unique(ids, checks, verify)
         if training or self.max_norm is not None:
             mgr.dirty = True
         if self.max_norm is not None:  # renormalise the cached rows themselves, once per distinct id, like torch
@@ -417,6 +428,9 @@ class _CachedBagBase(nn.Module):
         that backward would write (FBGEMM locks such rows; this cache does not, and raises instead when it can tell).
         Bad ids raise here, before the cache changes (one host sync). On CUDA it never resizes the cache: rows beyond
         the free and evictable slots are left to the forward (which serves an oversized batch from a grown cache).
+        When every row found a slot, the forward of the same ``input`` / ``offsets`` tensors (not written to since, and
+        no other cache operation in between) takes their slots from here: no ``unique``, no host sync, so with SGD the
+        whole step (forward, backward, optimizer) never waits for the device.
         """
         self._check_ready()
         if not self.cache_op:
@@ -447,7 +461,7 @@ class _CachedBagBase(nn.Module):
         with mgr.on_side_stream(*inputs) as side:
             checks = _check_tensors(global_ids, bad, offs)
             mgr.prepare_unique(global_ids.reshape(-1), checks, _verifier(ids, bad, offs, limits), count=False,
-                               grow=not side)
+                               grow=not side, remember=_input_key(input, offsets))
 
     def _fused_inputs(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor], int, int, Any]:
@@ -644,7 +658,8 @@ class CachedEmbeddingBag(_CachedBagBase):
             bad = (ids < 0) | (ids >= self.num_embeddings)
             with self.cache_weight_mgr.order.exclusive():  # after any prefetch; no prefetch evicts mid-reduction
                 prep, ranked = self._prepare(ids, _check_tensors(ids, bad, offs),
-                                             _verifier(ids, bad, offs, f"[0, {self.num_embeddings})"))
+                                             _verifier(ids, bad, offs, f"[0, {self.num_embeddings})"),
+                                             _input_key(input, offsets))
                 if ranked:
                     rows = RowGather.apply(self.cached_weight, prep.slot_u, None)
                     out = F.embedding_bag(prep.inv, rows, offs, None, self.norm_type, self.scale_grad_by_freq,
@@ -822,13 +837,13 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         if offs is None:  # [B, T] -> B*T bags of one id, in sample-major order
             global_ids, psw = global_ids.reshape(-1, 1), None if psw is None else psw.reshape(-1, 1)
         with self.cache_weight_mgr.order.exclusive():  # after any prefetch; no prefetch evicts mid-reduction
-            prep, ranked = self._prepare(global_ids, checks, verify)
+            prep, ranked = self._prepare(global_ids, checks, verify, _input_key(input, offsets))
             if ranked:
-                out = self._ranked_per_table(prep, offs, psw, batch)  # [B, T, D]
+                out = self._ranked(prep, offs, psw, batch)
             else:
-                out = self._direct(prep.slots(), offs, psw, None)  # [B*T, D] sample-major or [T*B, D] table-major
-                if offs is not None:
-                    out = out.view(n_tab, batch, self.embedding_dim).transpose(0, 1)
+                out = self._direct(prep.slots(), offs, psw, None)
+        if offs is not None:  # [T*B, D] table-major -> [B, T, D]; [B*T, D] sample-major is already in order
+            out = out.view(n_tab, batch, self.embedding_dim).transpose(0, 1)
         out = self._watch_backward(out.reshape(batch, n_tab * self.embedding_dim))
         if shape_hook is not None:
             out = shape_hook(out)
@@ -869,13 +884,31 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         batch = n_bags // n_tab
         return ids, offs, 0, n_bags, BagLayout(n_tab, batch, False, self.table_starts, self.table_sizes)
 
-    def _ranked_per_table(self, prep: Prepared, offs: Optional[torch.Tensor], psw: Optional[torch.Tensor],
-                          batch: int) -> torch.Tensor:
-        """Training: one reduction per table over that table's id ranks, as T separate EmbeddingBags would
-        do (their backward sorts each table's ids on its own). Still one fetch; only the reductions split."""
+    def _ranked(self, prep: Prepared, offs: Optional[torch.Tensor], psw: Optional[torch.Tensor],
+                batch: int) -> torch.Tensor:
+        """Training: reduce over each id's rank among the batch's distinct ids (:class:`RowGather` says why), as
+        ``T`` separate EmbeddingBags would. Returns ``[B*T, D]`` sample-major (a ``[B, T]`` input) or ``[T*B, D]``
+        table-major (offsets), like :meth:`_direct`.
+
+        The tables' rank ranges are disjoint and each bag belongs to one table, so ONE reduction over all tables gives
+        every bag, and every row's gradient contributions in the order, that ``T`` reductions give, wherever the
+        sorts that order duplicates are stable: CUDA's are. Torch's CPU sort is not (below ~100k indices it is
+        introsort, whose order of equal ids depends on every other id in the array), so on the CPU a dense gradient
+        is reduced table by table, and a sparse one is coalesced table by table (``segments``)."""
+        cpu = self.device.type == "cpu"
+        segments = None
+        if cpu and self.num_tables > 1:  # each table's range in uniq (a host read: free on the CPU)
+            segments = tuple(torch.searchsorted(prep.uniq, self.table_offsets).tolist())
+        rows = RowGather.apply(self.cached_weight, prep.slot_u, segments)
+        if not (cpu and not self.sparse and self.num_tables > 1):
+            return F.embedding_bag(prep.inv, rows, offs, None, self.norm_type, self.scale_grad_by_freq, self.mode,
+                                   self.sparse, psw, self.include_last_offset, None)
+        return self._per_table(prep, rows, offs, psw, batch)
+
+    def _per_table(self, prep: Prepared, rows: torch.Tensor, offs: Optional[torch.Tensor],
+                   psw: Optional[torch.Tensor], batch: int) -> torch.Tensor:
+        """:meth:`_ranked`'s reduction one table at a time (the CPU's dense gradients), in its output layout."""
         n_tab = self.num_tables
-        segments = torch.searchsorted(prep.uniq, self.table_offsets).tolist()  # each table's range in uniq
-        rows = RowGather.apply(self.cached_weight, prep.slot_u, tuple(segments))
         outs = []
         if offs is None:  # [B*T, 1] sample-major: table t is every T-th bag
             inv = prep.inv.view(batch, n_tab)
@@ -884,7 +917,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
                 outs.append(F.embedding_bag(inv[:, t:t + 1], rows, None, None, self.norm_type,
                                             self.scale_grad_by_freq, self.mode, self.sparse,
                                             None if w is None else w[:, t:t + 1], False, None))
-            return torch.stack(outs, 1)
+            return torch.stack(outs, 1).reshape(batch * n_tab, self.embedding_dim)
         n_ids = prep.inv.numel()
         starts = offs[: n_tab * batch: batch].tolist() if batch else [0] * n_tab
         ends = starts[1:] + [int(offs[-1]) if self.include_last_offset else n_ids]
@@ -893,7 +926,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
             outs.append(F.embedding_bag(prep.inv[lo:hi], rows, offs[t * batch:(t + 1) * batch] - lo, None,
                                         self.norm_type, self.scale_grad_by_freq, self.mode, self.sparse,
                                         None if psw is None else psw[lo:hi], False, None))
-        return torch.stack(outs, 1)
+        return torch.cat(outs, 0)
 
     def _global_ids(self, ids: torch.Tensor, offs: Optional[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -936,8 +969,10 @@ class RowGather(torch.autograd.Function):
     among the batch's distinct ids (a monotone relabeling of the ids) reproduces the reference's order
     exactly; slot numbers cannot. Dense gradients are copied into their slots (each slot once, no
     arithmetic). A sparse gradient is coalesced in rank space (the order ``Tensor.coalesce`` on the ids
-    would use), one ``segments`` range at a time (one per table, as each table's optimizer would), then
-    relabeled to slots and marked coalesced: what Adagrad/SparseAdam compute with.
+    would use), then relabeled to slots and marked coalesced: what Adagrad/SparseAdam compute with. With
+    ``segments`` (the CPU's table batches) one range at a time, one per table, as each table's optimizer would
+    (the CPU's unstable sort orders a table's duplicates by all the ids it sorts); without, in one call (CUDA's
+    sort is stable, so the tables' duplicates keep their order whatever else is sorted with them).
     """
 
     @staticmethod
@@ -956,15 +991,26 @@ class RowGather(torch.autograd.Function):
             out = grad.new_zeros(shape)
             out.index_copy_(0, slot_u, grad)
             return out, None, None
-        bounds = ctx.segments or (0, grad.shape[0])
-        idx, vals = grad._indices()[0], grad._values()
-        parts_i, parts_v = [], []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            keep = (idx >= lo) & (idx < hi)  # keeps each table's occurrences in their order
-            part = torch.sparse_coo_tensor(idx[keep].unsqueeze(0), vals[keep], grad.shape).coalesce()
-            parts_i.append(part.indices()[0])
-            parts_v.append(part.values())
-        rows = slot_u.index_select(0, torch.cat(parts_i))
+        if ctx.segments is None:  # one coalesce: every table's duplicates summed in their order (a stable sort)
+            part = grad.coalesce()
+            idx, vals = part.indices()[0], part.values()
+        else:
+            idx, vals = _coalesce_segments(grad, ctx.segments)
+        rows = slot_u.index_select(0, idx)
         order = torch.argsort(rows)
-        out = torch.sparse_coo_tensor(rows[order].unsqueeze(0), torch.cat(parts_v)[order], shape, is_coalesced=True)
+        out = torch.sparse_coo_tensor(rows[order].unsqueeze(0), vals.index_select(0, order), shape, is_coalesced=True)
         return out, None, None
+
+
+def _coalesce_segments(grad: torch.Tensor, bounds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse rank-space gradient coalesced one ``[bounds[i], bounds[i + 1])`` range at a time, as each table's own
+    ``Tensor.coalesce`` would (the CPU's sort orders a range's duplicates by the range's ids alone); indices and values
+    of the ranges, concatenated in ascending order."""
+    idx, vals = grad._indices()[0], grad._values()
+    parts_i, parts_v = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        keep = (idx >= lo) & (idx < hi)  # keeps each table's occurrences in their order
+        part = torch.sparse_coo_tensor(idx[keep].unsqueeze(0), vals[keep], grad.shape).coalesce()
+        parts_i.append(part.indices()[0])
+        parts_v.append(part.values())
+    return torch.cat(parts_i), torch.cat(parts_v)

@@ -245,3 +245,117 @@ def test_training_prefetch_with_2kb_rows_and_a_shrinking_cache(minilm: torch.Ten
     m.flush()
     torch.cuda.synchronize()
     assert torch.equal(_bits(m.weight), _bits(ref.weight))
+
+
+# ------------------------------------------------------------------------------------------------
+# a prefetched training batch: its forward reuses the prefetch's slots (no unique, no host read)
+# ------------------------------------------------------------------------------------------------
+
+
+def _tb(minilm: torch.Tensor, device: str, tables: int, **kw):
+    """``tables`` tables of 200 real rows, half of each cached: every test batch fits."""
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+
+    w = minilm[:200 * tables, :64].clone()
+    return w, TableBatchedCachedEmbeddingBag([200] * tables, 64, _weight=w.clone(), mode="sum", sparse=True,
+                                             cache_ratio=0.5, warmup_ratio=0.0, device=device, compress=True, **kw)
+
+
+def _tb_batch(gen: torch.Generator, tables: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """32 bags of 2 distinct ids per table (table-major), distinct across the batch."""
+    ids = torch.cat([torch.randperm(200, generator=gen)[:64] for _ in range(tables)])
+    return ids.to(device), torch.arange(0, ids.numel(), 2).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetched_training_forward_reuses_the_prefetch(minilm: torch.Tensor, device: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward of the tensors a training prefetch saw takes their slots from it (prepare_unique is not called:
+    no unique, no host read); tensors written in place since, or other tensors, are looked up again. Trained table
+    bit-identical to nn.EmbeddingBag's throughout."""
+    w, m = _tb(minilm, device, 3)
+    ref = torch.nn.EmbeddingBag(w.shape[0], 64, _weight=w.clone().to(device), mode="sum", sparse=True)
+    opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    mgr = m.cache_weight_mgr
+    lookups: list[bool] = []
+    prepare = mgr.prepare_unique
+
+    def counting(*args, **kwargs):
+        lookups.append(kwargs.get("count", True))
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(mgr, "prepare_unique", counting)
+    gen = torch.Generator().manual_seed(8)
+    batches = [_tb_batch(gen, 3, device) for _ in range(6)]
+    for i, (ids, offs) in enumerate(batches):
+        if i < 4:
+            m.prefetch(ids, offs)
+        if i == 3:
+            ids.add_(0)  # written in place after the prefetch: its version moved, so it is looked up again
+        lookups.clear()
+        glob = ids + torch.arange(3, device=device).repeat_interleave(64) * 200
+        for model, inp, o in ((m, ids, opt), (ref, glob, ref_opt)):
+            model(inp, offs).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+        assert lookups == ([] if i < 3 else [True]), f"batch {i}"
+    m.flush()
+    assert torch.equal(_bits(m.weight), _bits(ref.weight))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_training_step_ops_do_not_grow_with_tables(minilm: torch.Tensor, optimizer: str) -> None:
+    """A prefetched training step runs about as many torch ops for 20 tables as for 4: no per-table Python loop on its
+    path (one op per table would add 16; a few ops differ where torch picks another kernel for larger tensors). SGD:
+    forward, backward and step; Adagrad: the forward (its reduction over each id's rank; on the CPU the backward
+    coalesces table by table, see RowGather)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(tables: int) -> int:
+        _, m = _tb(minilm, "cpu", tables)
+        opt = (torch.optim.Adagrad if optimizer == "adagrad" else torch.optim.SGD)(m.parameters(), lr=0.05)
+        if optimizer == "adagrad":
+            m.attach_optimizer(opt)
+        gen = torch.Generator().manual_seed(5)
+        counts = []
+        for _ in range(3):
+            ids, offs = _tb_batch(gen, tables, "cpu")
+            m.prefetch(ids, offs)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = m(ids, offs)
+                if optimizer == "sgd":
+                    out.sum().backward()
+                    opt.step()
+            if optimizer == "adagrad":
+                out.sum().backward()
+                opt.step()
+            opt.zero_grad()
+            counts.append(sum(1 for ev in prof.events() if ev.name.startswith("aten::")))
+        return min(counts)
+
+    few, many = ops(4), ops(20)
+    assert many - few <= 8, (few, many)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["offsets", "2d"])
+def test_prefetched_training_step_never_syncs(minilm: torch.Tensor, layout: str) -> None:
+    """26 tables, sparse SGD: once a batch is prefetched (all its rows cached), its forward, backward and optimizer
+    step never wait for the GPU (torch's sync debug mode raises on any synchronizing call)."""
+    _, m = _tb(minilm, "cuda", 26)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(4):
+        ids, offs = _tb_batch(gen, 26, "cuda")
+        if layout == "2d":
+            ids, offs = ids.view(26, 64)[:, :32].t().contiguous(), None  # [B, T]
+        m.prefetch(ids, offs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            m(ids, offs).pow(2).sum().backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        opt.zero_grad()
+    assert m.stats()["misses"] == 0

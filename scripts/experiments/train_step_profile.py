@@ -1,0 +1,181 @@
+"""Experiment: where does a training step of ``TableBatchedCachedEmbeddingBag`` go: host or device?
+
+bench_dlrm's training setup (``--tables`` 26 tables of real 512 B fp32 rows, zipf-stable trace, 10% cache, sparse
+gradients, SGD or Adagrad with ``attach_optimizer``, ``prefetch`` of the next batch after each step: its ``Method``
+and ``Trace``), per (optimizer, bag, batch): after a warm-up, each step timed alone (device idle before it) with CUDA
+events (device ms) and perf_counter (host ms: the call's wall time, the sync at its end excluded), medians; then
+torch.profiler over a few steps: per step the CUDA kernel launches, the aten ops, and the calls that make the host
+wait for the device (``aten::item`` / ``_local_scalar_dense``, ``aten::nonzero``, ``aten::unique``-style ops,
+``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``). On the CPU (``--device cpu``) the same counts without kernel
+times: the ops and the would-be syncs are what a GPU step pays for. Writes ``train_step_profile.json`` under --out.
+
+    PYTHONPATH=$PWD python scripts/experiments/train_step_profile.py --out /tmp/tsp            # GPU, < 60 s
+    PYTHONPATH=$PWD python scripts/experiments/train_step_profile.py --device cpu --rows 2000 --batches 256 --out /tmp/tsp
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ibpcache import datasets
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+            "aten::masked_select", "aten::_coalesce", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "cudaMemcpyAsync")
+"""Profiler events that wait for the device on CUDA (a data-dependent size or a value read on the host); on the CPU
+they are counted as the syncs a GPU step would pay (``cudaMemcpyAsync`` counts copies, some of them device to host)."""
+
+
+def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="train_step_profile_out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tables", type=int, default=26)
+    p.add_argument("--rows", type=int, default=75_120, help="rows per table (bench_dlrm: 1 GB of 512 B rows)")
+    p.add_argument("--entry-bytes", type=int, default=512)
+    p.add_argument("--batches", default="1024,8192")
+    p.add_argument("--bags", default="1,20")
+    p.add_argument("--optimizers", default="sgd,adagrad")
+    p.add_argument("--cache-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=0.01)
+    return p.parse_args(argv)
+
+
+def _timed(step: Callable[[], Any], cuda: bool) -> tuple[float, float]:
+    """(device ms, host ms) of one step run alone."""
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+    t0 = time.perf_counter()
+    step()
+    host = (time.perf_counter() - t0) * 1e3
+    if not cuda:
+        return host, host
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b), host
+
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+"""Tensor methods that read device values on the host: each is a sync on CUDA."""
+
+
+@contextlib.contextmanager
+def count_host_reads() -> Iterator[Counter]:
+    """Count Python-level calls of :data:`HOST_READS` on tensors while the block runs."""
+    seen: Counter = Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def counted(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            seen[name] += 1
+            return fn(self, *a, **k)
+        return counted
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
+    """Per-step counts: kernel launches, aten ops, the events that make the host wait (SYNC_OPS) and host reads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof, count_host_reads() as reads:
+        for _ in range(n):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    names: Counter = Counter()
+    kernels = 0
+    kernel_us = 0.0
+    for ev in prof.events():
+        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            kernel_us += ev.device_time
+        else:
+            names[ev.name] += 1
+    aten = sum(c for k, c in names.items() if k.startswith("aten::"))
+    syncs = {k: names[k] / n for k in SYNC_OPS if names[k]}
+    launches = names["cudaLaunchKernel"] + names["cuLaunchKernel"] + names["cudaLaunchKernelExC"]
+    return {"kernels_per_step": kernels / n, "launch_calls_per_step": launches / n,
+            "kernel_ms_per_step": kernel_us / 1e3 / n, "aten_ops_per_step": aten / n, "sync_ops_per_step": syncs,
+            "host_reads_per_step": {k: v / n for k, v in reads.items()},
+            "top_ops": {k: c / n for k, c in names.most_common(25)}}
+
+
+def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch: int, cuda: bool) -> dict[str, Any]:
+    """Steps of one (bag, batch) point on ``method`` (trained on, as bench_dlrm's windows do): timings, profile counts,
+    and the hit rate of the point's own lookups."""
+    trace.reset(batch + 7919 * bag)
+    n = args.warmup + args.iters + args.profile_steps + 1
+    inputs = [method.inputs(trace.batch(batch, bag), bag) for _ in range(n)]
+    method.module.prefetch(inputs[0][0], inputs[0][1])
+    before = method.module.stats()
+    dev_ms, host_ms = [], []
+    for i in range(args.warmup + args.iters):
+        d, h = _timed(lambda: method.step(inputs[i], bag, inputs[i + 1]), cuda)
+        if i >= args.warmup:
+            dev_ms.append(d)
+            host_ms.append(h)
+    k0 = args.warmup + args.iters
+    it = iter(range(k0, k0 + args.profile_steps))
+
+    def step() -> None:
+        i = next(it)
+        method.step(inputs[i], bag, inputs[i + 1])
+
+    prof = _profile(step, args.profile_steps, cuda)
+    after = method.module.stats()
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    return {"bag": bag, "batch": batch, "tables": args.tables, "rows_per_table": args.rows,
+            "device_ms": statistics.median(dev_ms), "host_ms": statistics.median(host_ms),
+            "hit_rate": hits / max(1, hits + misses), **prof}
+
+
+def main(argv: "list[str] | None" = None) -> None:
+    args = parse_args(argv)
+    from scripts import bench_dlrm as bd
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("train_step_profile needs a CUDA GPU (or --device cpu)")
+    table = datasets.resample_rows(bd.real_rows(args.entry_bytes), args.rows * args.tables, seed=args.entry_bytes)
+    trace = bd.Trace("zipf-stable", args.rows, args.tables, 1.05, device, 200)
+    results = []
+    for opt in args.optimizers.split(","):  # one module per optimizer, as bench_dlrm builds them
+        method = bd.Method("ibpcache", table, args.tables, args.cache_ratio, None, True, args.lr, device, opt)
+        for bag in (int(b) for b in args.bags.split(",")):
+            for batch in (int(b) for b in args.batches.split(",")):
+                r = {"optimizer": opt, **run_point(method, trace, args, bag, batch, device.type == "cuda")}
+                results.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}), flush=True)
+        del method
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            **vars(args)}
+    (out / "train_step_profile.json").write_text(json.dumps({"meta": meta, "points": results}, indent=1))
+    print(f"wrote {out / 'train_step_profile.json'}")
+
+
+if __name__ == "__main__":
+    main()
