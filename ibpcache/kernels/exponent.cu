@@ -486,18 +486,21 @@ __device__ __forceinline__ int ibp_exp_group_rows(const IbpExpGeom& g, int cap) 
 // alignment, n_r <= row_bytes; 0 for none) goes to w + r * stride / 4 as whole words (bytes past n_r up to the word
 // end get any content). Lanes take (row, word) pairs of the group in turn, so a warp load covers 128 contiguous
 // bytes of a row; a word is read with its aligned successor (the funnel shift realigns), and only the aligned words
-// overlapping [src_r, src_r + n_r) are read. IBP_EXP_GROUP_UNROLL words' loads go before their stores (latency of
-// dependent reads overlaps, as in ibp_stage_rows).
+// overlapping [src_r, src_r + n_r) are read. U (IBP_EXP_GROUP_UNROLL unless a caller picks another) words' loads
+// go before their stores (latency of dependent reads overlaps, as in ibp_stage_rows): each pass of the loop waits
+// one round trip, so over PCIe a group of G rows of row_bytes costs about G * row_bytes / (128 U) round trips;
+// a larger U costs 4 registers per word.
+template <int U = IBP_EXP_GROUP_UNROLL>
 __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* src, int n, unsigned int* w,
                                                     int stride_words, int lane) {
   const int per_row = stride_words - 4;  // >= the words of any row (row_bytes rounded up)
   const int total = G * per_row;
 #pragma unroll 1
-  for (int base = 0; base < total; base += 32 * IBP_EXP_GROUP_UNROLL) {
-    unsigned int lo[IBP_EXP_GROUP_UNROLL], hi[IBP_EXP_GROUP_UNROLL];
-    int at[IBP_EXP_GROUP_UNROLL], sh[IBP_EXP_GROUP_UNROLL];
+  for (int base = 0; base < total; base += 32 * U) {
+    unsigned int lo[U], hi[U];
+    int at[U], sh[U];
 #pragma unroll
-    for (int u = 0; u < IBP_EXP_GROUP_UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int f = base + 32 * u + lane;
       const int r = f < total ? f / per_row : 0;
       const int k = f - r * per_row;
@@ -513,7 +516,7 @@ __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* 
       sh[u] = 8 * a;
     }
 #pragma unroll
-    for (int u = 0; u < IBP_EXP_GROUP_UNROLL; ++u)
+    for (int u = 0; u < U; ++u)
       if (at[u] >= 0) w[at[u]] = __funnelshift_r(lo[u], hi[u], sh[u]);
   }
 }
@@ -528,8 +531,8 @@ __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* 
 // decoded exactly as ibp_exp_decode_row_warp decodes them. Steps: stage the G rows (ibp_exp_stage_group); lane
 // r * n_seg + s walks segment s of row r into the row's exponent bytes; then lanes take (row, element) pairs of the
 // group in turn and assemble elements from the raw fields and exponent bytes (coalesced stores). Ends with
-// __syncwarp(), so the caller may reuse smem at once.
-template <typename T>
+// __syncwarp(), so the caller may reuse smem at once. U: ibp_exp_stage_group's loads in flight per lane.
+template <typename T, int U = IBP_EXP_GROUP_UNROLL>
 __device__ unsigned ibp_exp_decode_rows_warp(int G, const unsigned char* src, int len, bool compressed,
                                              T* __restrict__ dst, const IbpExpGeom g, const int* __restrict__ lut,
                                              int max_bits, uint4* smem, int lane) {
@@ -539,7 +542,7 @@ __device__ unsigned ibp_exp_decode_rows_warp(int G, const unsigned char* src, in
   const bool mine = lane < G && dst != nullptr;
   const bool len_ok = !compressed || (len >= 1 && len < g.row_bytes);
   const int n = mine && len_ok ? (compressed ? len : g.row_bytes) : 0;
-  ibp_exp_stage_group(G, src, n, w, stride_words, lane);
+  ibp_exp_stage_group<U>(G, src, n, w, stride_words, lane);
   __syncwarp();
   // segment walks: lane -> (row r, segment s)
   const int hdr_bits = (g.n_seg - 1) * g.hdr_field;
@@ -745,8 +748,9 @@ __device__ __forceinline__ bool ibp_exp_decode_row_any(const unsigned char* src,
 
 // A group of G rows (ibp_exp_group_rows) decoded by the calling warp, lane r < G holding row r (dst nullptr: no
 // row): G == 1 is the one-row path (ibp_exp_decode_row_any, any width; every lane holds row 0), G > 1
-// ibp_exp_decode_rows_warp. Returns (every lane) the mask of malformed rows.
-template <typename T>
+// ibp_exp_decode_rows_warp (its staging's loads in flight per lane: U). Returns (every lane) the mask of malformed
+// rows.
+template <typename T, int U = IBP_EXP_GROUP_UNROLL>
 __device__ __forceinline__ unsigned ibp_exp_decode_group(int G, const unsigned char* src, int len, bool coded,
                                                          T* __restrict__ dst, const IbpExpGeom g,
                                                          const int* __restrict__ lut, int max_bits, uint4* smem,
@@ -755,7 +759,7 @@ __device__ __forceinline__ unsigned ibp_exp_decode_group(int G, const unsigned c
     if (dst == nullptr) return 0u;
     return ibp_exp_decode_row_any<T>(src, len, coded, dst, g, lut, max_bits, smem, lane) ? 0u : 1u;
   }
-  return ibp_exp_decode_rows_warp<T>(G, src, len, coded, dst, g, lut, max_bits, smem, lane);
+  return ibp_exp_decode_rows_warp<T, U>(G, src, len, coded, dst, g, lut, max_bits, smem, lane);
 }
 
 #define IBP_EXP_GATHER_WARPS 8  // warps per block of ibp_exp_gather (8 * 3088 bytes of shared memory)
