@@ -25,10 +25,11 @@ def test_parse_segs(script_module: Any) -> None:
 
 def test_parse_variants(script_module: Any) -> None:
     with script_module(SCRIPT) as mod:
-        assert mod.parse_variants("base, u8,w24,u4w32") == {
+        assert mod.parse_variants("base, u8,w24,u4w32,s,u8sw24") == {
             "base": (), "u8": ("-DIBP_EXP_LOOKUP_UNROLL=8",), "w24": ("-DIBP_EXP_MIN_WARPS=24",),
-            "u4w32": ("-DIBP_EXP_LOOKUP_UNROLL=4", "-DIBP_EXP_MIN_WARPS=32")}
-        for bad in ("", "u0", "u33", "w65", "w0", "x8", "u8x", "w24u8", "uw"):
+            "u4w32": ("-DIBP_EXP_LOOKUP_UNROLL=4", "-DIBP_EXP_MIN_WARPS=32"), "s": ("-DIBP_EXP_LOOKUP_SHFL=1",),
+            "u8sw24": ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_LOOKUP_SHFL=1", "-DIBP_EXP_MIN_WARPS=24")}
+        for bad in ("", "u0", "u33", "w65", "w0", "x8", "u8x", "w24u8", "uw", "su8", "u8ss"):
             with pytest.raises(InvalidArgumentError):
                 mod.parse_variants(bad)
 

@@ -241,10 +241,15 @@ struct IbpRows {
 // more loads in flight per warp.
 //   IBP_EXP_LOOKUP_UNROLL  staged words per lane whose loads go out together (ibp_exp_stage_group's U); default
 //                          the other kernels' IBP_EXP_GROUP_UNROLL
+//   IBP_EXP_LOOKUP_SHFL    1: a staged word's successor comes from the next lane (ibp_exp_stage_group's SHFL:
+//                          each host word requested about once, not twice); default 0
 //   IBP_EXP_MIN_WARPS      resident warps per SM the kernels must allow (__launch_bounds__' min blocks: the
 //                          compiler caps registers to fit); default none (registers as the code needs)
 #ifndef IBP_EXP_LOOKUP_UNROLL
 #define IBP_EXP_LOOKUP_UNROLL IBP_EXP_GROUP_UNROLL
+#endif
+#ifndef IBP_EXP_LOOKUP_SHFL
+#define IBP_EXP_LOOKUP_SHFL 0
 #endif
 #define IBP_LB(THREADS) __launch_bounds__(THREADS)
 #ifdef IBP_EXP_MIN_WARPS
@@ -277,8 +282,8 @@ struct ExpRows {
     __device__ __forceinline__ int group_rows(int cap) const { return ibp_exp_group_rows(g, cap); }
     __device__ __forceinline__ unsigned decode_group(int G, const unsigned char* src, int len, bool coded,
                                                      unsigned char* dst, uint4* smem, int lane) const {
-        return ibp_exp_decode_group<T, IBP_EXP_LOOKUP_UNROLL>(G, src, len, coded, reinterpret_cast<T*>(dst), g, lut,
-                                                              max_bits, smem, lane);
+        return ibp_exp_decode_group<T, IBP_EXP_LOOKUP_UNROLL, IBP_EXP_LOOKUP_SHFL != 0>(
+            G, src, len, coded, reinterpret_cast<T*>(dst), g, lut, max_bits, smem, lane);
     }
 };
 

@@ -22,15 +22,16 @@ kernel's arithmetic for a bag of one id), the CPU decoder (``Codec.decode_rows_a
 rows, and the gather's bytes against the store. CUDA events, warm-up, medians of ``--reps`` (>= 20).
 
 ``--variants`` times compile-time variants of the exponent lookup kernels (lookup.cu's ``IBP_EXP_LOOKUP_UNROLL`` /
-``IBP_EXP_MIN_WARPS``) in the same process, each verified byte for byte like the default: ``base`` (the defaults),
-``u8`` (8 staged words per lane in flight), ``w24`` (registers capped so 24 warps fit an SM), ``u8w24`` (both). One
+``IBP_EXP_LOOKUP_SHFL`` / ``IBP_EXP_MIN_WARPS``) in the same process, each verified byte for byte like the default:
+``base`` (the defaults), ``u8`` (8 staged words per lane in flight), ``s`` (a staged word's successor by shuffle: host
+words requested once, not twice), ``w24`` (registers capped so 24 warps fit an SM), and combinations (``u8sw24``). One
 record per exponent codec and variant (column ``variant``); a variant's ``gather`` is its codec's (no decode). Each
 variant is one more NVRTC build of lookup.cu (seconds, inside the first set's time).
 
     python scripts/experiments/exp_lookup_profile.py --out $OUT            # GPU, about a minute (H100/H200)
     python scripts/experiments/exp_lookup_profile.py --device cpu --quick  # CPU smoke: ratios and checks only
     python scripts/experiments/exp_lookup_profile.py --entry-bytes 512 --dists zipf --seg auto \
-        --variants base,u8,w24,u8w24,u8w32 --budget-s 150 --out $OUT        # the variants
+        --variants base,u8,u8w24,u8sw24,u8sw32 --budget-s 240 --out $OUT     # the variants, 1-2 minutes
 """
 
 from __future__ import annotations
@@ -98,21 +99,23 @@ def parse_segs(text: str) -> list["int | str | None"]:
 
 
 def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
-    """``--variants``: comma-separated ``base`` or ``u<U>w<W>`` (either part optional): the exponent lookup kernels
-    built with ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32) and/or ``-DIBP_EXP_MIN_WARPS=W`` (1..64). Name -> options."""
+    """``--variants``: comma-separated ``base`` or ``u<U>sw<W>`` (each part optional, in this order): the exponent
+    lookup kernels built with ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32), ``-DIBP_EXP_LOOKUP_SHFL=1`` (``s``) and/or
+    ``-DIBP_EXP_MIN_WARPS=W`` (1..64). Name -> options."""
     out: dict[str, tuple[str, ...]] = {}
     for tok in (t.strip() for t in text.split(",") if t.strip()):
-        m = re.fullmatch(r"(?:u(\d+))?(?:w(\d+))?", tok)
+        m = re.fullmatch(r"(?:u(\d+))?(s)?(?:w(\d+))?", tok)
         if tok == "base":
             out[tok] = ()
-        elif m and tok and (m.group(1) is None or 1 <= int(m.group(1)) <= 32) and (
-                m.group(2) is None or 1 <= int(m.group(2)) <= 64):
+        elif m and (m.group(1) is None or 1 <= int(m.group(1)) <= 32) and (
+                m.group(3) is None or 1 <= int(m.group(3)) <= 64):
             opts = ([f"-DIBP_EXP_LOOKUP_UNROLL={int(m.group(1))}"] if m.group(1) else []) + (
-                [f"-DIBP_EXP_MIN_WARPS={int(m.group(2))}"] if m.group(2) else [])
+                ["-DIBP_EXP_LOOKUP_SHFL=1"] if m.group(2) else []) + (
+                [f"-DIBP_EXP_MIN_WARPS={int(m.group(3))}"] if m.group(3) else [])
             out[tok] = tuple(opts)
         else:
-            raise InvalidArgumentError(f"--variants: expected base or u<1..32>w<1..64> (e.g. u8, w24, u8w24), "
-                                       f"got {tok!r}")
+            raise InvalidArgumentError(f"--variants: expected base or u<1..32>, s, w<1..64> in this order (e.g. u8, "
+                                       f"u8s, w24, u8sw24), got {tok!r}")
     if not out:
         raise InvalidArgumentError("--variants: name at least one variant (base: the defaults)")
     return out
@@ -369,7 +372,8 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=2, help="id batches the timed runs cycle through")
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--variants", default="base", help="compile-time variants of the exponent lookup kernels: base, "
-                   "u<U> (IBP_EXP_LOOKUP_UNROLL), w<W> (IBP_EXP_MIN_WARPS), or both (u8w24); comma list")
+                   "u<U> (IBP_EXP_LOOKUP_UNROLL), s (IBP_EXP_LOOKUP_SHFL), w<W> (IBP_EXP_MIN_WARPS), or several "
+                   "(u8sw24); comma list")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cpu-check", type=int, default=4096, help="rows the CPU decoder checks per set (first dist)")

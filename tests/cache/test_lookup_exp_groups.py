@@ -447,12 +447,15 @@ def test_gpu_exp_gather_and_descriptors_groups(real_rows: Any, name: str, dtype:
 
 
 # lookup.cu's compile-time variants of the exponent lookup kernels (exp_lookup_profile.py --variants times them): more
-# staged words in flight per lane (IBP_EXP_LOOKUP_UNROLL, 1 included: one word per pass), registers capped for more
-# resident warps (IBP_EXP_MIN_WARPS), both
+# staged words in flight per lane (IBP_EXP_LOOKUP_UNROLL, 1 included: one word per pass), successors by shuffle
+# (IBP_EXP_LOOKUP_SHFL: lane 31 and row ends load theirs), registers capped for more resident warps
+# (IBP_EXP_MIN_WARPS), and combinations
 VARIANTS = [("-DIBP_EXP_LOOKUP_UNROLL=1",), ("-DIBP_EXP_LOOKUP_UNROLL=8",), ("-DIBP_EXP_MIN_WARPS=24",),
             ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_MIN_WARPS=24"),
-            ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_MIN_WARPS=32")]
-VARIANT_GEOMETRIES = [GEOMETRIES[1], GEOMETRIES[2], GEOMETRIES[5], GEOMETRIES[6]]
+            ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_MIN_WARPS=32"),
+            ("-DIBP_EXP_LOOKUP_UNROLL=1", "-DIBP_EXP_LOOKUP_SHFL=1"),
+            ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_LOOKUP_SHFL=1", "-DIBP_EXP_MIN_WARPS=24")]
+VARIANT_GEOMETRIES = [GEOMETRIES[1], GEOMETRIES[2], GEOMETRIES[5], GEOMETRIES[6], GEOMETRIES[7]]
 
 
 @pytest.mark.gpu
