@@ -23,10 +23,22 @@ def test_parse_segs(script_module: Any) -> None:
                 mod.parse_segs(bad)
 
 
+def test_parse_variants(script_module: Any) -> None:
+    with script_module(SCRIPT) as mod:
+        assert mod.parse_variants("base, u8,w24,u4w32,s,u8sw24") == {
+            "base": (), "u8": ("-DIBP_EXP_LOOKUP_UNROLL=8",), "w24": ("-DIBP_EXP_MIN_WARPS=24",),
+            "u4w32": ("-DIBP_EXP_LOOKUP_UNROLL=4", "-DIBP_EXP_MIN_WARPS=32"), "s": ("-DIBP_EXP_LOOKUP_SHFL=1",),
+            "u8sw24": ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_LOOKUP_SHFL=1", "-DIBP_EXP_MIN_WARPS=24")}
+        for bad in ("", "u0", "u33", "w65", "w0", "x8", "u8x", "w24u8", "uw", "su8", "u8ss"):
+            with pytest.raises(InvalidArgumentError):
+                mod.parse_variants(bad)
+
+
 def test_bad_arguments_exit(script_module: Any) -> None:
     with script_module(SCRIPT) as mod:
         for argv in (["--device", "cpu", "--dists", "gauss"], ["--device", "cpu", "--kernels", "pool,decode"],
-                     ["--device", "cpu", "--reps", "5"], ["--device", "cpu", "--dtypes", "bf8"]):
+                     ["--device", "cpu", "--reps", "5"], ["--device", "cpu", "--dtypes", "bf8"],
+                     ["--device", "cpu", "--variants", "fast"]):
             with pytest.raises(SystemExit):
                 mod.parse_args(argv)
 
@@ -40,6 +52,7 @@ def test_cpu_run_on_minilm_rows(tmp_path: Path, shared_data_dir: Path, script_mo
     by = {(r["dist"], r["method"]): r for r in recs}
     assert set(by) == {(d, m) for d in ("zipf", "uniform") for m in ("raw", "ibp", "exp_segauto", "exp_seg32")}
     assert all(r["verified"] for r in recs)
+    assert all(r["variant"] == "base" for r in recs)  # variants are GPU timings: a CPU run has the defaults only
     assert all(by["zipf", m]["cpu_verified"] for m in ("raw", "ibp", "exp_segauto", "exp_seg32"))
     z = {m: by["zipf", m] for m in ("raw", "ibp", "exp_segauto", "exp_seg32")}
     assert z["raw"]["ratio"] == 1.0

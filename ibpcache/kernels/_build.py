@@ -11,13 +11,16 @@ costs a few microseconds of host time (decode steps of an LLM launch thousands o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import DeviceError, KernelBuildError
 
-__all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "import_cupy", "sm_count",
+__all__ = ["get_function", "source_path", "source_text", "launch", "kernel_options", "extra_kernel_options",
+           "import_cupy", "sm_count",
            "cupy_install_hint", "check_cupy_cuda_major", "host_alloc", "host_free", "host_register_read_only",
            "host_unregister", "copy_host_to_device", "copy_device_to_host"]
 
@@ -133,6 +136,24 @@ def _function(name: str, symbol: str, device_id: int, options: tuple[str, ...]):
             return mod.get_function(symbol)
         except Exception as exc:
             raise KernelBuildError(f"{name} has no kernel {symbol!r}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def extra_kernel_options(*options: str) -> Iterator[None]:
+    """Inside the block, every kernel is fetched (and so launched) from modules compiled with ``options`` added
+    (e.g. ``"-DIBP_EXP_LOOKUP_UNROLL=8"``), then the defaults again.
+
+    Why: a compile-time variant of a kernel can be timed against the default in one process, through the same
+    launchers, without a parameter on every launch path; the options are part of the module cache key, so both
+    builds stay cached. Not thread-safe (it swaps the module-wide :data:`kernel_options`): for experiments.
+    """
+    global kernel_options
+    saved = kernel_options
+    kernel_options = tuple(saved) + tuple(options)
+    try:
+        yield
+    finally:
+        kernel_options = saved
 
 
 def get_function(source_file: str, symbol: str, device_id: "int | None" = None, options: tuple[str, ...] = ()):

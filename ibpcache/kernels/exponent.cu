@@ -486,18 +486,24 @@ __device__ __forceinline__ int ibp_exp_group_rows(const IbpExpGeom& g, int cap) 
 // alignment, n_r <= row_bytes; 0 for none) goes to w + r * stride / 4 as whole words (bytes past n_r up to the word
 // end get any content). Lanes take (row, word) pairs of the group in turn, so a warp load covers 128 contiguous
 // bytes of a row; a word is read with its aligned successor (the funnel shift realigns), and only the aligned words
-// overlapping [src_r, src_r + n_r) are read. IBP_EXP_GROUP_UNROLL words' loads go before their stores (latency of
-// dependent reads overlaps, as in ibp_stage_rows).
+// overlapping [src_r, src_r + n_r) are read. U (IBP_EXP_GROUP_UNROLL unless a caller picks another) words' loads
+// go before their stores (latency of dependent reads overlaps, as in ibp_stage_rows): each pass of the loop waits
+// one round trip, so over PCIe a group of G rows of row_bytes costs about G * row_bytes / (128 U) round trips;
+// a larger U costs 4 registers per word. SHFL: a word's successor comes from the next lane (which loaded it as its
+// own word) where that lane holds the same row, and is loaded only by lane 31 and a row's last lane, so each word
+// is requested about once instead of twice (the same staged bytes).
+template <int U = IBP_EXP_GROUP_UNROLL, bool SHFL = false>
 __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* src, int n, unsigned int* w,
                                                     int stride_words, int lane) {
   const int per_row = stride_words - 4;  // >= the words of any row (row_bytes rounded up)
   const int total = G * per_row;
 #pragma unroll 1
-  for (int base = 0; base < total; base += 32 * IBP_EXP_GROUP_UNROLL) {
-    unsigned int lo[IBP_EXP_GROUP_UNROLL], hi[IBP_EXP_GROUP_UNROLL];
-    int at[IBP_EXP_GROUP_UNROLL], sh[IBP_EXP_GROUP_UNROLL];
+  for (int base = 0; base < total; base += 32 * U) {
+    unsigned int lo[U], hi[U];
+    int at[U], sh[U];
+    bool edge[U];
 #pragma unroll
-    for (int u = 0; u < IBP_EXP_GROUP_UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int f = base + 32 * u + lane;
       const int r = f < total ? f / per_row : 0;
       const int k = f - r * per_row;
@@ -507,14 +513,27 @@ __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* 
       const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
       const int nw = nr > 0 ? (a + nr + 3) >> 2 : 0;
       const bool out = f < total && k < (nr + 3) >> 2;
-      lo[u] = out ? words[k] : 0u;
-      hi[u] = out && k + 1 < nw ? words[k + 1] : 0u;
+      if constexpr (SHFL) {
+        // every loaded word of the row (k < nw: the one past its last staged word too) is some lane's lo; the next
+        // lane holds (r, k + 1) unless this is lane 31 or the row's last word slot
+        edge[u] = lane == 31 || k + 1 >= per_row;
+        lo[u] = f < total && k < nw ? words[k] : 0u;
+        hi[u] = out && edge[u] && k + 1 < nw ? words[k + 1] : 0u;
+      } else {
+        lo[u] = out ? words[k] : 0u;
+        hi[u] = out && k + 1 < nw ? words[k + 1] : 0u;
+      }
       at[u] = out ? r * stride_words + k : -1;
       sh[u] = 8 * a;
     }
 #pragma unroll
-    for (int u = 0; u < IBP_EXP_GROUP_UNROLL; ++u)
+    for (int u = 0; u < U; ++u) {
+      if constexpr (SHFL) {
+        const unsigned int next = __shfl_down_sync(IBP_EXP_FULL, lo[u], 1);  // 0 where (r, k + 1) is past the row
+        if (!edge[u]) hi[u] = next;
+      }
       if (at[u] >= 0) w[at[u]] = __funnelshift_r(lo[u], hi[u], sh[u]);
+    }
   }
 }
 
@@ -528,8 +547,9 @@ __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* 
 // decoded exactly as ibp_exp_decode_row_warp decodes them. Steps: stage the G rows (ibp_exp_stage_group); lane
 // r * n_seg + s walks segment s of row r into the row's exponent bytes; then lanes take (row, element) pairs of the
 // group in turn and assemble elements from the raw fields and exponent bytes (coalesced stores). Ends with
-// __syncwarp(), so the caller may reuse smem at once.
-template <typename T>
+// __syncwarp(), so the caller may reuse smem at once. U, SHFL: ibp_exp_stage_group's loads in flight per lane and
+// how a word's successor arrives.
+template <typename T, int U = IBP_EXP_GROUP_UNROLL, bool SHFL = false>
 __device__ unsigned ibp_exp_decode_rows_warp(int G, const unsigned char* src, int len, bool compressed,
                                              T* __restrict__ dst, const IbpExpGeom g, const int* __restrict__ lut,
                                              int max_bits, uint4* smem, int lane) {
@@ -539,7 +559,7 @@ __device__ unsigned ibp_exp_decode_rows_warp(int G, const unsigned char* src, in
   const bool mine = lane < G && dst != nullptr;
   const bool len_ok = !compressed || (len >= 1 && len < g.row_bytes);
   const int n = mine && len_ok ? (compressed ? len : g.row_bytes) : 0;
-  ibp_exp_stage_group(G, src, n, w, stride_words, lane);
+  ibp_exp_stage_group<U, SHFL>(G, src, n, w, stride_words, lane);
   __syncwarp();
   // segment walks: lane -> (row r, segment s)
   const int hdr_bits = (g.n_seg - 1) * g.hdr_field;
@@ -745,8 +765,8 @@ __device__ __forceinline__ bool ibp_exp_decode_row_any(const unsigned char* src,
 
 // A group of G rows (ibp_exp_group_rows) decoded by the calling warp, lane r < G holding row r (dst nullptr: no
 // row): G == 1 is the one-row path (ibp_exp_decode_row_any, any width; every lane holds row 0), G > 1
-// ibp_exp_decode_rows_warp. Returns (every lane) the mask of malformed rows.
-template <typename T>
+// ibp_exp_decode_rows_warp (its staging's U and SHFL). Returns (every lane) the mask of malformed rows.
+template <typename T, int U = IBP_EXP_GROUP_UNROLL, bool SHFL = false>
 __device__ __forceinline__ unsigned ibp_exp_decode_group(int G, const unsigned char* src, int len, bool coded,
                                                          T* __restrict__ dst, const IbpExpGeom g,
                                                          const int* __restrict__ lut, int max_bits, uint4* smem,
@@ -755,7 +775,7 @@ __device__ __forceinline__ unsigned ibp_exp_decode_group(int G, const unsigned c
     if (dst == nullptr) return 0u;
     return ibp_exp_decode_row_any<T>(src, len, coded, dst, g, lut, max_bits, smem, lane) ? 0u : 1u;
   }
-  return ibp_exp_decode_rows_warp<T>(G, src, len, coded, dst, g, lut, max_bits, smem, lane);
+  return ibp_exp_decode_rows_warp<T, U, SHFL>(G, src, len, coded, dst, g, lut, max_bits, smem, lane);
 }
 
 #define IBP_EXP_GATHER_WARPS 8  // warps per block of ibp_exp_gather (8 * 3088 bytes of shared memory)

@@ -234,6 +234,30 @@ struct IbpRows {
 // The geometry words of an exponent code (ExponentTables.geom; keep in sync with EXP_GEOM_FIELDS in exponent.py).
 #define IBP_EXP_GEOM_WORDS 8
 
+// Compile-time variants of the exponent lookup kernels (ibp_lookup_{rows,pool,pool_wide,pool_single}_e*, nothing
+// else), so one process can time them against the defaults (module options, e.g. -DIBP_EXP_LOOKUP_UNROLL=8; see
+// scripts/experiments/exp_lookup_profile.py --variants). Why: a warp stages its group of rows from pinned host
+// memory and decodes only once they arrived, so the host reads' latency is hidden only by other warps' work or by
+// more loads in flight per warp.
+//   IBP_EXP_LOOKUP_UNROLL  staged words per lane whose loads go out together (ibp_exp_stage_group's U); default
+//                          the other kernels' IBP_EXP_GROUP_UNROLL
+//   IBP_EXP_LOOKUP_SHFL    1: a staged word's successor comes from the next lane (ibp_exp_stage_group's SHFL:
+//                          each host word requested about once, not twice); default 0
+//   IBP_EXP_MIN_WARPS      resident warps per SM the kernels must allow (__launch_bounds__' min blocks: the
+//                          compiler caps registers to fit); default none (registers as the code needs)
+#ifndef IBP_EXP_LOOKUP_UNROLL
+#define IBP_EXP_LOOKUP_UNROLL IBP_EXP_GROUP_UNROLL
+#endif
+#ifndef IBP_EXP_LOOKUP_SHFL
+#define IBP_EXP_LOOKUP_SHFL 0
+#endif
+#define IBP_LB(THREADS) __launch_bounds__(THREADS)
+#ifdef IBP_EXP_MIN_WARPS
+#define IBP_EXP_LB(THREADS) __launch_bounds__(THREADS, (IBP_EXP_MIN_WARPS * 32 + (THREADS) - 1) / (THREADS))
+#else
+#define IBP_EXP_LB(THREADS) __launch_bounds__(THREADS)
+#endif
+
 template <typename T>
 struct ExpRows {
     static constexpr int SMEM_VEC = IBP_EXP_WARP_SMEM_VEC;  // staged row + exponent bytes (exponent.cu)
@@ -258,7 +282,8 @@ struct ExpRows {
     __device__ __forceinline__ int group_rows(int cap) const { return ibp_exp_group_rows(g, cap); }
     __device__ __forceinline__ unsigned decode_group(int G, const unsigned char* src, int len, bool coded,
                                                      unsigned char* dst, uint4* smem, int lane) const {
-        return ibp_exp_decode_group<T>(G, src, len, coded, reinterpret_cast<T*>(dst), g, lut, max_bits, smem, lane);
+        return ibp_exp_decode_group<T, IBP_EXP_LOOKUP_UNROLL, IBP_EXP_LOOKUP_SHFL != 0>(
+            G, src, len, coded, reinterpret_cast<T*>(dst), g, lut, max_bits, smem, lane);
     }
 };
 
@@ -885,30 +910,31 @@ __device__ __forceinline__ void ibp_lookup_pool_impl(int op, int elem, const flo
     }
 }
 
-// The kernels of one codec kind: ibp_lookup_{stage,rows,pool,pool_wide}_NAME.
-#define IBP_LOOKUP(NAME, K)                                                                                     \
+// The kernels of one codec kind: ibp_lookup_{stage,rows,pool,pool_wide}_NAME; LB: their launch bounds (IBP_LB, or
+// IBP_EXP_LB for the exponent kinds).
+#define IBP_LOOKUP(NAME, K, LB)                                                                                 \
     IBP_LOOKUP_STAGE(NAME, K)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK)                                      \
+    extern "C" __global__ void LB(32 * IBP_WARPS_PER_BLOCK)                                                     \
         ibp_lookup_rows_##NAME(IBP_LOOKUP_PARAMS) {                                                             \
         ibp_lookup_rows_impl<K>(IBP_LOOKUP_ARGS);                                                               \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
+    extern "C" __global__ void LB(32 * IBP_POOL_WARPS)                                                          \
         ibp_lookup_pool_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                         \
         ibp_lookup_pool_impl<K, IBP_POOL_PER_LANE>(op, elem, psw, IBP_LOOKUP_ARGS);                             \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
+    extern "C" __global__ void LB(32 * IBP_POOL_WARPS)                                                          \
         ibp_lookup_pool_wide_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                    \
         ibp_lookup_pool_impl<K, IBP_POOL_PER_LANE_WIDE>(op, elem, psw, IBP_LOOKUP_ARGS);                        \
     }
-#define IBP_LOOKUP_IBP(C) IBP_LOOKUP(c##C, IbpRows<C>)
+#define IBP_LOOKUP_IBP(C) IBP_LOOKUP(c##C, IbpRows<C>, IBP_LB)
 IBP_FOR_EACH_C(IBP_LOOKUP_IBP)
-IBP_LOOKUP(e2, ExpRows<unsigned short>)
-IBP_LOOKUP(e4, ExpRows<unsigned int>)
+IBP_LOOKUP(e2, ExpRows<unsigned short>, IBP_EXP_LB)
+IBP_LOOKUP(e4, ExpRows<unsigned int>, IBP_EXP_LB)
 
 // One-id bags of the grouped kinds (ibp_lookup_pool_single): ibp_lookup_pool_single_NAME, a kernel of its own: the
 // two loops inlined in one kernel take ~166 registers on sm_90, the bag loop alone 128.
 #define IBP_LOOKUP_POOL_SINGLE(NAME, K)                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * IBP_POOL_WARPS)                                           \
+    extern "C" __global__ void IBP_EXP_LB(32 * IBP_POOL_WARPS)                                                  \
         ibp_lookup_pool_single_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                  \
         __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];                                                     \
         __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];                                           \

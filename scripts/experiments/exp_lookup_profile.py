@@ -21,14 +21,25 @@ Every lookup output is verified byte for byte (rows: the source rows; pool: ``0.
 kernel's arithmetic for a bag of one id), the CPU decoder (``Codec.decode_rows_at``) is checked on the same stored
 rows, and the gather's bytes against the store. CUDA events, warm-up, medians of ``--reps`` (>= 20).
 
+``--variants`` times compile-time variants of the exponent lookup kernels (lookup.cu's ``IBP_EXP_LOOKUP_UNROLL`` /
+``IBP_EXP_LOOKUP_SHFL`` / ``IBP_EXP_MIN_WARPS``) in the same process, each verified byte for byte like the default:
+``base`` (the defaults), ``u8`` (8 staged words per lane in flight), ``s`` (a staged word's successor by shuffle: host
+words requested once, not twice), ``w24`` (registers capped so 24 warps fit an SM), and combinations (``u8sw24``). One
+record per exponent codec and variant (column ``variant``); a variant's ``gather`` is its codec's (no decode). Each
+variant is one more NVRTC build of lookup.cu (seconds, inside the first set's time).
+
     python scripts/experiments/exp_lookup_profile.py --out $OUT            # GPU, about a minute (H100/H200)
     python scripts/experiments/exp_lookup_profile.py --device cpu --quick  # CPU smoke: ratios and checks only
+    python scripts/experiments/exp_lookup_profile.py --entry-bytes 512 --dists zipf --seg auto \
+        --variants base,u8,u8w24,u8sw24,u8sw32 --budget-s 240 --out $OUT     # the variants, 1-2 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,6 +55,7 @@ if _ROOT not in sys.path:
 
 from ibpcache import Codec, ExponentCodec, datasets  # noqa: E402
 from ibpcache.errors import InvalidArgumentError  # noqa: E402
+from ibpcache.kernels._build import extra_kernel_options  # noqa: E402
 from ibpcache.kernels.exponent import group_rows  # noqa: E402
 from ibpcache.kernels.lookup import POOL_MAX_ROW_BYTES  # noqa: E402
 from ibpcache.testing.timing import add_out_argument, cuda_time, format_table, write_results  # noqa: E402
@@ -52,9 +64,9 @@ from scripts.bench_dlrm import real_rows  # noqa: E402
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 KERNELS = ("pool", "pool_bags", "rows", "gather")
 WHERE = ("zc", "hbm")
-COLUMNS = ["dtype", "row_bytes", "dist", "method", "n_seg", "G", "G_pool", "ratio", "pool_zc", "pool_bags_zc",
-           "rows_zc", "gather_zc", "pool_hbm", "pool_bags_hbm", "gather_hbm", "pool_zc_vs_raw", "pool_zc_over_gather",
-           "verified"]
+COLUMNS = ["dtype", "row_bytes", "dist", "method", "variant", "n_seg", "G", "G_pool", "ratio", "pool_zc",
+           "pool_bags_zc", "rows_zc", "gather_zc", "pool_hbm", "pool_bags_hbm", "rows_hbm", "gather_hbm",
+           "pool_zc_vs_raw", "pool_zc_over_gather", "verified"]
 _COPY_WARPS = 8  # IBP_ADM_COPY_WARPS in admit.cu
 
 
@@ -83,6 +95,29 @@ def parse_segs(text: str) -> list["int | str | None"]:
             out.append(int(tok))
         else:
             raise InvalidArgumentError(f"--seg: expected auto, none or a positive int, got {tok!r}")
+    return out
+
+
+def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
+    """``--variants``: comma-separated ``base`` or ``u<U>sw<W>`` (each part optional, in this order): the exponent
+    lookup kernels built with ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32), ``-DIBP_EXP_LOOKUP_SHFL=1`` (``s``) and/or
+    ``-DIBP_EXP_MIN_WARPS=W`` (1..64). Name -> options."""
+    out: dict[str, tuple[str, ...]] = {}
+    for tok in (t.strip() for t in text.split(",") if t.strip()):
+        m = re.fullmatch(r"(?:u(\d+))?(s)?(?:w(\d+))?", tok)
+        if tok == "base":
+            out[tok] = ()
+        elif m and (m.group(1) is None or 1 <= int(m.group(1)) <= 32) and (
+                m.group(3) is None or 1 <= int(m.group(3)) <= 64):
+            opts = ([f"-DIBP_EXP_LOOKUP_UNROLL={int(m.group(1))}"] if m.group(1) else []) + (
+                ["-DIBP_EXP_LOOKUP_SHFL=1"] if m.group(2) else []) + (
+                [f"-DIBP_EXP_MIN_WARPS={int(m.group(3))}"] if m.group(3) else [])
+            out[tok] = tuple(opts)
+        else:
+            raise InvalidArgumentError(f"--variants: expected base or u<1..32>, s, w<1..64> in this order (e.g. u8, "
+                                       f"u8s, w24, u8sw24), got {tok!r}")
+    if not out:
+        raise InvalidArgumentError("--variants: name at least one variant (base: the defaults)")
     return out
 
 
@@ -271,9 +306,19 @@ def run_set(dtype_name: str, row_bytes: int, args: argparse.Namespace, device: t
             expect_rows = su_u8[ids_cpu[0]].to(device)
             expect = (expect_rows, pool_expect(expect_rows, dtype))
             for method, store in stores.items():
-                timed[method] = time_store(store, batches, out, dtype, expect, args.kernels, args)
+                variants = variants_of(method, args)
+                for i, variant in enumerate(variants):
+                    # the stored-bytes copy (admit.cu) does not depend on the variant: timed once
+                    kernels = [k for k in args.kernels if i == 0 or k != "gather"]
+                    with (extra_kernel_options(*args.variants[variant]) if variant != "base"
+                          else contextlib.nullcontext()):
+                        timed[method, variant] = time_store(store, batches, out, dtype, expect, kernels, args)
+                    for key in (f"gather_{w}" for w in WHERE):
+                        if key in timed[method, variants[0]]:
+                            timed[method, variant].setdefault(key, timed[method, variants[0]][key])
             del out, expect_rows, expect, batches
         check = ids_cpu[0][: args.cpu_check]
+        first = len(recs)
         for method, store in stores.items():
             codec = store.codec
             sb = stored_bytes(store, ids_cpu[0], row_bytes)
@@ -283,11 +328,19 @@ def run_set(dtype_name: str, row_bytes: int, args: argparse.Namespace, device: t
                    "G_pool": group_rows(row_bytes, codec.row_elems, n_seg, POOL_MAX_ROW_BYTES // row_bytes)
                    if n_seg else None,
                    "ratio": args.ids * row_bytes / sb, "batch_stored_bytes": sb,
-                   "cpu_verified": cpu_decode_ok(store, check, su_u8) if d == 0 else None, **timed.get(method, {})}
-            rec["verified"] = rec["cpu_verified"] is not False and rec.get("gpu_verified", True)
-            recs.append(rec)
-        derive(recs[-len(stores):], args.kernels if cuda else [])
+                   "cpu_verified": cpu_decode_ok(store, check, su_u8) if d == 0 else None}
+            for variant in variants_of(method, args) if cuda else ["base"]:
+                vrec = {**rec, "variant": variant, **timed.get((method, variant), {})}
+                vrec["verified"] = vrec["cpu_verified"] is not False and vrec.get("gpu_verified", True)
+                recs.append(vrec)
+        derive(recs[first:], args.kernels if cuda else [])
     return recs
+
+
+def variants_of(method: str, args: argparse.Namespace) -> list[str]:
+    """The variants a codec is timed in: every ``--variants`` for exponent codecs (the kernels they change), else
+    the defaults only."""
+    return list(args.variants) if method.startswith("exp") else ["base"]
 
 
 def derive(recs: list[dict[str, Any]], kernels: list[str]) -> None:
@@ -318,6 +371,9 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p.add_argument("--zipf-a", type=float, default=1.05)
     p.add_argument("--batches", type=int, default=2, help="id batches the timed runs cycle through")
     p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--variants", default="base", help="compile-time variants of the exponent lookup kernels: base, "
+                   "u<U> (IBP_EXP_LOOKUP_UNROLL), s (IBP_EXP_LOOKUP_SHFL), w<W> (IBP_EXP_MIN_WARPS), or several "
+                   "(u8sw24); comma list")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cpu-check", type=int, default=4096, help="rows the CPU decoder checks per set (first dist)")
@@ -328,6 +384,10 @@ def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     if args.quick:
         args.gb, args.ids, args.reps, args.warmup, args.cpu_check = 0.004, 2000, 3, 1, 500
     args.segs = parse_segs(args.seg)
+    try:
+        args.variants = parse_variants(args.variants)
+    except InvalidArgumentError as exc:
+        p.error(str(exc))
     args.dtype_names = [d for d in args.dtypes.split(",") if d]
     args.entries = [int(e) for e in args.entry_bytes.split(",") if e]
     args.dists = [d for d in args.dists.split(",") if d]

@@ -444,3 +444,68 @@ def test_gpu_exp_gather_and_descriptors_groups(real_rows: Any, name: str, dtype:
     good[17] = True
     assert int(err2[0]) == 501
     assert torch.equal(out2.cpu()[out_rows[good]], src_u8[pick[good]])
+
+
+# lookup.cu's compile-time variants of the exponent lookup kernels (exp_lookup_profile.py --variants times them): more
+# staged words in flight per lane (IBP_EXP_LOOKUP_UNROLL, 1 included: one word per pass), successors by shuffle
+# (IBP_EXP_LOOKUP_SHFL: lane 31 and row ends load theirs), registers capped for more resident warps
+# (IBP_EXP_MIN_WARPS), and combinations
+VARIANTS = [("-DIBP_EXP_LOOKUP_UNROLL=1",), ("-DIBP_EXP_LOOKUP_UNROLL=8",), ("-DIBP_EXP_MIN_WARPS=24",),
+            ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_MIN_WARPS=24"),
+            ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_MIN_WARPS=32"),
+            ("-DIBP_EXP_LOOKUP_UNROLL=1", "-DIBP_EXP_LOOKUP_SHFL=1"),
+            ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_LOOKUP_SHFL=1", "-DIBP_EXP_MIN_WARPS=24")]
+VARIANT_GEOMETRIES = [GEOMETRIES[1], GEOMETRIES[2], GEOMETRIES[5], GEOMETRIES[6], GEOMETRIES[7]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", VARIANTS, ids=lambda o: "+".join(x.split("_")[-1] for x in o))
+@pytest.mark.parametrize("name,dtype,cols,seg", VARIANT_GEOMETRIES,
+                         ids=[IDS[GEOMETRIES.index(g)] for g in VARIANT_GEOMETRIES])
+def test_gpu_lookup_variants_match_the_defaults(real_rows: Any, name: str, dtype: torch.dtype, cols: int, seg: Any,
+                                                options: tuple[str, ...]) -> None:
+    """A variant's ROWS, one-id POOL and bag-loop POOL write the defaults' bytes and counters, and report bad ids /
+    malformed rows as they do, over host misses (malformed ones among them) and slab hits; the ROWS output is also
+    the source rows (so two equally wrong builds cannot agree)."""
+    from ibpcache.kernels._build import extra_kernel_options
+    from ibpcache.kernels.lookup import ElemType, LookupErrors, PoolOp, lookup_pool, lookup_rows
+
+    case = make_case(real_rows, name, dtype, cols, seg)
+    eng = make_engine(case, "host")
+    rb = case.codec.row_bytes
+    n = 1001
+    ids = _ids(n, 11, True)
+    planted = torch.tensor(sorted(case.bad_lengths))
+    ids[5: 5 + planted.numel()] = planted
+    ids_d = ids.cuda()
+
+    def run() -> list[tuple[torch.Tensor, list[int], Optional[int]]]:
+        results = []
+        for kernel in ("rows", "pool_single", "pool_bags"):
+            err = LookupErrors(pin=True)
+            out = torch.full((n, rb), 0xAB, dtype=torch.uint8, device="cuda")
+            counters = torch.zeros(4, dtype=torch.int64, device="cuda")
+            if kernel == "rows":
+                lookup_rows(ids_d, out, eng.src, eng.tables, counters, err.ptr)
+            else:
+                offsets = None if kernel == "pool_single" else torch.arange(n, device="cuda")
+                lookup_pool(ids_d, offsets, 1 if offsets is None else 0, n, False, PoolOp.SUM, ElemType.of(dtype),
+                            None, out, eng.src, eng.tables, counters, err.ptr)
+            torch.cuda.synchronize()
+            results.append((out.cpu(), counters.cpu().tolist(), _kind(err)))
+        return results
+
+    base = run()
+    with extra_kernel_options(*options):
+        variant = run()
+    valid = (ids >= 0) & (ids < N_ROWS)
+    want = case.rows.view(torch.uint8).reshape(N_ROWS, rb)[ids.clamp(0, N_ROWS - 1)].clone()
+    zero = ~valid.numpy()
+    zero[valid.numpy()] = eng.corrupt[ids[valid].numpy()]
+    want[torch.from_numpy(zero)] = 0
+    assert torch.equal(variant[0][0], want), "the variant's ROWS differ from the source rows"
+    reports = {LookupErrors.BAD_ID, LookupErrors.CORRUPT_ROW}  # whichever report a launch wrote last
+    for kernel, (out0, c0, k0), (out1, c1, k1) in zip(("rows", "pool_single", "pool_bags"), base, variant):
+        assert torch.equal(out1, out0), f"{kernel}: the variant's bytes differ from the defaults'"
+        assert c1 == c0, kernel
+        assert k0 in reports and k1 in reports, (kernel, k0, k1)
