@@ -74,8 +74,17 @@ _LOW32 = (1 << 32) - 1
 _POS63 = (1 << 63) - 1
 
 
+_MUL_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def _mul_table(device: torch.device) -> torch.Tensor:
-    return torch.tensor([_signed(m) for m in SKETCH_MUL], dtype=torch.int64, device=device)
+    """The sketch's multipliers on ``device``, copied there once: a copy from a Python list is a synchronizing
+    host-to-device transfer, which a training step that must not wait for the GPU cannot afford every step."""
+    table = _MUL_TABLES.get(device)
+    if table is None:
+        table = _MUL_TABLES[device] = torch.tensor([_signed(m) for m in SKETCH_MUL], dtype=torch.int64,
+                                                   device=device)
+    return table
 
 
 def sketch_index(ids: torch.Tensor, width: int) -> torch.Tensor:
