@@ -359,3 +359,58 @@ def test_prefetched_training_step_never_syncs(minilm: torch.Tensor, layout: str)
             torch.cuda.set_sync_debug_mode(0)
         opt.zero_grad()
     assert m.stats()["misses"] == 0
+
+
+def _audited_steps(minilm: torch.Tensor, optimizer: str, layout: str, tables: int = 26) -> list:
+    """The sync audits (``ibpcache.testing.sync_audit``) of three prefetched training steps on the CPU, each of the
+    forward, backward and optimizer step that :func:`test_prefetched_training_step_never_syncs` runs on the GPU."""
+    from ibpcache.testing.sync_audit import sync_audit
+
+    _, m = _tb(minilm, "cpu", tables)
+    opt = (torch.optim.Adagrad if optimizer == "adagrad" else torch.optim.SGD)(m.parameters(), lr=0.05)
+    if optimizer == "adagrad":
+        m.attach_optimizer(opt)
+    gen = torch.Generator().manual_seed(6)
+    audits = []
+    for _ in range(3):
+        ids, offs = _tb_batch(gen, tables, "cpu")
+        if layout == "2d":
+            ids, offs = ids.view(tables, 64)[:, :32].t().contiguous(), None  # [B, T]
+        m.prefetch(ids, offs)
+        with sync_audit() as audit:
+            m(ids, offs).pow(2).sum().backward()
+            opt.step()
+        opt.zero_grad()
+        audits.append(audit)
+    assert m.stats()["misses"] == 0
+    return audits
+
+
+@pytest.mark.parametrize("layout", ["offsets", "2d"])
+def test_prefetched_sgd_step_has_no_sync_prone_op(minilm: torch.Tensor, layout: str) -> None:
+    """The CPU twin of test_prefetched_training_step_never_syncs: a prefetched sparse-SGD step runs no op that would
+    make the host wait for a CUDA device (host reads of tensor values, data-dependent output sizes, boolean masks,
+    coalesce, tensors built from Python data: a pageable host-to-device copy on CUDA), whichever layout."""
+    for audit in _audited_steps(minilm, "sgd", layout):
+        assert not audit.found, "sync-prone ops in a prefetched SGD step:\n" + audit.table()
+
+
+_BAG = "ibpcache/loaders/embedding_bag.py"
+# torch's Adagrad reads its step counter with .item(): a CPU tensor (not capturable), so no CUDA sync
+_ADAGRAD_STEP = ("_local_scalar_dense", "torch/optim/optimizer.py")
+
+
+@pytest.mark.parametrize("tables, expected", [
+    # CPU-only branch: _ranked reads each table's range in uniq (tolist) and RowGather coalesces table by table
+    # (_coalesce_segments: a boolean mask and a coalesce per table), because the CPU's sort is unstable; on CUDA
+    # (segments=None) neither runs
+    (26, {("tolist", _BAG), ("index[bool mask]", _BAG), ("_coalesce", _BAG), _ADAGRAD_STEP}),
+    # one table takes the branch CUDA takes for any number: RowGather.backward's one grad.coalesce(), a sync on CUDA
+    # (torch reads the coalesced length on the host); kept: replacing it must reproduce coalesce's summation order
+    # bit for bit, which needs a GPU to verify
+    (1, {("_coalesce", _BAG), _ADAGRAD_STEP}),
+])
+def test_prefetched_adagrad_step_syncs_only_where_known(minilm: torch.Tensor, tables: int, expected: set) -> None:
+    """A prefetched sparse-Adagrad step runs exactly the known sync-prone ops (see the cases), no new one."""
+    for audit in _audited_steps(minilm, "adagrad", "offsets", tables):
+        assert audit.sites() == expected, audit.table()
