@@ -312,15 +312,8 @@ def test_training_step_ops_do_not_grow_with_tables(minilm: torch.Tensor, optimiz
     from torch.profiler import ProfilerActivity, profile
 
     def ops(tables: int) -> int:
-        _, m = _tb(minilm, "cpu", tables)
-        opt = (torch.optim.Adagrad if optimizer == "adagrad" else torch.optim.SGD)(m.parameters(), lr=0.05)
-        if optimizer == "adagrad":
-            m.attach_optimizer(opt)
-        gen = torch.Generator().manual_seed(5)
         counts = []
-        for _ in range(3):
-            ids, offs = _tb_batch(gen, tables, "cpu")
-            m.prefetch(ids, offs)
+        for m, opt, ids, offs in _prefetched_steps(minilm, optimizer, tables, "offsets", seed=5):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 out = m(ids, offs)
                 if optimizer == "sgd":
@@ -366,17 +359,8 @@ def _audited_steps(minilm: torch.Tensor, optimizer: str, layout: str, tables: in
     forward, backward and optimizer step that :func:`test_prefetched_training_step_never_syncs` runs on the GPU."""
     from ibpcache.testing.sync_audit import sync_audit
 
-    _, m = _tb(minilm, "cpu", tables)
-    opt = (torch.optim.Adagrad if optimizer == "adagrad" else torch.optim.SGD)(m.parameters(), lr=0.05)
-    if optimizer == "adagrad":
-        m.attach_optimizer(opt)
-    gen = torch.Generator().manual_seed(6)
     audits = []
-    for _ in range(3):
-        ids, offs = _tb_batch(gen, tables, "cpu")
-        if layout == "2d":
-            ids, offs = ids.view(tables, 64)[:, :32].t().contiguous(), None  # [B, T]
-        m.prefetch(ids, offs)
+    for m, opt, ids, offs in _prefetched_steps(minilm, optimizer, tables, layout, seed=6):
         with sync_audit() as audit:
             m(ids, offs).pow(2).sum().backward()
             opt.step()
@@ -384,6 +368,23 @@ def _audited_steps(minilm: torch.Tensor, optimizer: str, layout: str, tables: in
         audits.append(audit)
     assert m.stats()["misses"] == 0
     return audits
+
+
+def _prefetched_steps(minilm: torch.Tensor, optimizer: str, tables: int, layout: str, seed: int, steps: int = 3):
+    """``steps`` CPU batches of a fresh ``tables``-table module, each prefetched before it is yielded with the module
+    and its optimizer (Adagrad attached to the module, as its row state needs): the setting of the op-count and
+    sync-audit tests."""
+    _, m = _tb(minilm, "cpu", tables)
+    opt = (torch.optim.Adagrad if optimizer == "adagrad" else torch.optim.SGD)(m.parameters(), lr=0.05)
+    if optimizer == "adagrad":
+        m.attach_optimizer(opt)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids, offs = _tb_batch(gen, tables, "cpu")
+        if layout == "2d":
+            ids, offs = ids.view(tables, 64)[:, :32].t().contiguous(), None  # [B, T]
+        m.prefetch(ids, offs)
+        yield m, opt, ids, offs
 
 
 @pytest.mark.parametrize("layout", ["offsets", "2d"])
