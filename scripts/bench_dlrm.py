@@ -511,7 +511,9 @@ def _check_line(chk: dict[str, Any]) -> str:
 # targets, plot, bookkeeping
 # ------------------------------------------------------------------------------------------------
 
-KEYS = ("trace", "dtype", "row_bytes", "batch", "cache_ratio", "bag", "mode")
+# What makes a point: a training point is also keyed by its optimizer (None for inference), so SGD and Adagrad runs of
+# one shape stay two points.
+KEYS = ("trace", "dtype", "row_bytes", "batch", "cache_ratio", "bag", "mode", "optimizer")
 
 
 def check_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -615,7 +617,7 @@ def to_points(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     methods."""
     points: dict[tuple, dict[str, Any]] = {}
     for r in records:
-        k = tuple(r[x] for x in KEYS)
+        k = tuple(r.get(x) for x in KEYS)
         pt = points.setdefault(k, {**dict(zip(KEYS, k)), "methods": {}})
         pt["methods"][r["method"]] = {x: v for x, v in r.items() if x not in KEYS and x != "method"}
     return list(points.values())

@@ -946,7 +946,11 @@ def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
            "3", "--methods", "ibpcache,ibpcache_raw,colossal", "--budget-s", "5"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    records = json.loads((tmp_path / "bench_dlrm.json").read_text())["records"]
+    payload = json.loads((tmp_path / "bench_dlrm.json").read_text())
+    records = payload["records"]
+    # one point per shape AND optimizer: an Adagrad run never overwrites the SGD run of the same shape
+    assert sorted((p["batch"], p["bag"], p["optimizer"]) for p in payload["points"]) == sorted(
+        (b, g, o) for b in (64, 32) for g in (1, 3) for o in ("sgd", "adagrad"))
     ours = [r for r in records if r["method"].startswith("ibpcache")]
     checked = [r for r in ours if "trained_weights" in r]
     assert {(r["method"], r["bag"], r["batch"], r["optimizer"]) for r in checked} == {
