@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .kv_select import PartialKeySelector
-from .step_graphs import unstick_generator
+from .step_graphs import generator_kept
 
 if TYPE_CHECKING:
     from .kv_manager import KVOffloadManager
@@ -134,15 +134,12 @@ class SpeculationGraphs:
             self.project(j, hidden, (cos, sin))
         graph = torch.cuda.CUDAGraph()
         # thread_local: the CPU-gather path's worker thread may call the CUDA runtime while this thread captures
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                q = self.project(j, hidden, (cos, sin))
-                sel.select_static(j, q, k, scores, idx, counts, valid)
-                if fetch:
-                    mgr.graph_fetch(j, idx, out)
-        except Exception:
-            unstick_generator(dev)
-            raise
+        with generator_kept(dev), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                                    capture_error_mode="thread_local"):
+            q = self.project(j, hidden, (cos, sin))
+            sel.select_static(j, q, k, scores, idx, counts, valid)
+            if fetch:
+                mgr.graph_fetch(j, idx, out)
         self.captures += 1
         g = _Graph(graph, k, keys, valid, mgr.layer_store(j) if fetch else None, idx, counts, out,
                    (scores,))
@@ -265,14 +262,11 @@ class SpeculationGraphs:
         main.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         where = (0, 0)
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                if zero_copy:
-                    where = mgr.graph_append(j, *inputs)
-                sel.append_keys_static(j, inputs[0])
-        except Exception:
-            unstick_generator(self.device)
-            raise
+        with generator_kept(self.device), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                                            capture_error_mode="thread_local"):
+            if zero_copy:
+                where = mgr.graph_append(j, *inputs)
+            sel.append_keys_static(j, inputs[0])
         self.captures += 1
         return _AppendGraph(graph, inputs, sel.keys_of(j), mgr.layer_store(j) if zero_copy else None, where)
 

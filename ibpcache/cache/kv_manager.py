@@ -40,7 +40,7 @@ from .append_store import (AppendStore, RowCodec, StagedChunks, chunk_bytes_for,
 from .host_pool import host_pool
 from .cpu_gather_store import CpuGatherStore
 from .kv_slots import SlotLayout
-from .step_graphs import unstick_generator
+from .step_graphs import generator_kept
 from .plan_codecs import ROW_METHODS, RowCodecChoice, ScatteredCost, apply_scattered_cost, choose_row_codecs
 
 __all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES", "PREFILLS"]
@@ -1164,14 +1164,10 @@ class KVStepGraph:
             get_function("kv_packed.cu", symbol, dev.index)
         torch.cuda.synchronize(dev)
         self.graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.graph):
-                store.fetch(None, max_tokens, self.keys_out, self.values_out, read=mgr._dev_read, k_dyn=True)
-                store.launch_dynamic(self.keys_in, self.values_in, slot0, t0, into=(self.keys_out, self.values_out),
-                                     att_pos0=t0, written=mgr._dev_written)
-        except Exception:
-            unstick_generator(dev)
-            raise
+        with generator_kept(dev), torch.cuda.graph(self.graph):
+            store.fetch(None, max_tokens, self.keys_out, self.values_out, read=mgr._dev_read, k_dyn=True)
+            store.launch_dynamic(self.keys_in, self.values_in, slot0, t0, into=(self.keys_out, self.values_out),
+                                 att_pos0=t0, written=mgr._dev_written)
         self._store = store
         self._tokens = t0  # what the layer must hold before the next replay
 

@@ -421,12 +421,12 @@ class CachedRowManager:
 
     def take_prepared(self, key: Optional[tuple], ids: torch.Tensor) -> Optional[Prepared]:
         """The slots of the batch the last prefetch made resident under ``key`` (``ids``: the lookup's rows, shaped as
-        it wants ``inv``), if no slot has changed since, counted
-        as the lookup :meth:`prepare_unique` would count (every row a hit); else None. No device sync, and the same
-        cache state and statistics as :meth:`prepare_unique` of those ids would leave."""
+        it wants ``inv``), if no slot has changed since, counted as the lookup :meth:`prepare_unique` would count
+        (every row a hit); else None. No device sync, and the same cache state and statistics as
+        :meth:`prepare_unique` of those ids would leave."""
         ahead, self._ahead = self._ahead, None
-        if (ahead is None or key is None or self.form != "raw" or self.slots != self.base_slots or ahead.n_ids != ids.numel()
-                or not _same_key(ahead.key, key)):
+        if (ahead is None or key is None or self.form != "raw" or self.slots != self.base_slots
+                or ahead.n_ids != ids.numel() or not _same_key(ahead.key, key)):
             return None
         prep = ahead.prep
         if self.device.type == "cuda":  # made on the side stream: its blocks wait for this stream's use too

@@ -15,13 +15,14 @@ so two replays' intermediates never live at the same time. A capture that fails 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
-__all__ = ["StepGraphs", "unstick_generator"]
+__all__ = ["StepGraphs", "unstick_generator", "generator_kept"]
 
 Inputs = tuple[Optional[torch.Tensor], ...]
 
@@ -60,6 +61,17 @@ def unstick_generator(device: torch.device) -> None:
         gen.graphsafe_set_state(gen.clone_state())
     else:
         gen.set_state(saved)
+
+
+@contextlib.contextmanager
+def generator_kept(device: torch.device) -> Iterator[None]:
+    """Around a CUDA graph capture (outermost, so it sees ``capture_end``'s error too): if the capture fails,
+    :func:`unstick_generator` before the error goes on."""
+    try:
+        yield
+    except BaseException:
+        unstick_generator(device)
+        raise
 
 
 class StepGraphs:
@@ -130,7 +142,7 @@ class StepGraphs:
         self._stream.wait_stream(caller)  # the static copies are made on the caller's stream
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(self._stream):
+            with generator_kept(self.device), torch.cuda.stream(self._stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     body(static_in, static_out)
@@ -138,7 +150,6 @@ class StepGraphs:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 -- any capture failure: eager steps, the reason in stats()
             caller.wait_stream(self._stream)
-            unstick_generator(self.device)
             self.disable(f"{type(exc).__name__}: {exc}")
             return None
         caller.wait_stream(self._stream)

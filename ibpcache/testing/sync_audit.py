@@ -17,13 +17,13 @@ import contextlib
 import os
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SyncAudit", "sync_audit"]
+__all__ = ["SyncAudit", "sync_audit", "host_reads_recorded"]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SELF = os.path.abspath(__file__)
@@ -108,23 +108,30 @@ class SyncAudit(TorchDispatchMode):
         return "\n".join(f"{count:4d}  {name:36s} {where}" for (name, where), count in sorted(self.found.items()))
 
 
-def _host_read(audit: SyncAudit, name: str, original: Any) -> Any:
-    def wrapped(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        audit.record(name)
-        return original(self, *args, **kwargs)
-    return wrapped
+@contextlib.contextmanager
+def host_reads_recorded(methods: Sequence[str], record: Callable[[str], None]) -> Iterator[None]:
+    """Inside the block, each call of a ``torch.Tensor`` method named in ``methods`` (host reads of tensor values,
+    e.g. ``tolist``: on the CPU they never reach the dispatcher) first calls ``record(name)``."""
+    saved = {attr: getattr(torch.Tensor, attr) for attr in methods}
+
+    def recorded(name: str, original: Any) -> Any:
+        def wrapped(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            record(name)
+            return original(self, *args, **kwargs)
+        return wrapped
+
+    try:
+        for attr, original in saved.items():
+            setattr(torch.Tensor, attr, recorded(attr, original))
+        yield
+    finally:
+        for attr, original in saved.items():
+            setattr(torch.Tensor, attr, original)
 
 
 @contextlib.contextmanager
 def sync_audit() -> Iterator[SyncAudit]:
     """Record the sync-prone ops run inside the block (dispatch-level ops and host reads of tensor values)."""
     audit = SyncAudit()
-    saved = {attr: getattr(torch.Tensor, attr) for attr in ("tolist", "numpy", "cpu")}
-    try:
-        for attr, original in saved.items():
-            setattr(torch.Tensor, attr, _host_read(audit, attr, original))
-        with audit:
-            yield audit
-    finally:
-        for attr, original in saved.items():
-            setattr(torch.Tensor, attr, original)
+    with host_reads_recorded(("tolist", "numpy", "cpu"), audit.record), audit:
+        yield audit

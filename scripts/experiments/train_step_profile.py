@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ibpcache import datasets
+from ibpcache.testing.sync_audit import host_reads_recorded
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
             "aten::masked_select", "aten::_coalesce", "cudaStreamSynchronize", "cudaDeviceSynchronize",
@@ -77,21 +78,8 @@ HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 def count_host_reads() -> Iterator[Counter]:
     """Count Python-level calls of :data:`HOST_READS` on tensors while the block runs."""
     seen: Counter = Counter()
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def wrap(name: str, fn: Callable) -> Callable:
-        def counted(self: torch.Tensor, *a: Any, **k: Any) -> Any:
-            seen[name] += 1
-            return fn(self, *a, **k)
-        return counted
-
-    for name, fn in saved.items():
-        setattr(torch.Tensor, name, wrap(name, fn))
-    try:
+    with host_reads_recorded(HOST_READS, lambda name: seen.update((name,))):
         yield seen
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
 
 
 def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
