@@ -29,7 +29,10 @@ def test_parse_variants(script_module: Any) -> None:
             "base": (), "u8": ("-DIBP_EXP_LOOKUP_UNROLL=8",), "w24": ("-DIBP_EXP_MIN_WARPS=24",),
             "u4w32": ("-DIBP_EXP_LOOKUP_UNROLL=4", "-DIBP_EXP_MIN_WARPS=32"), "s": ("-DIBP_EXP_LOOKUP_SHFL=1",),
             "u8sw24": ("-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_LOOKUP_SHFL=1", "-DIBP_EXP_MIN_WARPS=24")}
-        for bad in ("", "u0", "u33", "w65", "w0", "x8", "u8x", "w24u8", "uw", "su8", "u8ss"):
+        assert mod.parse_variants("v0,v2,v0u8w24") == {
+            "v0": ("-DIBP_EXP_STAGE_VEC16=0",), "v2": ("-DIBP_EXP_VEC16_UNROLL=2",),
+            "v0u8w24": ("-DIBP_EXP_STAGE_VEC16=0", "-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_MIN_WARPS=24")}
+        for bad in ("", "u0", "u33", "w65", "w0", "x8", "u8x", "w24u8", "uw", "su8", "u8ss", "v17", "u8v2", "v"):
             with pytest.raises(InvalidArgumentError):
                 mod.parse_variants(bad)
 

@@ -517,6 +517,45 @@ def test_gpu_rows_at_every_alignment(real_rows: Any, shift: int, dtype: torch.dt
         assert torch.equal(_bits(out.cpu()), _bits(rows[pick])), f"rows misdecoded at alignment {shift}"
 
 
+def _inplace(data: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, row_bytes: int,
+             shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored rows moved to an inplace buffer (row i at ``shift + i * row_bytes``), and their new offsets."""
+    n = lengths.numel()
+    buf = torch.zeros(shift + n * row_bytes, dtype=torch.uint8)
+    for i in range(n):
+        o, ln = int(offsets[i]), int(lengths[i])
+        buf[shift + i * row_bytes: shift + i * row_bytes + ln] = data[o: o + ln]
+    return buf, shift + torch.arange(n, dtype=torch.int64) * row_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [0, 16, 4])
+@pytest.mark.parametrize("dtype,cols,seg", [(torch.float32, 128, "auto"), (torch.float16, 256, "auto"),
+                                            (torch.float32, 384, "auto"), (torch.bfloat16, 64, 16)])
+def test_gpu_inplace_rows_at_16_byte_starts(minilm: torch.Tensor, shift: int, dtype: torch.dtype, cols: int,
+                                            seg: Any) -> None:
+    """Rows of an inplace store whose row_bytes is a multiple of 16 all start 16-byte aligned, and the stagers then
+    read them with 16-byte loads (exponent.cu's ibp_exp_stage_aligned16): real MiniLM rows mixed with random bit
+    patterns stored raw, coded rows of every length, from device memory and zero-copy from pinned host memory, with
+    the buffer's rows 16-byte aligned (shift 0, 16: the 16-byte path) and not (4: the 4-byte path); 512-byte and
+    128-byte rows decode in groups, 1536-byte rows one per warp."""
+    real = minilm[:700, :cols].to(dtype).contiguous()
+    codec = ExponentCodec.fit(real, seg=seg)
+    assert codec.row_bytes % 16 == 0
+    width = 32 if dtype == torch.float32 else 16
+    noise = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1), (100, cols), dtype=torch.int64,
+                          generator=torch.Generator().manual_seed(shift + cols))
+    rows = torch.cat([real, _from_bits(noise.numpy(), dtype, tuple(noise.shape))])
+    rows = rows[torch.randperm(800, generator=torch.Generator().manual_seed(3))]
+    data, lengths, offsets = codec.encode(rows)
+    assert int(lengths.max()) == codec.row_bytes and int(lengths.min()) < codec.row_bytes
+    buf, at = _inplace(data, lengths, offsets, codec.row_bytes, shift)
+    pick = torch.randperm(800, generator=torch.Generator().manual_seed(cols))[:777]  # not a multiple of 32
+    for where in (buf.cuda(), buf.pin_memory()):
+        out = codec.decode_gpu(where, lengths[pick].cuda(), at[pick].cuda())
+        assert torch.equal(_bits(out.cpu()), _bits(rows[pick])), f"inplace rows misdecoded at shift {shift}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seg", [None, 8])
 def test_gpu_overrun_is_a_clear_error(real_rows: Any, seg: Any) -> None:

@@ -327,6 +327,60 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
   }
 }
 
+// The stagers' 16-byte path (ibp_exp_stage_aligned16), on unless a build passes -DIBP_EXP_STAGE_VEC16=0 (how
+// scripts/experiments/exp_lookup_profile.py --variants times the 4-byte path against it), and its 16-byte loads
+// per lane issued before their stores (4: a group of 2 KB of rows is one round trip).
+#ifndef IBP_EXP_STAGE_VEC16
+#define IBP_EXP_STAGE_VEC16 1
+#endif
+#ifndef IBP_EXP_VEC16_UNROLL
+#define IBP_EXP_VEC16_UNROLL 4
+#endif
+
+// The warp (all 32 lanes, uniform G) copies G rows that all start 16-byte aligned into shared memory: lane r < G's
+// row (n_r bytes at src_r, n_r <= 16 * per_row16; 0 for none) goes to w + r * stride_words as its first
+// ceil(n_r / 4) words (w 16-byte aligned). Reads only the aligned 16-byte chunks that overlap a row (each lies in
+// the page, and the allocation granule, of a byte of the row). Why: every row of an inplace store whose row_bytes
+// is a multiple of 16 starts aligned (the embedding bags' host rows and cache slots), and a lane's 16-byte load
+// needs neither the realignment nor the successor word of the 4-byte path, so a group costs a quarter of the load
+// instructions and, with V loads in flight per lane, one round trip over PCIe per 512 * V bytes instead of
+// 128 * U (the zero-copy exponent lookup of 512-byte rows ran at half its stored bytes' link rate on 4-byte loads).
+template <int V>
+__device__ __forceinline__ void ibp_exp_stage_aligned16(int G, const unsigned char* src, int n, unsigned int* w,
+                                                        int stride_words, int per_row16, int lane) {
+  const int total = G * per_row16;
+#pragma unroll 1
+  for (int base = 0; base < total; base += 32 * V) {
+    uint4 v[V];
+    int at[V], nw[V];
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      const int f = base + 32 * u + lane;
+      const int r = f < total ? f / per_row16 : 0;
+      const int k = f - r * per_row16;
+      const int nr = __shfl_sync(IBP_EXP_FULL, n, r);
+      const unsigned long long sp = __shfl_sync(IBP_EXP_FULL, reinterpret_cast<unsigned long long>(src), r);
+      const bool live = f < total && 16 * k < nr;
+      v[u] = live ? reinterpret_cast<const uint4*>(sp)[k] : make_uint4(0u, 0u, 0u, 0u);
+      at[u] = live ? r * stride_words + 4 * k : -1;
+      nw[u] = live ? min(4, ((nr + 3) >> 2) - 4 * k) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      if (at[u] < 0) continue;
+      unsigned int* d = w + at[u];
+      if (nw[u] == 4 && (at[u] & 3) == 0) {
+        *reinterpret_cast<uint4*>(d) = v[u];
+      } else {
+        d[0] = v[u].x;
+        if (nw[u] > 1) d[1] = v[u].y;
+        if (nw[u] > 2) d[2] = v[u].z;
+        if (nw[u] > 3) d[3] = v[u].w;
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------------------------
 // Warp-per-row decode (any segment count): the engine's device function for wide rows
 // ------------------------------------------------------------------------------------------------------------------
@@ -345,6 +399,12 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
 // contiguous bytes, and only the aligned words that overlap the row are read (as ibp_stage_rows does for 32 rows).
 __device__ __forceinline__ void ibp_exp_stage_row(const unsigned char* src, int n, unsigned int* dst, int lane) {
   const unsigned long long sp = reinterpret_cast<unsigned long long>(src);
+#if IBP_EXP_STAGE_VEC16
+  if ((sp & 15ull) == 0) {  // uniform: 16-byte loads (ibp_exp_stage_aligned16, one row)
+    if (n > 0) ibp_exp_stage_aligned16<IBP_EXP_VEC16_UNROLL>(1, src, n, dst, 0, (n + 15) >> 4, lane);
+    return;
+  }
+#endif
   const int a = (int)(sp & 3);
   const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
   const int nw = n > 0 ? (a + n + 3) >> 2 : 0;
@@ -495,6 +555,13 @@ __device__ __forceinline__ int ibp_exp_group_rows(const IbpExpGeom& g, int cap) 
 template <int U = IBP_EXP_GROUP_UNROLL, bool SHFL = false>
 __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* src, int n, unsigned int* w,
                                                     int stride_words, int lane) {
+#if IBP_EXP_STAGE_VEC16
+  const bool aligned = n <= 0 || (reinterpret_cast<unsigned long long>(src) & 15ull) == 0;
+  if (__all_sync(IBP_EXP_FULL, aligned)) {
+    ibp_exp_stage_aligned16<IBP_EXP_VEC16_UNROLL>(G, src, n, w, stride_words, (stride_words - 1) >> 2, lane);
+    return;
+  }
+#endif
   const int per_row = stride_words - 4;  // >= the words of any row (row_bytes rounded up)
   const int total = G * per_row;
 #pragma unroll 1

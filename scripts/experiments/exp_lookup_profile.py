@@ -21,9 +21,11 @@ Every lookup output is verified byte for byte (rows: the source rows; pool: ``0.
 kernel's arithmetic for a bag of one id), the CPU decoder (``Codec.decode_rows_at``) is checked on the same stored
 rows, and the gather's bytes against the store. CUDA events, warm-up, medians of ``--reps`` (>= 20).
 
-``--variants`` times compile-time variants of the exponent lookup kernels (lookup.cu's ``IBP_EXP_LOOKUP_UNROLL`` /
-``IBP_EXP_LOOKUP_SHFL`` / ``IBP_EXP_MIN_WARPS``) in the same process, each verified byte for byte like the default:
-``base`` (the defaults), ``u8`` (8 staged words per lane in flight), ``s`` (a staged word's successor by shuffle: host
+``--variants`` times compile-time variants of the exponent lookup kernels (exponent.cu's ``IBP_EXP_STAGE_VEC16`` /
+``IBP_EXP_VEC16_UNROLL``, lookup.cu's ``IBP_EXP_LOOKUP_UNROLL`` / ``IBP_EXP_LOOKUP_SHFL`` / ``IBP_EXP_MIN_WARPS``) in
+the same process, each verified byte for byte like the default: ``base`` (the defaults), ``v0`` (16-byte-aligned rows
+staged with 4-byte loads too, as before the 16-byte path), ``v2`` (2 instead of 4 16-byte loads per lane in flight),
+``u8`` (8 staged words per lane in flight on the 4-byte path), ``s`` (a staged word's successor by shuffle: host
 words requested once, not twice), ``w24`` (registers capped so 24 warps fit an SM), and combinations (``u8sw24``). One
 record per exponent codec and variant (column ``variant``); a variant's ``gather`` is its codec's (no decode). Each
 variant is one more NVRTC build of lookup.cu (seconds, inside the first set's time).
@@ -31,7 +33,7 @@ variant is one more NVRTC build of lookup.cu (seconds, inside the first set's ti
     python scripts/experiments/exp_lookup_profile.py --out $OUT            # GPU, about a minute (H100/H200)
     python scripts/experiments/exp_lookup_profile.py --device cpu --quick  # CPU smoke: ratios and checks only
     python scripts/experiments/exp_lookup_profile.py --entry-bytes 512 --dists zipf --seg auto \
-        --variants base,u8,u8w24,u8sw24,u8sw32 --budget-s 240 --out $OUT     # the variants, 1-2 minutes
+        --variants base,v0,v2,v0u8w24 --budget-s 240 --out $OUT     # the variants, 1-2 minutes
 """
 
 from __future__ import annotations
@@ -99,23 +101,27 @@ def parse_segs(text: str) -> list["int | str | None"]:
 
 
 def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
-    """``--variants``: comma-separated ``base`` or ``u<U>sw<W>`` (each part optional, in this order): the exponent
-    lookup kernels built with ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32), ``-DIBP_EXP_LOOKUP_SHFL=1`` (``s``) and/or
+    """``--variants``: comma-separated ``base`` or ``v<V>u<U>sw<W>`` (each part optional, in this order): the
+    exponent lookup kernels built with ``-DIBP_EXP_VEC16_UNROLL=V`` (1..16; ``v0``: ``-DIBP_EXP_STAGE_VEC16=0``, the
+    4-byte staging path only), ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32), ``-DIBP_EXP_LOOKUP_SHFL=1`` (``s``) and/or
     ``-DIBP_EXP_MIN_WARPS=W`` (1..64). Name -> options."""
     out: dict[str, tuple[str, ...]] = {}
     for tok in (t.strip() for t in text.split(",") if t.strip()):
-        m = re.fullmatch(r"(?:u(\d+))?(s)?(?:w(\d+))?", tok)
+        m = re.fullmatch(r"(?:v(\d+))?(?:u(\d+))?(s)?(?:w(\d+))?", tok)
         if tok == "base":
             out[tok] = ()
-        elif m and (m.group(1) is None or 1 <= int(m.group(1)) <= 32) and (
-                m.group(3) is None or 1 <= int(m.group(3)) <= 64):
-            opts = ([f"-DIBP_EXP_LOOKUP_UNROLL={int(m.group(1))}"] if m.group(1) else []) + (
-                ["-DIBP_EXP_LOOKUP_SHFL=1"] if m.group(2) else []) + (
-                [f"-DIBP_EXP_MIN_WARPS={int(m.group(3))}"] if m.group(3) else [])
+        elif tok and m and (m.group(1) is None or 0 <= int(m.group(1)) <= 16) and (
+                m.group(2) is None or 1 <= int(m.group(2)) <= 32) and (
+                m.group(4) is None or 1 <= int(m.group(4)) <= 64):
+            vec = [] if m.group(1) is None else (["-DIBP_EXP_STAGE_VEC16=0"] if int(m.group(1)) == 0
+                                                  else [f"-DIBP_EXP_VEC16_UNROLL={int(m.group(1))}"])
+            opts = vec + ([f"-DIBP_EXP_LOOKUP_UNROLL={int(m.group(2))}"] if m.group(2) else []) + (
+                ["-DIBP_EXP_LOOKUP_SHFL=1"] if m.group(3) else []) + (
+                [f"-DIBP_EXP_MIN_WARPS={int(m.group(4))}"] if m.group(4) else [])
             out[tok] = tuple(opts)
         else:
-            raise InvalidArgumentError(f"--variants: expected base or u<1..32>, s, w<1..64> in this order (e.g. u8, "
-                                       f"u8s, w24, u8sw24), got {tok!r}")
+            raise InvalidArgumentError(f"--variants: expected base or v<0..16>, u<1..32>, s, w<1..64> in this order "
+                                       f"(e.g. v0, v2, u8, u8s, w24, v0u8sw24), got {tok!r}")
     if not out:
         raise InvalidArgumentError("--variants: name at least one variant (base: the defaults)")
     return out
