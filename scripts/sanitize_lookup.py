@@ -6,8 +6,9 @@ path (claim + stage + lookup, with a buffer that holds every miss and one that o
 exponent kinds (``*_e2`` / ``*_e4``: fp32, bf16, fp16 rows, one and several segments, narrow rows several per warp,
 rows past the 2 KB stage, a corrupt row), the exponent descriptor decode (dynamic policy, cpu-gather transfer) and
 the GPU encoder (admission).
-`compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py` (scripts/gpu_check.sh runs every
-scripts/sanitize_*.py). Exits non-zero if any output is wrong, so a sanitizer-clean run is also a correct one.
+`compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py [rows pool exponent]` (no names: every part;
+scripts/gpu_check.sh runs every scripts/sanitize_*.py). Exits non-zero if any output is wrong, so a sanitizer-clean
+run is also a correct one.
 """
 
 from __future__ import annotations
@@ -123,19 +124,29 @@ def exponent_ok() -> bool:
             if stage:  # the staged way whenever a buffer exists (the planner alternates while calibrating)
                 m.cache_weight_mgr.fused_lookup(stage).planner.fix("multi", "staged")
             ref = torch.nn.EmbeddingBag(1200, 96, _weight=w.clone().cuda(), mode="sum")
-            bags = torch.randint(0, 1200, (64, 5), generator=gen).cuda()
-            with torch.no_grad():
-                ok &= torch.equal(m(bags).view(torch.uint8), ref(bags).view(torch.uint8))
+            for width in (5, 1):  # bags of five (the bag loop) and of one id (the one-id-bag kernel)
+                bags = torch.randint(0, 1200, (64, width), generator=gen).cuda()
+                with torch.no_grad():
+                    ok &= torch.equal(m(bags).view(torch.uint8), ref(bags).view(torch.uint8))
             m.check_errors()
     return ok
 
 
-def main() -> int:
-    ok_rows, ok_pool, ok_exp = rows_ok(), pool_ok(), exponent_ok()
+PARTS = {"rows": rows_ok, "pool": pool_ok, "exponent": exponent_ok}
+
+
+def main(argv: list[str]) -> int:
+    """Every part, or those named (``python scripts/sanitize_lookup.py exponent``: a shorter sanitizer run)."""
+    names = argv or list(PARTS)
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        print(f"unknown parts {unknown}; choose from {list(PARTS)}")
+        return 2
+    ok = {name: PARTS[name]() for name in names}
     torch.cuda.synchronize()
-    print(f"lookup kernels: rows ok={ok_rows}, pool ok={ok_pool}, exponent ok={ok_exp}")
-    return 0 if ok_rows and ok_pool and ok_exp else 1
+    print("lookup kernels: " + ", ".join(f"{name} ok={good}" for name, good in ok.items()))
+    return 0 if all(ok.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
