@@ -534,11 +534,11 @@ def _inplace(data: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, r
                                             (torch.float32, 384, "auto"), (torch.bfloat16, 64, 16)])
 def test_gpu_inplace_rows_at_16_byte_starts(minilm: torch.Tensor, shift: int, dtype: torch.dtype, cols: int,
                                             seg: Any) -> None:
-    """Rows of an inplace store whose row_bytes is a multiple of 16 all start 16-byte aligned, and the stagers then
-    read them with 16-byte loads (exponent.cu's ibp_exp_stage_aligned16): real MiniLM rows mixed with random bit
-    patterns stored raw, coded rows of every length, from device memory and zero-copy from pinned host memory, with
-    the buffer's rows 16-byte aligned (shift 0, 16: the 16-byte path) and not (4: the 4-byte path); 512-byte and
-    128-byte rows decode in groups, 1536-byte rows one per warp."""
+    """Rows of an inplace store whose row_bytes is a multiple of 16 all start 16-byte aligned, and the group stager
+    then reads them with 16-byte loads (exponent.cu's ibp_exp_stage_aligned16): real MiniLM rows mixed with random
+    bit patterns stored raw, coded rows of every length, from device memory and zero-copy from pinned host memory,
+    with the buffer's rows 16-byte aligned (shift 0, 16: the 16-byte path) and not (4: the 4-byte path); 512-byte
+    and 128-byte rows decode in groups, 1536-byte rows one per warp (4-byte loads)."""
     real = minilm[:700, :cols].to(dtype).contiguous()
     codec = ExponentCodec.fit(real, seg=seg)
     assert codec.row_bytes % 16 == 0

@@ -327,14 +327,17 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
   }
 }
 
-// The stagers' 16-byte path (ibp_exp_stage_aligned16), on unless a build passes -DIBP_EXP_STAGE_VEC16=0 (how
+// The group stager's 16-byte path (ibp_exp_stage_aligned16), on unless a build passes -DIBP_EXP_STAGE_VEC16=0 (how
 // scripts/experiments/exp_lookup_profile.py --variants times the 4-byte path against it), and its 16-byte loads
-// per lane issued before their stores (4: a group of 2 KB of rows is one round trip).
+// per lane issued before their stores: 2 (1 KB of a group per round trip) zero-copy-reads 512-byte rows within 4%
+// of 4 (2 KB) and keeps the registers of the lookup kernels as the 4-byte path has them; with 4,
+// ibp_lookup_pool_single_e4 took 128 instead of 96 (16 resident warps per SM instead of 20; its 2 KB hits decoded
+// 19% slower, exp_lookup_profile on an H200).
 #ifndef IBP_EXP_STAGE_VEC16
 #define IBP_EXP_STAGE_VEC16 1
 #endif
 #ifndef IBP_EXP_VEC16_UNROLL
-#define IBP_EXP_VEC16_UNROLL 4
+#define IBP_EXP_VEC16_UNROLL 2
 #endif
 
 // The warp (all 32 lanes, uniform G) copies G rows that all start 16-byte aligned into shared memory: lane r < G's
@@ -344,7 +347,9 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
 // is a multiple of 16 starts aligned (the embedding bags' host rows and cache slots), and a lane's 16-byte load
 // needs neither the realignment nor the successor word of the 4-byte path, so a group costs a quarter of the load
 // instructions and, with V loads in flight per lane, one round trip over PCIe per 512 * V bytes instead of
-// 128 * U (the zero-copy exponent lookup of 512-byte rows ran at half its stored bytes' link rate on 4-byte loads).
+// 128 * U. Measured (H200, 512-byte MiniLM rows, zero-copy): the exponent lookup went from 0.76x to 1.08x the raw
+// rows' speed (fp32) and 0.75x to 1.06x (fp16). The one-row stager (ibp_exp_stage_row) keeps 4-byte loads: it
+// already issues a whole row's loads at once, and 16-byte ones changed nothing there.
 template <int V>
 __device__ __forceinline__ void ibp_exp_stage_aligned16(int G, const unsigned char* src, int n, unsigned int* w,
                                                         int stride_words, int per_row16, int lane) {
@@ -399,12 +404,6 @@ __device__ __forceinline__ void ibp_exp_stage_aligned16(int G, const unsigned ch
 // contiguous bytes, and only the aligned words that overlap the row are read (as ibp_stage_rows does for 32 rows).
 __device__ __forceinline__ void ibp_exp_stage_row(const unsigned char* src, int n, unsigned int* dst, int lane) {
   const unsigned long long sp = reinterpret_cast<unsigned long long>(src);
-#if IBP_EXP_STAGE_VEC16
-  if ((sp & 15ull) == 0) {  // uniform: 16-byte loads (ibp_exp_stage_aligned16, one row)
-    if (n > 0) ibp_exp_stage_aligned16<IBP_EXP_VEC16_UNROLL>(1, src, n, dst, 0, (n + 15) >> 4, lane);
-    return;
-  }
-#endif
   const int a = (int)(sp & 3);
   const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
   const int nw = n > 0 ? (a + n + 3) >> 2 : 0;
@@ -608,7 +607,8 @@ __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* 
 // ibp_exp_group_rows). Lane r < G holds row r (lanes >= G: ignored):
 //   src, len, compressed   as ibp_exp_decode_row_warp's (raw rows: row_bytes bytes at src; coded: 1 <= len <
 //                          row_bytes, else the row is malformed); only the aligned 4-byte words overlapping the
-//                          row's bytes are read.
+//                          row's bytes are read (16-byte chunks where every row of the group starts 16-byte
+//                          aligned: ibp_exp_stage_aligned16).
 //   dst                    its output row (aligned to sizeof(T)), or nullptr: no row (nothing read or written).
 // Returns (every lane) the mask of malformed rows (bit r: row r), whose dst is left untouched; the other rows are
 // decoded exactly as ibp_exp_decode_row_warp decodes them. Steps: stage the G rows (ibp_exp_stage_group); lane

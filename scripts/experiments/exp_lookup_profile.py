@@ -24,7 +24,7 @@ rows, and the gather's bytes against the store. CUDA events, warm-up, medians of
 ``--variants`` times compile-time variants of the exponent lookup kernels (exponent.cu's ``IBP_EXP_STAGE_VEC16`` /
 ``IBP_EXP_VEC16_UNROLL``, lookup.cu's ``IBP_EXP_LOOKUP_UNROLL`` / ``IBP_EXP_LOOKUP_SHFL`` / ``IBP_EXP_MIN_WARPS``) in
 the same process, each verified byte for byte like the default: ``base`` (the defaults), ``v0`` (16-byte-aligned rows
-staged with 4-byte loads too, as before the 16-byte path), ``v2`` (2 instead of 4 16-byte loads per lane in flight),
+staged with 4-byte loads too, as before the 16-byte path), ``v4`` (4 instead of 2 16-byte loads per lane in flight),
 ``u8`` (8 staged words per lane in flight on the 4-byte path), ``s`` (a staged word's successor by shuffle: host
 words requested once, not twice), ``w24`` (registers capped so 24 warps fit an SM), and combinations (``u8sw24``). One
 record per exponent codec and variant (column ``variant``); a variant's ``gather`` is its codec's (no decode). Each
@@ -33,7 +33,7 @@ variant is one more NVRTC build of lookup.cu (seconds, inside the first set's ti
     python scripts/experiments/exp_lookup_profile.py --out $OUT            # GPU, about a minute (H100/H200)
     python scripts/experiments/exp_lookup_profile.py --device cpu --quick  # CPU smoke: ratios and checks only
     python scripts/experiments/exp_lookup_profile.py --entry-bytes 512 --dists zipf --seg auto \
-        --variants base,v0,v2,v0u8w24 --budget-s 240 --out $OUT     # the variants, 1-2 minutes
+        --variants base,v0,v4,v0u8w24 --budget-s 240 --out $OUT     # the variants, 1-2 minutes
 """
 
 from __future__ import annotations
