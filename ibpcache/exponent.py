@@ -338,8 +338,9 @@ class ExponentCodec(Codec):
     # -- GPU ----------------------------------------------------------------------------------------
     def kernel_tables(self, device: "str | torch.device") -> "ExponentTables":
         """The code as the GPU kernels take it, built once per device: lengths, bit-reversed codewords, the decode
-        table of ``2**max_bits`` entries ``(symbol << 8) | length``, and the row geometry."""
-        from .kernels.exponent import ExponentTables
+        table of ``2**max_bits`` entries ``(symbol << 8) | length`` behind its first level (``two_level_lut``), and
+        the row geometry."""
+        from .kernels.exponent import ExponentTables, two_level_lut
 
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -352,8 +353,8 @@ class ExponentCodec(Codec):
                 lut[lo: lo + (1 << (max_bits - ln))] = (s << 8) | ln
             self._kernel_tables[str(dev)] = ExponentTables(
                 torch.from_numpy(self.code_lengths.copy()).to(dev), torch.from_numpy(self._code_rev.copy()).to(dev),
-                torch.from_numpy(lut).to(dev), max_bits, self.eshift, self.emask, self.raw_bits, self.row_elems,
-                self.row_bytes, self.elem_bytes, self.seg, self.n_seg, self.hdr_field)
+                torch.from_numpy(two_level_lut(lut, max_bits)).to(dev), max_bits, self.eshift, self.emask,
+                self.raw_bits, self.row_elems, self.row_bytes, self.elem_bytes, self.seg, self.n_seg, self.hdr_field)
         return self._kernel_tables[str(dev)]
 
     def size_rows_gpu(self, rows_u8: torch.Tensor) -> torch.Tensor:

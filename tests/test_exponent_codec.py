@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ibpcache import Codec, CodecKindError, CompressedRows, ExponentCodec, RowDtypeError, RowShapeError
-from ibpcache.errors import FormatError
+from ibpcache.errors import FormatError, InvalidArgumentError
+from ibpcache.kernels.exponent import LUT1_BITS, two_level_lut
 from ibpcache.exponent import (ALL_FORMATS, FORMATS, MAX_CODE_BITS, canonical_codes, limited_lengths,
                                segment_size)
 
@@ -237,6 +238,42 @@ def test_codes_are_canonical_prefix_codes_within_the_limit() -> None:
     assert len(words) == counts.size
     assert not any(a != b and b.startswith(a) for a in words for b in words)  # prefix-free
     assert MAX_CODE_BITS == 15
+
+
+def _kernel_lookup(lut: np.ndarray, max_bits: int, nxt: np.ndarray) -> np.ndarray:
+    """exponent.cu's ibp_exp_lookup on the host: ``nxt`` holds the stream's next MAX_CODE_BITS bits, first on top."""
+    first = lut[nxt >> (MAX_CODE_BITS - LUT1_BITS)]
+    return np.where(first >= 0, first, lut[(1 << LUT1_BITS) + (nxt >> (MAX_CODE_BITS - max_bits))])
+
+
+@pytest.mark.parametrize("counts", [np.array([2 ** k for k in range(40)] + [1] * 216, dtype=np.int64),
+                                    np.arange(1, 33, dtype=np.int64)])  # fp16's 32 exponents: all <= 10 bits
+def test_two_level_table_decodes_every_bit_pattern_as_the_full_table(counts: np.ndarray) -> None:
+    """The kernels' decode table (first level of LUT1_BITS bits, then the full table) gives, for every possible next
+    MAX_CODE_BITS stream bits, the codeword the full table gives; the first level alone holds every codeword of up
+    to LUT1_BITS bits (long codes: 15-bit limit; short: every codeword fits the first level)."""
+    lengths = limited_lengths(counts)
+    codes = canonical_codes(lengths)
+    max_bits = int(lengths.max())
+    full = np.zeros(1 << max_bits, dtype=np.int32)
+    for s, (ln, code) in enumerate(zip(lengths.astype(int), codes)):
+        lo = int(code) << (max_bits - ln)
+        full[lo: lo + (1 << (max_bits - ln))] = (s << 8) | ln
+    lut = two_level_lut(full, max_bits)
+    assert lut.shape == ((1 << LUT1_BITS) + (1 << max_bits),) and lut.dtype == np.int32
+    nxt = np.arange(1 << MAX_CODE_BITS, dtype=np.int64)
+    assert np.array_equal(_kernel_lookup(lut, max_bits, nxt), full[nxt >> (MAX_CODE_BITS - max_bits)])
+    prefix = np.arange(1 << LUT1_BITS, dtype=np.int64)
+    lead = (full[prefix << (max_bits - LUT1_BITS)] if max_bits > LUT1_BITS
+            else full[prefix >> (LUT1_BITS - max_bits)])  # the codeword each first-level index starts with
+    assert np.array_equal(lut[: 1 << LUT1_BITS] < 0, (lead & 0xFF) > LUT1_BITS)
+    with pytest.raises(InvalidArgumentError, match="decode table"):
+        two_level_lut(full[:-1], max_bits)
+
+
+def test_first_level_bits_match_the_kernel() -> None:
+    src = (Path(__file__).resolve().parents[1] / "ibpcache" / "kernels" / "exponent.cu").read_text()
+    assert f"#define IBP_EXP_LUT1_BITS {LUT1_BITS}\n" in src
 
 
 # -- golden vectors ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError
 from ._build import device_index, launch, sm_count
 
 __all__ = ["ExponentTables", "exp_sizes", "exp_encode", "exp_gather", "exp_decode_desc", "STAGED_MAX_ROW",
-           "WARP_MAX_ROW", "WARP_SMEM_BYTES", "EXP_GEOM_FIELDS", "group_rows"]
+           "WARP_MAX_ROW", "WARP_SMEM_BYTES", "EXP_GEOM_FIELDS", "LUT1_BITS", "group_rows", "two_level_lut"]
 
 _SRC = "exponent.cu"
 _THREADS = 128
@@ -27,6 +27,8 @@ STAGED_MAX_ROW = 256  # IBP_EXP_MAX_ROW: one-segment rows up to this many bytes 
 WARP_MAX_ROW = 2048  # IBP_EXP_WARP_MAX_ROW: rows up to this many bytes are staged in shared memory by the warp decode
 WARP_SMEM_BYTES = WARP_MAX_ROW + 16 + WARP_MAX_ROW // 2
 """IBP_EXP_WARP_SMEM_BYTES: one warp's shared memory in the warp decoders (a staged row and its exponent bytes)."""
+LUT1_BITS = 10
+"""IBP_EXP_LUT1_BITS: bits of the first-level decode table (:func:`two_level_lut`)."""
 EXP_GEOM_FIELDS = ("row_elems", "eshift", "emask", "raw_bits", "row_bytes", "seg", "n_seg", "hdr_field")
 """The geometry words (``ExponentTables.geom``) in the order lookup.cu's ExpRows reads them (IBP_EXP_GEOM_WORDS)."""
 
@@ -36,10 +38,11 @@ class ExponentTables:
     """Device tables of one exponent code and its row geometry.
 
     ``code_len`` uint8 [2**ebits], ``code_rev`` int32 [2**ebits] (codewords bit-reversed over their length),
-    ``lut`` int32 [2**max_bits] ((symbol << 8) | length); rows of ``row_elems`` elements of ``elem_bytes`` bytes in
-    ``n_seg`` segments of ``seg`` elements, whose starts take ``hdr_field`` bits each in the row header. ``geom``
-    (int32 [8], on the tables' device, built here) holds that geometry as :data:`EXP_GEOM_FIELDS`: what the engine's
-    lookup kernels (``lookup.cu``) read, since their parameter list is shared with the IBP kinds.
+    ``lut`` int32 [2**LUT1_BITS + 2**max_bits] (:func:`two_level_lut`); rows of ``row_elems`` elements of
+    ``elem_bytes`` bytes in ``n_seg`` segments of ``seg`` elements, whose starts take ``hdr_field`` bits each in the
+    row header. ``geom`` (int32 [8], on the tables' device, built here) holds that geometry as
+    :data:`EXP_GEOM_FIELDS`: what the engine's lookup kernels (``lookup.cu``) read, since their parameter list is
+    shared with the IBP kinds.
     """
 
     code_len: torch.Tensor
@@ -70,6 +73,24 @@ class ExponentTables:
     @property
     def device(self) -> torch.device:
         return self.lut.device
+
+
+def two_level_lut(full: np.ndarray, max_bits: int) -> np.ndarray:
+    """The decode table the kernels take (``ibp_exp_lookup``): ``2**LUT1_BITS`` first-level entries, entry ``i``
+    the codeword that the next ``LUT1_BITS`` stream bits ``i`` (first bit on top) begin with, as ``(symbol << 8) |
+    length``, or -1 where that codeword is longer than ``LUT1_BITS`` bits; then ``full``, the ``2**max_bits``-entry
+    table indexed by the next ``max_bits`` bits. A first-level hit needs only the small table (every frequent
+    exponent: see ``ibp_exp_lookup`` for why)."""
+    if full.shape != (1 << max_bits,):
+        raise InvalidArgumentError(f"decode table: expected {1 << max_bits} entries for {max_bits}-bit codes, "
+                                   f"got {full.shape}")
+    prefix = np.arange(1 << LUT1_BITS, dtype=np.int64)
+    if max_bits <= LUT1_BITS:  # every codeword fits the first level
+        first = full[prefix >> (LUT1_BITS - max_bits)]
+    else:
+        first = full[prefix << (max_bits - LUT1_BITS)]
+        first = np.where((first & 0xFF) <= LUT1_BITS, first, -1)
+    return np.concatenate([first.astype(np.int32), full.astype(np.int32)])
 
 
 def group_rows(row_bytes: int, row_elems: int, n_seg: int, cap: int = 32) -> int:
