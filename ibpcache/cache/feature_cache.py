@@ -46,7 +46,7 @@ from .entry import (EMPTY_ENTRY, MAX_SLABS, check_row_length, entry_compressed, 
                     entry_slab_ids, pack_entries)
 from .hashmap import CacheIndex, DEFAULT_MAX_PROBES, make_index
 from .host_store import CacheMirror, FitOptions, HostStore, Transfer, fit_candidates, fit_codec
-from .plan_layout import best_compressed, calibrate_layout
+from .plan_layout import best_compressed, calibrate_layout, codec_named
 from .ordering import StreamOrder
 from .policy import CachePolicy, PolicyKind, SlotPolicy, StaticPolicy, choose_slot_bytes, make_policy
 from .slab import SLAB_ALIGN, Slab, usable_bytes
@@ -241,7 +241,7 @@ class FeatureCache:
                                   allow_raw=compress_host == "auto")
         self.compress_host = choice.compress
         slab_method = choice.method if choice.compress else best_compressed(choice)
-        return next(c for c in candidates if c.method == slab_method), choice.as_dict()
+        return codec_named(candidates, slab_method), choice.as_dict()
 
     def _check_codec_rows(self, codec: Codec) -> None:
         """A codec given for tensor rows must be for rows like them: another dtype or shape would store them wrong."""

@@ -50,7 +50,7 @@ from .plan_layout import LayoutChoice, calibrate_layout, pick_codec
 from .plan_transfer import Transfer, TransferChoice, calibrate_transfer
 
 __all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "fit_candidates",
-           "plan_codec", "FIT_SAMPLE_ROWS", "FIT_SAMPLE_BYTES"]
+           "plan_codec", "FIT_SAMPLE_ROWS", "FIT_SAMPLE_BYTES", "FAST_SEG"]
 
 FIT_SAMPLE_ROWS = 1 << 18
 FIT_SAMPLE_BYTES = 1 << 28
@@ -127,11 +127,25 @@ def fit_codec(rows: torch.Tensor, device: torch.device, options: FitOptions = Fi
     return _fit_one(_fit_sample(rows, options).to(device), options.method, options)
 
 
+FAST_SEG = 32
+"""The segment length of the second exponent candidate :func:`fit_candidates` offers the planner when the fitted one
+(``seg="auto"``: the smallest stored size) is longer. Why: a row's segments are decoded in parallel, one lane each,
+so rows of few long segments decode slowly from device memory (cache hits); measured on an H200 with MiniLM rows,
+32-element segments decoded 2 KB rows 2.5-3.7x faster and 512 B rows 1.3x faster, for 1-4% of the ratio
+(docs/results/2026-11-26-h200-s26). Which of the two pays is the planner's measurement."""
+
+
 def fit_candidates(rows: torch.Tensor, device: torch.device, options: FitOptions = FitOptions()) -> list[Codec]:
     """One fitted codec per compressed method ``options`` allows for these rows (:meth:`FitOptions.methods`), all
-    fitted on the same sample: what the planner times against each other (and raw rows)."""
+    fitted on the same sample: what the planner times against each other (and raw rows). With ``method="auto"``
+    and ``seg="auto"``, an exponent codec whose segments are longer than :data:`FAST_SEG` elements comes with a
+    second one of :data:`FAST_SEG`-element segments (``"exponent_seg32"`` in the planner's choice)."""
     sample = _fit_sample(rows, options).to(device)
-    return [_fit_one(sample, m, options) for m in options.methods(rows.dtype)]
+    codecs = [_fit_one(sample, m, options) for m in options.methods(rows.dtype)]
+    if options.method == "auto" and options.seg == "auto":
+        codecs += [_fit_one(sample, "exponent", replace(options, seg=FAST_SEG)) for c in codecs
+                   if c.method == "exponent" and c.seg > FAST_SEG]  # type: ignore[attr-defined]
+    return codecs
 
 
 def plan_codec(rows: torch.Tensor, device: torch.device, options: FitOptions, allow_raw: bool,
@@ -283,7 +297,8 @@ class HostStore:
         """Fit the store's codec; after a planned choice, of the method the planner chose (a refit keeps it)."""
         options = self.fit_options or FitOptions()
         if options.method == "auto" and self.layout_choice is not None and self.layout_choice.compress:
-            options = replace(options, method=self.layout_choice.method)
+            method, _, seg = self.layout_choice.method.partition("_seg")  # e.g. "exponent_seg32" (candidate_names)
+            options = replace(options, method=method, **({"seg": int(seg)} if seg else {}))
         return fit_codec(rows, self.device, options)
 
     def _use_packed(self, packed: CompressedRows) -> None:

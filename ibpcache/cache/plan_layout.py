@@ -36,7 +36,7 @@ from ..errors import InternalError, InvalidArgumentError
 from ._plan_timing import MARGIN, wall_medians
 
 __all__ = ["LayoutChoice", "decide_layout", "decide_codec", "prefer_host_gather", "calibrate_layout", "pick_codec",
-           "best_compressed",
+           "best_compressed", "candidate_names", "codec_named",
            "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN", "ROUNDS", "REPS", "HIT_SHARE"]
 
 CALIBRATION_BYTES = 32 << 20
@@ -59,8 +59,9 @@ clock or PCIe drift hits them alike): 21 samples per candidate, whose median dec
 class LayoutChoice:
     """What the planner chose for one table and why (``stats()['host_layout']``).
 
-    ``method`` is the chosen codec method (``"raw"`` when the rows are stored raw); ``timings_ms`` the median
-    lookup time of every candidate timed, ``ratios`` every candidate's compression ratio on the sample (metadata
+    ``method`` names the chosen candidate (:func:`candidate_names`: its codec method, ``"raw"`` when the rows are
+    stored raw, e.g. ``"exponent_seg32"`` for a second exponent codec); ``timings_ms`` the median lookup time of
+    every candidate timed, ``ratios`` every candidate's compression ratio on the sample (metadata
     excluded), ``samples`` how many timings each median is of, ``hit_timings_ms`` the same lookups with the rows in
     device memory. ``compressed_ms`` / ``ratio`` describe the chosen (or, for a raw choice, the best) compressed
     candidate, ``raw_ms`` the raw rows."""
@@ -188,12 +189,32 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
     return made(chosen, True, reason)
 
 
+def candidate_names(candidates: Sequence[Codec]) -> list[str]:
+    """The planner's name of each candidate: its codec method (``"ibp"``, ``"exponent"``, ``"raw"``), and for a
+    further codec of a method already named, the method and its segment length (``"exponent_seg32"``): the keys of
+    a :class:`LayoutChoice`'s timings and ratios, and what ``method`` says was chosen."""
+    names: list[str] = []
+    for codec in candidates:
+        name = codec.method
+        if name in names:
+            name = f"{codec.method}_seg{getattr(codec, 'seg', len(names))}"
+        if name in names:
+            raise InvalidArgumentError(f"calibrate_layout: two candidates named {name!r}")
+        names.append(name)
+    return names
+
+
 def pick_codec(candidates: Sequence[Codec], choice: LayoutChoice) -> Codec:
     """The candidate codec ``choice`` names (the raw codec for a raw choice)."""
-    for codec in candidates:
-        if codec.method == choice.method:
+    return codec_named(candidates, choice.method)
+
+
+def codec_named(candidates: Sequence[Codec], name: str) -> Codec:
+    """The candidate of :func:`candidate_names` name ``name``."""
+    for codec, cname in zip(candidates, candidate_names(candidates)):
+        if cname == name:
             return codec
-    raise InternalError(f"no candidate codec of method {choice.method!r}")
+    raise InternalError(f"no candidate codec named {name!r}")
 
 
 def best_compressed(choice: LayoutChoice) -> str:
@@ -273,21 +294,22 @@ def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", devi
     from ..kernels.lookup import LookupErrors, RowSource
 
     codecs = _candidates(codec, allow_raw)
+    named = dict(zip(candidate_names(codecs), codecs))
     row_bytes = codecs[0].row_bytes
     sample = _sample_rows(table, row_bytes)
     m = int(sample.shape[0])
     cuda = device.type == "cuda"
     stores: dict[str, Any] = {}
     ratios: dict[str, float] = {}
-    for c in codecs:
-        if c.method == "raw":
+    for name, c in named.items():
+        if name == "raw":
             continue
         packed = c.compress(sample, layout="inplace", pin=cuda, device=device)
-        ratios[c.method] = (m * row_bytes) / max(int(packed.lengths.sum(dtype=torch.int64)), 1)
-        stores[c.method] = packed
-    raw_ok = any(c.method == "raw" for c in codecs)
-    timed = [c for c in codecs if c.method == "raw" or ratios[c.method] >= MIN_RATIO]
-    if not cuda or not any(c.method != "raw" for c in timed):
+        ratios[name] = (m * row_bytes) / max(int(packed.lengths.sum(dtype=torch.int64)), 1)
+        stores[name] = packed
+    raw_ok = "raw" in named
+    timed = {name: c for name, c in named.items() if name == "raw" or ratios[name] >= MIN_RATIO}
+    if not cuda or not any(name != "raw" for name in timed):
         return decide_codec(ratios, {}, allow_raw=raw_ok, batch=batch)
     raw = torch.empty(m * row_bytes + 16, dtype=torch.uint8, pin_memory=True)[: m * row_bytes]
     raw.copy_(sample.view(torch.uint8).reshape(-1))
@@ -295,23 +317,23 @@ def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", devi
     index = IndexArgs(IndexMode.NONE, empty, empty, 0, 0)
     bases = torch.zeros(8, dtype=torch.int64, device=device)
     sources, hit_sources, keep = {}, {}, []
-    for c in timed:
-        host = raw if c.method == "raw" else stores[c.method].data
-        lengths = None if c.method == "raw" else stores[c.method].lengths.to(torch.int32).to(device)
+    for name in timed:
+        host = raw if name == "raw" else stores[name].data
+        lengths = None if name == "raw" else stores[name].lengths.to(torch.int32).to(device)
         resident = host.to(device)  # the same stored bytes as a GPU cache holds them
         keep.append(resident)
-        sources[c.method] = RowSource(index, bases, host.data_ptr(), None, row_bytes, lengths, m)
-        hit_sources[c.method] = RowSource(index, bases, resident.data_ptr(), None, row_bytes, lengths, m)
+        sources[name] = RowSource(index, bases, host.data_ptr(), None, row_bytes, lengths, m)
+        hit_sources[name] = RowSource(index, bases, resident.data_ptr(), None, row_bytes, lengths, m)
     ids = torch.randint(0, m, (batch,), generator=torch.Generator().manual_seed(0)).to(device)
     out = torch.empty(batch * row_bytes, dtype=torch.uint8, device=device)
     err = LookupErrors(pin=True)
-    times: dict[str, list[float]] = {c.method: [] for c in timed}
-    hit_times: dict[str, list[float]] = {c.method: [] for c in timed}
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    hit_times: dict[str, list[float]] = {name: [] for name in timed}
     for _ in range(rounds):  # alternate the candidates, round by round
-        for c in timed:
+        for name, c in timed.items():
             tables = c.kernel_tables(device)
-            times[c.method] += _time_lookup(ids, out, sources[c.method], tables, sample.dtype, err, reps)
-            hit_times[c.method] += _time_lookup(ids, out, hit_sources[c.method], tables, sample.dtype, err, reps)
+            times[name] += _time_lookup(ids, out, sources[name], tables, sample.dtype, err, reps)
+            hit_times[name] += _time_lookup(ids, out, hit_sources[name], tables, sample.dtype, err, reps)
     medians = {k: statistics.median(v) for k, v in times.items()}
     hit_medians = {k: statistics.median(v) for k, v in hit_times.items()}
     choice = decide_codec(ratios, medians, allow_raw=raw_ok, batch=batch, samples=rounds * reps,
@@ -320,7 +342,7 @@ def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", devi
         return choice
     # the compressed candidate the CPU's raw gather competes with: the chosen one, or the fastest if raw won
     method = choice.method if choice.compress else min((k for k in medians if k != "raw"), key=medians.get)
-    chosen = next(c for c in timed if c.method == method)
+    chosen = timed[method]
     return prefer_host_gather(choice, *_time_host_gather(ids.cpu(), raw.view(m, row_bytes), out,
                                                          sources[method], chosen.kernel_tables(device),
                                                          sample.dtype, err, reps))

@@ -20,8 +20,8 @@ from cache_helpers import assert_same_rows, id_batches
 
 from ibpcache import Codec, CompressedRows, ExponentCodec
 from ibpcache.cache.feature_cache import FeatureCache
-from ibpcache.cache.host_store import FitOptions, HostStore, fit_candidates
-from ibpcache.cache.plan_layout import MARGIN, MIN_RATIO, best_compressed, decide_codec
+from ibpcache.cache.host_store import FAST_SEG, FitOptions, HostStore, fit_candidates
+from ibpcache.cache.plan_layout import MARGIN, MIN_RATIO, best_compressed, candidate_names, decide_codec, pick_codec
 from ibpcache.errors import FormatError, InvalidArgumentError, RowDtypeError, RowShapeError
 
 CPU = torch.device("cpu")
@@ -177,7 +177,8 @@ def test_host_store_auto_picks_the_smallest_without_cuda(minilm: torch.Tensor, c
     st = HostStore(dense, codec=FitOptions(method="auto"), compress="auto", device=CPU)
     lay = st.stats()["host_layout"]
     assert lay["method"] == "exponent" and st.codec.method == "exponent" and st.compress
-    assert set(lay["ratios"]) == {"ibp", "exponent"} and lay["ratios"]["exponent"] > lay["ratios"]["ibp"] > 1.05
+    assert set(lay["ratios"]) == {"ibp", "exponent", "exponent_seg32"}  # fitted segments > 32: the short ones too
+    assert lay["ratios"]["exponent"] > lay["ratios"]["exponent_seg32"] > lay["ratios"]["ibp"] > 1.05
     assert "smallest stored size" in lay["reason"] and lay["timings_ms"] == {}
     assert torch.equal(st.dense().view(torch.int32), dense.view(torch.int32))
     sparse = cora.features[:600].contiguous()
@@ -323,6 +324,35 @@ def test_fit_candidates_share_one_sample(minilm: torch.Tensor) -> None:
     got = fit_candidates(x, CPU, FitOptions(method="auto", seg=16))
     assert [c.method for c in got] == ["ibp", "exponent"] and got[1].seg == 16
     assert got[0].fitted_rows == got[1].fitted_rows == 500
+
+
+def test_fit_candidates_offer_short_segments_beside_the_fitted_ones(minilm: torch.Tensor) -> None:
+    """seg="auto" fits the segment length of the smallest store; when that is longer than FAST_SEG, the planner also
+    gets an exponent codec of FAST_SEG-element segments (faster cache hits), named apart from the first."""
+    x = minilm[OFF: OFF + 500, :128].contiguous()  # 512-byte rows: the fitted segments are 64 elements
+    got = fit_candidates(x, CPU, FitOptions(method="auto"))
+    assert [(c.method, getattr(c, "seg", None)) for c in got] == [("ibp", None), ("exponent", 64),
+                                                                  ("exponent", FAST_SEG)]
+    assert candidate_names([*got, Codec.raw(torch.float32, (128,))]) == ["ibp", "exponent", "exponent_seg32", "raw"]
+    assert len(fit_candidates(x[:, :32].contiguous(), CPU, FitOptions(method="auto"))) == 2  # fitted seg: 32
+    assert [getattr(c, "seg", None) for c in fit_candidates(x, CPU, FitOptions(method="auto", seg=64))] == [None, 64]
+
+
+def test_the_planner_can_choose_the_short_segments_and_a_refit_keeps_them(minilm: torch.Tensor) -> None:
+    x = minilm[OFF: OFF + 500, :128].contiguous()
+    got = fit_candidates(x, CPU, FitOptions(method="auto"))
+    ratios = {"ibp": 1.14, "exponent": 1.19, "exponent_seg32": 1.18}
+    misses = {"raw": 1.0, "ibp": 0.97, "exponent": 0.88, "exponent_seg32": 0.87}
+    hits = {"raw": 1.0, "ibp": 1.6, "exponent": 1.7, "exponent_seg32": 0.95}  # only the short segments pay at 90%
+    choice = decide_codec(ratios, misses, hit_timings_ms=hits)
+    assert choice.compress and choice.method == "exponent_seg32", choice.reason
+    assert pick_codec([*got, Codec.raw(torch.float32, (128,))], choice) is got[2]
+    store = HostStore(x, device=CPU, compress=True, codec=FitOptions(method="auto"))
+    store.layout_choice = choice
+    refit = store._fit(x)
+    assert refit.method == "exponent" and refit.seg == FAST_SEG
+    with pytest.raises(InvalidArgumentError, match="two candidates"):
+        candidate_names([got[2], got[2], got[2]])  # "exponent", "exponent_seg32", then a second "exponent_seg32"
 
 
 # ---- GPU: the lookup kernels decode exponent rows ----------------------------------------------------------------
@@ -488,14 +518,16 @@ def test_gpu_corrupt_row_is_reported_never_read_past(minilm: torch.Tensor) -> No
 
 @pytest.mark.gpu
 def test_gpu_planner_times_three_candidates(minilm: torch.Tensor, cora: Any) -> None:
-    """codec='auto' + compress_host='auto' on CUDA: IBP, exponent and raw rows are timed (21 lookups each); the
-    choice follows the rule on the recorded medians, and fetches stay exact."""
+    """codec='auto' + compress_host='auto' on CUDA: IBP, exponent (also with 32-element segments where the fitted
+    ones are longer) and raw rows are timed (21 lookups each); the choice follows the rule on the recorded medians,
+    and fetches stay exact."""
     from ibpcache.cache.plan_layout import REPS, ROUNDS
 
     for rows in (minilm[OFF: OFF + 20000].contiguous(), cora.features.contiguous()):
         fc = FeatureCache(rows, 0.02, device="cuda", codec="auto", compress_host="auto")
         lay = fc.stats()["host_layout"]
-        assert set(lay["timings_ms"]) == {"ibp", "exponent", "raw"} and lay["samples"] == ROUNDS * REPS
+        assert {"ibp", "exponent", "raw"} <= set(lay["timings_ms"]) <= {"ibp", "exponent", "exponent_seg32", "raw"}
+        assert lay["samples"] == ROUNDS * REPS
         again = decide_codec(lay["ratios"], lay["timings_ms"], hit_timings_ms=lay["hit_timings_ms"])
         # the rule on the recorded medians, unless the CPU's raw gather then beat the chosen codec (static caches)
         assert lay["method"] == again.method or (lay["method"] == "raw" and "CPU gather" in lay["reason"])
