@@ -197,7 +197,8 @@ def candidate_names(candidates: Sequence[Codec]) -> list[str]:
     for codec in candidates:
         name = codec.method
         if name in names:
-            name = f"{codec.method}_seg{getattr(codec, 'seg', len(names))}"
+            seg = getattr(codec, "seg", None)
+            name = f"{codec.method}_seg{seg}" if seg is not None else f"{codec.method}_{len(names)}"
         if name in names:
             raise InvalidArgumentError(f"calibrate_layout: two candidates named {name!r}")
         names.append(name)
