@@ -350,6 +350,21 @@ __device__ __forceinline__ void ibp_stage_rows(const unsigned char* src, int n, 
 #define IBP_EXP_VEC16_UNROLL 2
 #endif
 
+// Item f (of `total`) of a group's staging loop: row r (lane r holds it), slot k of the row's `per_row`, and that
+// row's length and address as lane r holds them (a shuffle: every lane calls it, uniform arguments but f).
+struct IbpGroupItem {
+  int r, k, n;
+  unsigned long long src;
+};
+__device__ __forceinline__ IbpGroupItem ibp_group_item(int f, int total, int per_row, int n, const unsigned char* src) {
+  IbpGroupItem it;
+  it.r = f < total ? f / per_row : 0;
+  it.k = f - it.r * per_row;
+  it.n = __shfl_sync(IBP_EXP_FULL, n, it.r);
+  it.src = __shfl_sync(IBP_EXP_FULL, reinterpret_cast<unsigned long long>(src), it.r);
+  return it;
+}
+
 // The warp (all 32 lanes, uniform G) copies G rows that all start 16-byte aligned into shared memory: lane r < G's
 // row (n_r bytes at src_r, n_r <= 16 * per_row16; 0 for none) goes to w + r * stride_words as its first
 // ceil(n_r / 4) words (w 16-byte aligned). Reads only the aligned 16-byte chunks that overlap a row (each lies in
@@ -371,14 +386,11 @@ __device__ __forceinline__ void ibp_exp_stage_aligned16(int G, const unsigned ch
 #pragma unroll
     for (int u = 0; u < V; ++u) {
       const int f = base + 32 * u + lane;
-      const int r = f < total ? f / per_row16 : 0;
-      const int k = f - r * per_row16;
-      const int nr = __shfl_sync(IBP_EXP_FULL, n, r);
-      const unsigned long long sp = __shfl_sync(IBP_EXP_FULL, reinterpret_cast<unsigned long long>(src), r);
-      const bool live = f < total && 16 * k < nr;
-      v[u] = live ? reinterpret_cast<const uint4*>(sp)[k] : make_uint4(0u, 0u, 0u, 0u);
-      at[u] = live ? r * stride_words + 4 * k : -1;
-      nw[u] = live ? min(4, ((nr + 3) >> 2) - 4 * k) : 0;
+      const IbpGroupItem it = ibp_group_item(f, total, per_row16, n, src);
+      const bool live = f < total && 16 * it.k < it.n;
+      v[u] = live ? reinterpret_cast<const uint4*>(it.src)[it.k] : make_uint4(0u, 0u, 0u, 0u);
+      at[u] = live ? it.r * stride_words + 4 * it.k : -1;
+      nw[u] = live ? min(4, ((it.n + 3) >> 2) - 4 * it.k) : 0;
     }
 #pragma unroll
     for (int u = 0; u < V; ++u) {
@@ -581,10 +593,9 @@ __device__ __forceinline__ void ibp_exp_stage_group(int G, const unsigned char* 
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int f = base + 32 * u + lane;
-      const int r = f < total ? f / per_row : 0;
-      const int k = f - r * per_row;
-      const int nr = __shfl_sync(IBP_EXP_FULL, n, r);
-      const unsigned long long sp = __shfl_sync(IBP_EXP_FULL, reinterpret_cast<unsigned long long>(src), r);
+      const IbpGroupItem it = ibp_group_item(f, total, per_row, n, src);
+      const int r = it.r, k = it.k, nr = it.n;
+      const unsigned long long sp = it.src;
       const int a = (int)(sp & 3);
       const unsigned int* words = reinterpret_cast<const unsigned int*>(sp - a);
       const int nw = nr > 0 ? (a + nr + 3) >> 2 : 0;
