@@ -45,7 +45,8 @@ MAX_CODE_BITS = 15
 """Longest codeword: a decoder's table then has 2**15 entries at most. A 12-bit limit (a table small enough for
 shared memory) was measured and costs too much: even optimal length-limited codes spend ~0.1 more bits per 8-bit
 exponent (about 230 exponent values never occur and still need codewords), 0.4% of MiniLM's fp32 ratio and 0.9%
-of its bf16 ratio."""
+of its bf16 ratio. The GPU decoders keep the long codes and look up in two levels instead (``two_level_lut``: a
+4 KB table of the codewords up to 10 bits first)."""
 
 ALL_FORMATS: dict[torch.dtype, tuple[int, int, int]] = {
     # dtype: (exponent bits, exponent shift = mantissa bits, raw bits = sign + mantissa)
