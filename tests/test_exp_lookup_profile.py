@@ -32,9 +32,22 @@ def test_parse_variants(script_module: Any) -> None:
         assert mod.parse_variants("v0,v2,v0u8w24") == {
             "v0": ("-DIBP_EXP_STAGE_VEC16=0",), "v2": ("-DIBP_EXP_VEC16_UNROLL=2",),
             "v0u8w24": ("-DIBP_EXP_STAGE_VEC16=0", "-DIBP_EXP_LOOKUP_UNROLL=8", "-DIBP_EXP_MIN_WARPS=24")}
-        for bad in ("", "u0", "u33", "w65", "w0", "x8", "u8x", "w24u8", "uw", "su8", "u8ss", "v17", "u8v2", "v"):
+        assert mod.parse_variants("r24,v0r32") == {"r24": ("-DIBP_MIN_WARPS=24",),
+                                                   "v0r32": ("-DIBP_EXP_STAGE_VEC16=0", "-DIBP_MIN_WARPS=32")}
+        for bad in ("", "u0", "u33", "w65", "w0", "x8", "u8x", "w24u8", "uw", "su8", "u8ss", "v17", "u8v2", "v",
+                    "r0", "r65", "r24w24"):
             with pytest.raises(InvalidArgumentError):
                 mod.parse_variants(bad)
+
+
+def test_variants_of_raw_rows_are_the_ones_that_change_their_kernels(script_module: Any) -> None:
+    import argparse
+
+    with script_module(SCRIPT) as mod:
+        args = argparse.Namespace(variants=mod.parse_variants("base,v0,r24,u8r32"))
+        assert mod.variants_of("exp_segauto", args) == ["base", "v0", "r24", "u8r32"]
+        assert mod.variants_of("raw", args) == mod.variants_of("ibp", args) == ["base", "r24", "u8r32"]
+        assert mod.variants_of("raw", argparse.Namespace(variants=mod.parse_variants("v0"))) == ["base"]
 
 
 def test_bad_arguments_exit(script_module: Any) -> None:

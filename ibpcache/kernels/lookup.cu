@@ -234,24 +234,31 @@ struct IbpRows {
 // The geometry words of an exponent code (ExponentTables.geom; keep in sync with EXP_GEOM_FIELDS in exponent.py).
 #define IBP_EXP_GEOM_WORDS 8
 
-// Compile-time variants of the exponent lookup kernels (ibp_lookup_{rows,pool,pool_wide,pool_single}_e*, nothing
-// else), so one process can time them against the defaults (module options, e.g. -DIBP_EXP_LOOKUP_UNROLL=8; see
-// scripts/experiments/exp_lookup_profile.py --variants). Why: a warp stages its group of rows from pinned host
-// memory and decodes only once they arrived, so the host reads' latency is hidden only by other warps' work or by
-// more loads in flight per warp.
+// Compile-time variants of the lookup kernels (the exponent kinds' ibp_lookup_{rows,pool,pool_wide,pool_single}_e*;
+// IBP_MIN_WARPS: the IBP and raw kinds'), so one process can time them against the defaults (module options, e.g.
+// -DIBP_EXP_LOOKUP_UNROLL=8; see scripts/experiments/exp_lookup_profile.py --variants). Why: a warp stages its group
+// of rows from pinned host memory and decodes only once they arrived, so the host reads' latency is hidden only by
+// other warps' work or by more loads in flight per warp.
 //   IBP_EXP_LOOKUP_UNROLL  staged words per lane whose loads go out together (ibp_exp_stage_group's U); default
 //                          the other kernels' IBP_EXP_GROUP_UNROLL
 //   IBP_EXP_LOOKUP_SHFL    1: a staged word's successor comes from the next lane (ibp_exp_stage_group's SHFL:
 //                          each host word requested about once, not twice); default 0
 //   IBP_EXP_MIN_WARPS      resident warps per SM the kernels must allow (__launch_bounds__' min blocks: the
 //                          compiler caps registers to fit); default none (registers as the code needs)
+//   IBP_MIN_WARPS          the same for the IBP and raw kinds' kernels (ibp_lookup_{rows,pool,pool_wide}_c*):
+//                          their cache hits read one row per warp at a time, so resident warps bound how many rows
+//                          are in flight; default none
 #ifndef IBP_EXP_LOOKUP_UNROLL
 #define IBP_EXP_LOOKUP_UNROLL IBP_EXP_GROUP_UNROLL
 #endif
 #ifndef IBP_EXP_LOOKUP_SHFL
 #define IBP_EXP_LOOKUP_SHFL 0
 #endif
+#ifdef IBP_MIN_WARPS
+#define IBP_LB(THREADS) __launch_bounds__(THREADS, (IBP_MIN_WARPS * 32 + (THREADS) - 1) / (THREADS))
+#else
 #define IBP_LB(THREADS) __launch_bounds__(THREADS)
+#endif
 #ifdef IBP_EXP_MIN_WARPS
 #define IBP_EXP_LB(THREADS) __launch_bounds__(THREADS, (IBP_EXP_MIN_WARPS * 32 + (THREADS) - 1) / (THREADS))
 #else

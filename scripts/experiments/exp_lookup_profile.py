@@ -21,13 +21,15 @@ Every lookup output is verified byte for byte (rows: the source rows; pool: ``0.
 kernel's arithmetic for a bag of one id), the CPU decoder (``Codec.decode_rows_at``) is checked on the same stored
 rows, and the gather's bytes against the store. CUDA events, warm-up, medians of ``--reps`` (>= 20).
 
-``--variants`` times compile-time variants of the exponent lookup kernels (exponent.cu's ``IBP_EXP_STAGE_VEC16`` /
-``IBP_EXP_VEC16_UNROLL``, lookup.cu's ``IBP_EXP_LOOKUP_UNROLL`` / ``IBP_EXP_LOOKUP_SHFL`` / ``IBP_EXP_MIN_WARPS``) in
-the same process, each verified byte for byte like the default: ``base`` (the defaults), ``v0`` (16-byte-aligned rows
-staged with 4-byte loads too, as before the 16-byte path), ``v4`` (4 instead of 2 16-byte loads per lane in flight),
-``u8`` (8 staged words per lane in flight on the 4-byte path), ``s`` (a staged word's successor by shuffle: host
-words requested once, not twice), ``w24`` (registers capped so 24 warps fit an SM), and combinations (``u8sw24``). One
-record per exponent codec and variant (column ``variant``); a variant's ``gather`` is its codec's (no decode). Each
+``--variants`` times compile-time variants of the lookup kernels (exponent.cu's ``IBP_EXP_STAGE_VEC16`` /
+``IBP_EXP_VEC16_UNROLL``, lookup.cu's ``IBP_EXP_LOOKUP_UNROLL`` / ``IBP_EXP_LOOKUP_SHFL`` / ``IBP_EXP_MIN_WARPS`` /
+``IBP_MIN_WARPS``) in the same process, each verified byte for byte like the default: ``base`` (the defaults),
+``v0`` (16-byte-aligned rows staged with 4-byte loads too, as before the 16-byte path), ``v4`` (4 instead of 2
+16-byte loads per lane in flight), ``u8`` (8 staged words per lane in flight on the 4-byte path), ``s`` (a staged
+word's successor by shuffle: host words requested once, not twice), ``w24`` (registers capped so 24 warps fit an
+SM), ``r24`` (the same cap for the raw and IBP kinds' kernels: more cache-hit rows in flight; raw and IBP rows are
+timed in it too), and combinations (``u8sw24``). One record per codec and variant (column ``variant``); a variant's
+``gather`` is its codec's (no decode); ratios against raw are against raw's defaults. Each
 variant is one more NVRTC build of lookup.cu (seconds, inside the first set's time).
 
     python scripts/experiments/exp_lookup_profile.py --out $OUT            # GPU, about a minute (H100/H200)
@@ -101,27 +103,29 @@ def parse_segs(text: str) -> list["int | str | None"]:
 
 
 def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
-    """``--variants``: comma-separated ``base`` or ``v<V>u<U>sw<W>`` (each part optional, in this order): the
-    exponent lookup kernels built with ``-DIBP_EXP_VEC16_UNROLL=V`` (1..16; ``v0``: ``-DIBP_EXP_STAGE_VEC16=0``, the
-    4-byte staging path only), ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32), ``-DIBP_EXP_LOOKUP_SHFL=1`` (``s``) and/or
-    ``-DIBP_EXP_MIN_WARPS=W`` (1..64). Name -> options."""
+    """``--variants``: comma-separated ``base`` or ``v<V>u<U>sw<W>r<R>`` (each part optional, in this order): the
+    lookup kernels built with ``-DIBP_EXP_VEC16_UNROLL=V`` (1..16; ``v0``: ``-DIBP_EXP_STAGE_VEC16=0``, the 4-byte
+    staging path only), ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32), ``-DIBP_EXP_LOOKUP_SHFL=1`` (``s``),
+    ``-DIBP_EXP_MIN_WARPS=W`` (1..64) and/or ``-DIBP_MIN_WARPS=R`` (1..64: the raw and IBP kinds' kernels, so
+    their codecs are timed in such a variant too). Name -> options."""
     out: dict[str, tuple[str, ...]] = {}
     for tok in (t.strip() for t in text.split(",") if t.strip()):
-        m = re.fullmatch(r"(?:v(\d+))?(?:u(\d+))?(s)?(?:w(\d+))?", tok)
+        m = re.fullmatch(r"(?:v(\d+))?(?:u(\d+))?(s)?(?:w(\d+))?(?:r(\d+))?", tok)
         if tok == "base":
             out[tok] = ()
         elif tok and m and (m.group(1) is None or 0 <= int(m.group(1)) <= 16) and (
-                m.group(2) is None or 1 <= int(m.group(2)) <= 32) and (
-                m.group(4) is None or 1 <= int(m.group(4)) <= 64):
+                m.group(2) is None or 1 <= int(m.group(2)) <= 32) and all(
+                m.group(g) is None or 1 <= int(m.group(g)) <= 64 for g in (4, 5)):
             vec = [] if m.group(1) is None else (["-DIBP_EXP_STAGE_VEC16=0"] if int(m.group(1)) == 0
                                                   else [f"-DIBP_EXP_VEC16_UNROLL={int(m.group(1))}"])
             opts = vec + ([f"-DIBP_EXP_LOOKUP_UNROLL={int(m.group(2))}"] if m.group(2) else []) + (
                 ["-DIBP_EXP_LOOKUP_SHFL=1"] if m.group(3) else []) + (
-                [f"-DIBP_EXP_MIN_WARPS={int(m.group(4))}"] if m.group(4) else [])
+                [f"-DIBP_EXP_MIN_WARPS={int(m.group(4))}"] if m.group(4) else []) + (
+                [f"-DIBP_MIN_WARPS={int(m.group(5))}"] if m.group(5) else [])
             out[tok] = tuple(opts)
         else:
-            raise InvalidArgumentError(f"--variants: expected base or v<0..16>, u<1..32>, s, w<1..64> in this order "
-                                       f"(e.g. v0, v2, u8, u8s, w24, v0u8sw24), got {tok!r}")
+            raise InvalidArgumentError(f"--variants: expected base or v<0..16>, u<1..32>, s, w<1..64>, r<1..64> in "
+                                       f"this order (e.g. v0, v2, u8, u8s, w24, r24, v0u8sw24), got {tok!r}")
     if not out:
         raise InvalidArgumentError("--variants: name at least one variant (base: the defaults)")
     return out
@@ -344,14 +348,17 @@ def run_set(dtype_name: str, row_bytes: int, args: argparse.Namespace, device: t
 
 
 def variants_of(method: str, args: argparse.Namespace) -> list[str]:
-    """The variants a codec is timed in: every ``--variants`` for exponent codecs (the kernels they change), else
-    the defaults only."""
-    return list(args.variants) if method.startswith("exp") else ["base"]
+    """The variants a codec is timed in: every ``--variants`` for exponent codecs (the kernels they change); for raw
+    and IBP rows the defaults and the variants that change their kernels (``r<R>``)."""
+    if method.startswith("exp"):
+        return list(args.variants)
+    return ["base"] + [v for v, opts in args.variants.items()
+                       if v != "base" and any(o.startswith("-DIBP_MIN_WARPS=") for o in opts)]
 
 
 def derive(recs: list[dict[str, Any]], kernels: list[str]) -> None:
     """Speed against raw rows and against the codec's own stored-bytes gather (same source)."""
-    raw = next(r for r in recs if r["method"] == "raw")
+    raw = next(r for r in recs if r["method"] == "raw" and r.get("variant", "base") == "base")
     for r in recs:
         for kernel in kernels:
             for where in WHERE:
