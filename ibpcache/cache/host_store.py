@@ -46,7 +46,7 @@ from ..errors import (FormatError, InvalidArgumentError, RowDtypeError, RowShape
 from ..exponent import ExponentCodec
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
-from .plan_layout import LayoutChoice, calibrate_layout, pick_codec
+from .plan_layout import LayoutChoice, calibrate_layout, named_fit, pick_codec
 from .plan_transfer import Transfer, TransferChoice, calibrate_transfer
 
 __all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "fit_candidates",
@@ -297,8 +297,8 @@ class HostStore:
         """Fit the store's codec; after a planned choice, of the method the planner chose (a refit keeps it)."""
         options = self.fit_options or FitOptions()
         if options.method == "auto" and self.layout_choice is not None and self.layout_choice.compress:
-            method, _, seg = self.layout_choice.method.partition("_seg")  # e.g. "exponent_seg32" (candidate_names)
-            options = replace(options, method=method, **({"seg": int(seg)} if seg else {}))
+            method, seg = named_fit(self.layout_choice.method)
+            options = replace(options, method=method, **({} if seg is None else {"seg": seg}))
         return fit_codec(rows, self.device, options)
 
     def _use_packed(self, packed: CompressedRows) -> None:

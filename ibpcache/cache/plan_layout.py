@@ -36,7 +36,7 @@ from ..errors import InternalError, InvalidArgumentError
 from ._plan_timing import MARGIN, wall_medians
 
 __all__ = ["LayoutChoice", "decide_layout", "decide_codec", "prefer_host_gather", "calibrate_layout", "pick_codec",
-           "best_compressed", "candidate_names", "codec_named",
+           "best_compressed", "candidate_names", "codec_named", "named_fit",
            "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN", "ROUNDS", "REPS", "HIT_SHARE"]
 
 CALIBRATION_BYTES = 32 << 20
@@ -203,6 +203,13 @@ def candidate_names(candidates: Sequence[Codec]) -> list[str]:
             raise InvalidArgumentError(f"calibrate_layout: two candidates named {name!r}")
         names.append(name)
     return names
+
+
+def named_fit(name: str) -> tuple[str, Optional[int]]:
+    """The codec method and segment length a :func:`candidate_names` name stands for (``"exponent_seg32"`` ->
+    ``("exponent", 32)``; ``"ibp"`` -> ``("ibp", None)``): what refits the chosen candidate."""
+    method, _, seg = name.partition("_seg")
+    return method, int(seg) if seg else None
 
 
 def pick_codec(candidates: Sequence[Codec], choice: LayoutChoice) -> Codec:
