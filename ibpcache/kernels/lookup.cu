@@ -67,19 +67,52 @@ __device__ __forceinline__ unsigned short ibp_f32_to_bf16(float f) {
     return h;
 }
 
+// A 16-bit element's value (fp16 or bf16) and back, rounding to nearest.
+__device__ __forceinline__ float ibp_half_to_f32(unsigned short h, int elem) {
+    return elem == IBP_ELEM_F16 ? ibp_f16_to_f32(h) : __uint_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ unsigned short ibp_f32_to_half(float v, int elem) {
+    return elem == IBP_ELEM_F16 ? ibp_f32_to_f16(v) : ibp_f32_to_bf16(v);
+}
+
 __device__ __forceinline__ float ibp_elem_load(const unsigned char* row, int e, int elem) {
     if (elem == IBP_ELEM_F32) return reinterpret_cast<const float*>(row)[e];
-    unsigned short h = reinterpret_cast<const unsigned short*>(row)[e];
-    if (elem == IBP_ELEM_F16) return ibp_f16_to_f32(h);
-    return __uint_as_float(((u32)h) << 16);
+    return ibp_half_to_f32(reinterpret_cast<const unsigned short*>(row)[e], elem);
 }
 
 __device__ __forceinline__ void ibp_elem_store(unsigned char* row, int e, int elem, float v) {
     if (elem == IBP_ELEM_F32) {
         reinterpret_cast<float*>(row)[e] = v;
     } else {
-        reinterpret_cast<unsigned short*>(row)[e] = elem == IBP_ELEM_F16 ? ibp_f32_to_f16(v) : ibp_f32_to_bf16(v);
+        reinterpret_cast<unsigned short*>(row)[e] = ibp_f32_to_half(v, elem);
     }
+}
+
+// The pooled value of a bag of one id whose element is x (weight w where weighted), computed as the bag loop
+// computes it: from 0 (one add or fma; MAX keeps the first value), MEAN divided by the count, 1.
+__device__ __forceinline__ float ibp_pool_one_value(float x, int op, bool weighted, float w) {
+    float v = op == IBP_OP_MAX ? x : (weighted ? fmaf(x, w, 0.0f) : 0.0f + x);
+    if (op == IBP_OP_MEAN) v = v / 1.0f;
+    return v;
+}
+
+// ibp_pool_one_value of every element of a 16-byte word of a row (4 fp32 or 8 fp16 / bf16 elements).
+__device__ __forceinline__ uint4 ibp_pool_one_word(uint4 x, int op, int elem, bool weighted, float w) {
+    u32 v[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (elem == IBP_ELEM_F32) {
+            v[i] = __float_as_uint(ibp_pool_one_value(__uint_as_float(v[i]), op, weighted, w));
+        } else {
+            const u32 lo = ibp_f32_to_half(ibp_pool_one_value(ibp_half_to_f32((unsigned short)(v[i] & 0xFFFFu), elem),
+                                                              op, weighted, w), elem);
+            const u32 hi = ibp_f32_to_half(ibp_pool_one_value(ibp_half_to_f32((unsigned short)(v[i] >> 16), elem),
+                                                              op, weighted, w), elem);
+            v[i] = lo | (hi << 16);
+        }
+    }
+    return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
 // Where row `gid` is stored: its slab entry on a hit, its place in the host store on a miss.
@@ -635,12 +668,8 @@ __device__ __forceinline__ void ibp_lookup_pool_single(const K& codec, uint4* sm
             const bool pooled = (use >> q0) & 1u;
             const unsigned char* row = rowbuf + q0 * row_bytes;
             for (int e = lane; e < dim; e += 32) {
-                float v = 0.0f;  // a bag that pooled nothing
-                if (pooled) {
-                    const float x = ibp_elem_load(row, e, elem);
-                    v = op == IBP_OP_MAX ? x : (psw != nullptr ? fmaf(x, bw, 0.0f) : 0.0f + x);
-                    if (op == IBP_OP_MEAN) v = v / 1.0f;
-                }
+                const float v = pooled ? ibp_pool_one_value(ibp_elem_load(row, e, elem), op, psw != nullptr, bw)
+                                       : 0.0f;  // a bag that pooled nothing
                 ibp_elem_store(bag_dst, e, elem, v);
             }
         }
@@ -898,10 +927,194 @@ __device__ __forceinline__ void ibp_lookup_pool_one(int op, int elem, const floa
     if (staging != nullptr) ibp_finish_step(step_state);
 }
 
+// ---- one-id bags of the IBP and raw kinds, several per warp ----------------------------------------------
+// Bags of one id (one-hot features, the embedding bags' "single" step; op ROWS is the plain row fetch) with G bags
+// per warp at once: lane r < G resolves bag r (index probe, source), then the warp reads the group's raw rows
+// together, IBP_SINGLE_UNROLL 16-byte words per lane loaded before any is stored, and pools (or copies) them from
+// registers straight into the output rows. Why: the bag loop serves a one-id bag with one row per warp in flight
+// (probe, read, pool, one after another), so raw cache hits from HBM were latency-bound (~400 GB/s of 512 B rows
+// on an H200); a group keeps G probes and G rows in flight per warp. A group holding a compressed row, or a row
+// not 16-byte aligned, is decoded one row at a time through the warp's row buffer, as the bag loop does. Values
+// are the bag loop's (ibp_pool_one_value); a bag that pooled nothing (bad id) is zeros.
+#ifndef IBP_SINGLE_UNROLL
+#define IBP_SINGLE_UNROLL 8
+#endif
+#define IBP_SINGLE_MIN_BAGS 4
+
+// G for rows of row_bytes: one round of IBP_SINGLE_UNROLL words per lane covers the group, 4 <= G <= 32.
+__device__ __forceinline__ int ibp_single_bags(int row_bytes) {
+    const int n16 = (row_bytes + 15) >> 4;
+    return max(IBP_SINGLE_MIN_BAGS, min(32, 32 * IBP_SINGLE_UNROLL / n16));
+}
+
+// One one-id bag as the lane resolving it sees it.
+struct IbpSingleBag {
+    unsigned char* dst;  // its output row
+    IbpRowSource src;
+    i64 gid;
+    float w;  // its per-sample weight (1 without)
+    int t;
+    bool live, bad, staged;
+};
+
+__device__ __forceinline__ IbpSingleBag ibp_single_bag(i64 k, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+    IbpSingleBag b;
+    b.dst = nullptr;
+    b.src = {nullptr, 0, false, false};
+    b.gid = 0;
+    b.w = 1.0f;
+    b.t = 0;
+    b.live = k < n_bags;  // the last group may be short
+    b.bad = false;
+    b.staged = false;
+    if (!b.live) return b;
+    const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in address order
+    i64 s, start, end;
+    bool bad_offsets;  // never: fixed bags of one id
+    ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, b.t, s,
+                  start, end, bad_offsets);
+    b.dst = out + ((i64)s * n_tables + b.t) * (i64)row_bytes;
+    const i64 limit = table_rows != nullptr ? table_rows[b.t] : n_rows;
+    const i64 id = ids[start];
+    b.bad = id < 0 || id >= limit;
+    if (!b.bad) {
+        b.gid = id + (table_base != nullptr ? table_base[b.t] : 0);
+        b.src = ibp_lookup_source(b.gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
+                                  host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of, step_state,
+                                  staging, stage_cap, b.staged);
+    }
+    if (psw != nullptr) b.w = psw[start];
+    return b;
+}
+
+// The group's rows, all raw and 16-byte aligned, read and pooled (op ROWS: copied) word by word: word i of the
+// group is word i % n16 of row i / n16, held by lane q = i / n16's bag (fetch: its bit in `fetched`; live bags
+// without a row get zeros).
+__device__ __forceinline__ void ibp_single_group_direct(int G, int row_bytes, const unsigned char* src,
+                                                        unsigned char* dst, float w, unsigned live, unsigned fetched,
+                                                        int op, int elem, bool weighted, int lane) {
+    const int n16 = row_bytes >> 4;
+    const int total = G * n16;
+    for (int i0 = 0; i0 < total; i0 += 32 * IBP_SINGLE_UNROLL) {
+        uint4 x[IBP_SINGLE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < IBP_SINGLE_UNROLL; ++u) {
+            const int i = i0 + lane + 32 * u;
+            const int q = min(i, total - 1) / n16;
+            const uint4* s = reinterpret_cast<const uint4*>(
+                __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(src), q));
+            x[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (i < total && ((fetched >> q) & 1u)) x[u] = s[i - q * n16];
+        }
+#pragma unroll
+        for (int u = 0; u < IBP_SINGLE_UNROLL; ++u) {
+            const int i = i0 + lane + 32 * u;
+            const int q = min(i, total - 1) / n16;
+            uint4* d = reinterpret_cast<uint4*>(__shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), q));
+            const float wq = __shfl_sync(IBP_FULL, w, q);
+            if (i < total && ((live >> q) & 1u)) {
+                const bool has = (fetched >> q) & 1u;
+                d[i - q * n16] = (has && op != IBP_OP_ROWS) ? ibp_pool_one_word(x[u], op, elem, weighted, wq) : x[u];
+            }
+        }
+    }
+}
+
+// A group with a compressed or unaligned row: row by row, decoded by the whole warp (ROWS: into its output row;
+// pooling: into the row buffer, then pooled). Returns the mask of the group's bags that pooled (or fetched) a row.
+template <class K>
+__device__ __forceinline__ unsigned ibp_single_group_rows(const K& codec, uint4* smem, unsigned char* rowbuf, int G,
+                                                          const IbpSingleBag& b, unsigned live, unsigned fetched,
+                                                          int op, int elem, bool weighted, int row_bytes, int lane) {
+    const int dim = row_bytes / (elem == IBP_ELEM_F32 ? 4 : 2);
+    unsigned used = 0u;
+    for (int q = 0; q < G; ++q) {
+        if (!((live >> q) & 1u)) continue;  // uniform
+        const unsigned char* src = reinterpret_cast<const unsigned char*>(
+            __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(b.src.src), q));
+        const int len = __shfl_sync(IBP_FULL, b.src.len, q);
+        const bool comp = __shfl_sync(IBP_FULL, (int)b.src.comp, q) != 0;
+        unsigned char* dst = reinterpret_cast<unsigned char*>(
+            __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(b.dst), q));
+        const float w = __shfl_sync(IBP_FULL, b.w, q);
+        const bool has = (fetched >> q) & 1u;
+        bool ok = false;
+        if (has) ok = codec.decode(src, len, comp, op == IBP_OP_ROWS ? dst : rowbuf, smem, lane);  // uniform
+        __syncwarp();  // the decoded row (or a malformed row's partial output) is visible to every lane
+        if (op == IBP_OP_ROWS) {
+            if (!ok) for (int c = lane; c < row_bytes; c += 32) dst[c] = 0;
+        } else {
+            for (int e = lane; e < dim; e += 32) {
+                const float v = ok ? ibp_pool_one_value(ibp_elem_load(rowbuf, e, elem), op, weighted, w) : 0.0f;
+                ibp_elem_store(dst, e, elem, v);
+            }
+        }
+        __syncwarp();  // the row buffer is free for the next row
+        used |= (ok ? 1u : 0u) << q;
+    }
+    return used;
+}
+
+template <class K>
+__device__ __forceinline__ void ibp_lookup_single_bags(const K& codec, uint4* smem, unsigned char* rowbuf, int op,
+                                                       int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+    const int lane = threadIdx.x & 31;
+    const int G = ibp_single_bags(row_bytes);
+    const int r = lane % G;  // the group's bag this lane resolves
+    const bool weighted = psw != nullptr;
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;  // of this lane's bags (summed over lanes r < G)
+    for (i64 k0 = warp * G; k0 < n_bags; k0 += nwarps * G) {
+        const IbpSingleBag b = ibp_single_bag(k0 + r, psw, IBP_LOOKUP_ARGS);
+        if (b.bad && lane < G) ibp_report_bad_id(err, b.t);
+        const bool fetch = b.live && !b.bad;
+        const unsigned live = __ballot_sync(IBP_FULL, lane < G && b.live);
+        const unsigned fetched = __ballot_sync(IBP_FULL, lane < G && fetch);
+        const bool direct_ok = !(lane < G && b.live) || (ibp_copy_aligned(b.dst, b.dst, row_bytes) &&
+                                                         (!fetch || (!b.src.comp && ibp_copy_aligned(b.src.src, b.dst,
+                                                                                                     row_bytes))));
+        unsigned used;
+        if (__all_sync(IBP_FULL, direct_ok)) {
+            ibp_single_group_direct(G, row_bytes, b.src.src, b.dst, b.w, live, fetched, op, elem, weighted, lane);
+            used = fetched;
+        } else {
+            used = ibp_single_group_rows<K>(codec, smem, rowbuf, G, b, live, fetched, op, elem, weighted, row_bytes,
+                                            lane);
+        }
+        const bool mine = (used >> r) & 1u;
+        if (fetch && !mine && lane < G) ibp_report_corrupt_row(err, b.t);
+        if (mine) {
+            requests += 1;
+            if (b.src.hit) {
+                hits += 1;
+                slab_bytes += (u64)b.src.len;
+            } else if (!b.staged) {
+                host_bytes += (u64)b.src.len;
+            }
+            if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[b.gid], 1);
+        }
+    }
+    ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
+                       ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
+    if (staging != nullptr) ibp_finish_step(step_state);
+}
+
+// IBP_ROWS_SINGLE_BAGS=1 (a variant, default 0): the IBP and raw kinds' ROWS kernels take several rows per warp
+// (ibp_lookup_single_bags with op ROWS) instead of ibp_lookup_rows_one.
+#ifndef IBP_ROWS_SINGLE_BAGS
+#define IBP_ROWS_SINGLE_BAGS 0
+#endif
+
 template <class K>
 __device__ __forceinline__ void ibp_lookup_rows_impl(IBP_LOOKUP_PARAMS) {
     if constexpr (K::GROUPED) {
         ibp_lookup_rows_grouped<K>(IBP_LOOKUP_ARGS);
+    } else if constexpr (IBP_ROWS_SINGLE_BAGS != 0) {
+        __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
+        const K codec(row_bytes, codec_n, codec_a, codec_b);
+        ibp_lookup_single_bags<K>(codec, sdec[threadIdx.x >> 5], nullptr, IBP_OP_ROWS, IBP_ELEM_F32, nullptr,
+                                  IBP_LOOKUP_ARGS);
     } else {
         ibp_lookup_rows_one<K>(IBP_LOOKUP_ARGS);
     }
@@ -952,3 +1165,16 @@ IBP_LOOKUP(e4, ExpRows<unsigned int>, IBP_EXP_LB)
     }
 IBP_LOOKUP_POOL_SINGLE(e2, ExpRows<unsigned short>)
 IBP_LOOKUP_POOL_SINGLE(e4, ExpRows<unsigned int>)
+
+// One-id bags of the IBP and raw kinds (ibp_lookup_single_bags): ibp_lookup_pool_single_c{C}.
+#define IBP_LOOKUP_POOL_SINGLE_IBP(C)                                                                           \
+    extern "C" __global__ void IBP_LB(32 * IBP_POOL_WARPS)                                                      \
+        ibp_lookup_pool_single_c##C(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                    \
+        __shared__ uint4 sdec[IBP_POOL_WARPS][IbpRows<C>::SMEM_VEC];                                            \
+        __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];                                           \
+        const IbpRows<C> codec(row_bytes, codec_n, codec_a, codec_b);                                           \
+        ibp_lookup_single_bags<IbpRows<C>>(codec, sdec[threadIdx.x >> 5],                                       \
+                                           reinterpret_cast<unsigned char*>(srow[threadIdx.x >> 5]), op, elem, \
+                                           psw, IBP_LOOKUP_ARGS);                                               \
+    }
+IBP_FOR_EACH_C(IBP_LOOKUP_POOL_SINGLE_IBP)

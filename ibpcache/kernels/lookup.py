@@ -275,10 +275,11 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
 
 
 def _pool_kernel(kind: str, tables: Tables, elem: ElemType, one_id_bags: bool) -> str:
-    """The pooling kernel of a launch: bags of one id of exponent rows group rows across bags
-    (``ibp_lookup_pool_single_e*``: a bag loop decodes a one-id bag's row with only its segments' lanes), other bags
-    take the bag loop, in its wide form (more accumulators) for rows of more than 512 elements."""
-    if one_id_bags and isinstance(tables, ExponentTables):
+    """The pooling kernel of a launch: bags of one id take ``ibp_lookup_pool_single_*``, which works on several bags
+    per warp (exponent rows: their segment walks grouped across bags; IBP and raw rows: several probes and rows in
+    flight per warp), other bags the bag loop, in its wide form (more accumulators) for rows of more than 512
+    elements."""
+    if one_id_bags:
         return f"ibp_lookup_pool_single_{kind}"
     wide = tables.row_bytes // (4 if elem is ElemType.F32 else 2) > _POOL_NARROW_ELEMS
     return f"ibp_lookup_pool_{'wide_' if wide else ''}{kind}"

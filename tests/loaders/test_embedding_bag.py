@@ -888,8 +888,7 @@ def test_cuda_table_batched_one_decode_launch(minilm: torch.Tensor, monkeypatch:
     from ibpcache.kernels.lookup import codec_kind
 
     kind = codec_kind(m.cache_weight_mgr.store.codec.kernel_tables("cuda"))[0]  # the planner's codec: IBP/exp/raw
-    # one id per bag: exponent rows take the kernel that groups rows across bags
-    pool = ("ibp_lookup_pool_single_" if kind.startswith("e") else "ibp_lookup_pool_") + kind
+    pool = "ibp_lookup_pool_single_" + kind  # one id per bag: the kernel that takes several bags per warp
     assert calls == ["ibp_adm_count", "ibp_adm_scan", "ibp_adm_apply", "ibp_adm_copy", pool, "ibp_adm_unstage"]
 
 
