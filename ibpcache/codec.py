@@ -398,7 +398,8 @@ class IBPCodec(Codec):
         if key not in self._kernel_tables:
             mask, bitval = self.device_tables(dev)
             self._kernel_tables[key] = KernelTables(mask=mask, bitval=bitval, chunk_bytes=self.chunk_bytes,
-                                                    n_chunks=self.n_chunks, row_bytes=self.row_bytes)
+                                                    n_chunks=self.n_chunks, row_bytes=self.row_bytes,
+                                                    raw=not bool(np.any(self.mask)))
         return self._kernel_tables[key]
 
     # -- fit --------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Run every kernel of ``kernels/lookup.cu`` on small real cases, for compute-sanitizer memcheck / racecheck.
 
-Covers: the rows lookup (FeatureCache static, lazy validation, a bad id), the pooling lookup (sum with per-sample
+Covers: the rows lookup (FeatureCache static, lazy validation, a bad id; raw rows several per warp), the pooling lookup (sum with per-sample
 weights, mean, max; fp32 and bf16; table-batched and single-table; sorted and as-given bag order) and the staged
 path (claim + stage + lookup, with a buffer that holds every miss and one that overflows); and the same kernels'
 exponent kinds (``*_e2`` / ``*_e4``: fp32, bf16, fp16 rows, one and several segments, narrow rows several per warp,
@@ -36,6 +36,11 @@ def rows_ok() -> bool:
             ok = False
         except IndexError:
             pass
+    dense = minilm_rows(600, 128)  # raw 512-byte rows: the ROWS kernel with several rows per warp
+    fc = FeatureCache(dense, 0.05, device="cuda", compress_cache=False, compress_host=False)
+    for _ in range(2):
+        ok &= torch.equal(fc.fetch(ids).cpu(), dense[ids.cpu()])
+    fc.check_errors()
     return ok
 
 

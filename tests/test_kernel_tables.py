@@ -19,6 +19,19 @@ def test_kernel_tables_match_the_codec_and_are_cached(cora) -> None:
     assert np.array_equal(tables.mask.numpy().view(np.uint64), codec.mask)
     assert np.array_equal(tables.bitval.numpy().view(np.uint64), codec.bitval)
     assert codec.kernel_tables(torch.device("cpu")) is tables  # built once per device
+    assert not tables.raw  # Cora's rows have invariant bits
+
+
+def test_kernel_tables_of_raw_rows_say_so(minilm) -> None:
+    """A raw codec's tables (and an IBP codec with no invariant bit) are marked raw: plain fetches then take the
+    ROWS kernel with several rows per warp, which reads raw rows fastest."""
+    from ibpcache import Codec, RawCodec
+
+    assert RawCodec(torch.float32, (128,)).kernel_tables("cpu").raw
+    noise = torch.randint(-2**31, 2**31 - 1, (64, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    ibp = Codec.fit(noise.view(torch.float32), method="ibp")
+    assert ibp.kernel_tables("cpu").raw == (not np.any(ibp.mask))
+    assert not Codec.fit(minilm[:500, :128].contiguous(), method="ibp").kernel_tables("cpu").raw
 
 
 def test_kernel_tables_reject_inconsistent_fields() -> None:

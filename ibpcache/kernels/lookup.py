@@ -231,7 +231,8 @@ def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: Ta
                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor] = None,
                 layout: Optional[BagLayout] = None, staging: Optional[Staging] = None) -> None:
     """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``.
-    With ``staging``: three launches that read every missed row from host memory once (else one launch)."""
+    With ``staging``: three launches that read every missed row from host memory once (else one launch). Raw
+    stores (``tables.raw``) take the kernel with several rows per warp."""
     kind = _check(ids, out, tables, err_ptr, staging)
     dev = device_index(out)
     n = ids.numel()
@@ -241,7 +242,8 @@ def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: Ta
     args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq, staging)
     if staging is not None:
         _stage(args, n, dev, src, tables, counters, staging, err_ptr)
-    launch(_SRC, f"ibp_lookup_rows_{kind}", dev, grid, 32 * _ROWS_WARPS, args)
+    single = isinstance(tables, KernelTables) and tables.raw  # raw rows: several per warp in flight
+    launch(_SRC, f"ibp_lookup_rows_{'single_' if single else ''}{kind}", dev, grid, 32 * _ROWS_WARPS, args)
 
 
 def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,

@@ -29,6 +29,9 @@ class KernelTables:
     chunk_bytes: int
     n_chunks: int
     row_bytes: int
+    raw: bool = False
+    """Every row is stored verbatim (no invariant bit to drop: ``RawCodec``): plain row fetches then take the ROWS
+    kernel that keeps several rows per warp in flight (``ibp_lookup_rows_single_c*``)."""
 
     def __post_init__(self) -> None:
         for name in ("mask", "bitval"):

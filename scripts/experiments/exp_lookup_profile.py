@@ -28,9 +28,8 @@ rows, and the gather's bytes against the store. CUDA events, warm-up, medians of
 16-byte loads per lane in flight), ``u8`` (8 staged words per lane in flight on the 4-byte path), ``s`` (a staged
 word's successor by shuffle: host words requested once, not twice), ``w24`` (registers capped so 24 warps fit an
 SM), ``r24`` (the same cap for the raw and IBP kinds' kernels: more cache-hit rows in flight; raw and IBP rows are
-timed in it too), ``q`` (the raw and IBP kinds' rows kernel with several rows per warp), ``c0`` (raw rows through
-the IBP ring decoder, as before the raw copy path), ``n4`` (4 instead of 8 words per lane in flight for one-id bags
-of raw rows), and combinations (``u8sw24``). One record per codec and variant (column ``variant``); a variant's
+timed in it too), ``c0`` (raw rows through the IBP ring decoder, as before the raw copy path), ``n4`` (4 instead
+of 8 words per lane in flight for one-id bags of raw rows), and combinations (``u8sw24``). One record per codec and variant (column ``variant``); a variant's
 ``gather`` is its codec's (no decode); ratios against raw are against raw's defaults. Each
 variant is one more NVRTC build of lookup.cu (seconds, inside the first set's time).
 
@@ -105,35 +104,34 @@ def parse_segs(text: str) -> list["int | str | None"]:
 
 
 def parse_variants(text: str) -> dict[str, tuple[str, ...]]:
-    """``--variants``: comma-separated ``base`` or ``v<V>u<U>sw<W>r<R>qc0n<N>`` (each part optional, in this order):
+    """``--variants``: comma-separated ``base`` or ``v<V>u<U>sw<W>r<R>c0n<N>`` (each part optional, in this order):
     the lookup kernels built with ``-DIBP_EXP_VEC16_UNROLL=V`` (1..16; ``v0``: ``-DIBP_EXP_STAGE_VEC16=0``, the
     4-byte staging path only), ``-DIBP_EXP_LOOKUP_UNROLL=U`` (1..32), ``-DIBP_EXP_LOOKUP_SHFL=1`` (``s``),
     ``-DIBP_EXP_MIN_WARPS=W`` (1..64), and for the raw and IBP kinds' kernels (so their codecs are timed in such a
-    variant too) ``-DIBP_MIN_WARPS=R`` (1..64), ``-DIBP_ROWS_SINGLE_BAGS=1`` (``q``: several rows per warp in the
-    rows kernel), ``-DIBP_RAW_COPY=0`` (``c0``: raw rows through the ring decoder, as before the copy path) and/or
+    variant too) ``-DIBP_MIN_WARPS=R`` (1..64), ``-DIBP_RAW_COPY=0`` (``c0``: raw rows through the ring decoder, as before the copy path) and/or
     ``-DIBP_SINGLE_UNROLL=N`` (1..16: words per lane in flight of one-id bags). Name -> options."""
     out: dict[str, tuple[str, ...]] = {}
     for tok in (t.strip() for t in text.split(",") if t.strip()):
-        m = re.fullmatch(r"(?:v(\d+))?(?:u(\d+))?(s)?(?:w(\d+))?(?:r(\d+))?(q)?(c0)?(?:n(\d+))?", tok)
+        m = re.fullmatch(r"(?:v(\d+))?(?:u(\d+))?(s)?(?:w(\d+))?(?:r(\d+))?(c0)?(?:n(\d+))?", tok)
         if tok == "base":
             out[tok] = ()
         elif tok and m and (m.group(1) is None or 0 <= int(m.group(1)) <= 16) and (
                 m.group(2) is None or 1 <= int(m.group(2)) <= 32) and all(
                 m.group(g) is None or 1 <= int(m.group(g)) <= 64 for g in (4, 5)) and (
-                m.group(8) is None or 1 <= int(m.group(8)) <= 16):
+                m.group(7) is None or 1 <= int(m.group(7)) <= 16):
             vec = [] if m.group(1) is None else (["-DIBP_EXP_STAGE_VEC16=0"] if int(m.group(1)) == 0
                                                   else [f"-DIBP_EXP_VEC16_UNROLL={int(m.group(1))}"])
             opts = vec + ([f"-DIBP_EXP_LOOKUP_UNROLL={int(m.group(2))}"] if m.group(2) else []) + (
                 ["-DIBP_EXP_LOOKUP_SHFL=1"] if m.group(3) else []) + (
                 [f"-DIBP_EXP_MIN_WARPS={int(m.group(4))}"] if m.group(4) else []) + (
                 [f"-DIBP_MIN_WARPS={int(m.group(5))}"] if m.group(5) else []) + (
-                ["-DIBP_ROWS_SINGLE_BAGS=1"] if m.group(6) else []) + (["-DIBP_RAW_COPY=0"] if m.group(7) else []) + (
-                [f"-DIBP_SINGLE_UNROLL={int(m.group(8))}"] if m.group(8) else [])
+                ["-DIBP_RAW_COPY=0"] if m.group(6) else []) + (
+                [f"-DIBP_SINGLE_UNROLL={int(m.group(7))}"] if m.group(7) else [])
             out[tok] = tuple(opts)
         else:
-            raise InvalidArgumentError(f"--variants: expected base or v<0..16>, u<1..32>, s, w<1..64>, r<1..64>, q, "
-                                       f"c0, n<1..16> in this order (e.g. v0, v2, u8, u8s, w24, r24, v0u8sw24, q, "
-                                       f"c0, n4), got {tok!r}")
+            raise InvalidArgumentError(f"--variants: expected base or v<0..16>, u<1..32>, s, w<1..64>, r<1..64>, c0, "
+                                       f"n<1..16> in this order (e.g. v0, v2, u8, u8s, w24, r24, v0u8sw24, c0, "
+                                       f"n4), got {tok!r}")
     if not out:
         raise InvalidArgumentError("--variants: name at least one variant (base: the defaults)")
     return out
@@ -357,10 +355,10 @@ def run_set(dtype_name: str, row_bytes: int, args: argparse.Namespace, device: t
 
 def variants_of(method: str, args: argparse.Namespace) -> list[str]:
     """The variants a codec is timed in: every ``--variants`` for exponent codecs (the kernels they change); for raw
-    and IBP rows the defaults and the variants that change their kernels (``r<R>``, ``q``, ``c0``, ``n<N>``)."""
+    and IBP rows the defaults and the variants that change their kernels (``r<R>``, ``c0``, ``n<N>``)."""
     if method.startswith("exp"):
         return list(args.variants)
-    ibp_kinds = ("-DIBP_MIN_WARPS=", "-DIBP_ROWS_SINGLE_BAGS=", "-DIBP_RAW_COPY=", "-DIBP_SINGLE_UNROLL=")
+    ibp_kinds = ("-DIBP_MIN_WARPS=", "-DIBP_RAW_COPY=", "-DIBP_SINGLE_UNROLL=")
     return ["base"] + [v for v, opts in args.variants.items()
                        if v != "base" and any(o.startswith(ibp_kinds) for o in opts)]
 

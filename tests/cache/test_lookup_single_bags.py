@@ -6,8 +6,8 @@ GPU (``-m gpu``): the one-id kernel writes the bytes the bag loop writes for the
 torch's embedding_bag's; bad ids give zero rows and are reported, their group's neighbours exact; counters and freq
 count the pooled rows; slot hits, staging-slab hits, host misses (zero-copy and staged) in one launch; groups of 4 to
 32 bags (128 B to 2 KB rows, fp32 / fp16 / bf16), rows no multiple of 16 bytes, packed (unaligned) host rows, IBP
-rows of Cora (mostly coded) mixed with raw ones. The ROWS variant (``-DIBP_ROWS_SINGLE_BAGS=1``) fetches the source
-rows. CPU: the cases plant what the GPU tests need. Real data: MiniLM rows and Cora's features.
+rows of Cora (mostly coded) mixed with raw ones. The ROWS kernels (one row per warp; several, which raw stores
+take) fetch the source rows. CPU: the cases plant what the GPU tests need. Real data: MiniLM rows and Cora's features.
 """
 
 from __future__ import annotations
@@ -230,15 +230,18 @@ def test_gpu_pool_one_id_bags_of_ibp_and_raw_rows(real_rows: Any, name: str, dty
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,dtype,cols,method,layout", CASES, ids=IDS)
-def test_gpu_rows_variant_fetches_the_rows(real_rows: Any, name: str, dtype: torch.dtype, cols: int, method: str,
-                                           layout: str) -> None:
-    """-DIBP_ROWS_SINGLE_BAGS=1: the ROWS kernels of the IBP and raw kinds take several rows per warp and return
-    the source rows (zeros for bad ids), with the default build's counters."""
-    from ibpcache.kernels._build import extra_kernel_options
+def test_gpu_rows_kernels_fetch_the_rows(real_rows: Any, name: str, dtype: torch.dtype, cols: int, method: str,
+                                         layout: str) -> None:
+    """Both ROWS kernels of the IBP and raw kinds (one row per warp, and several: ``ibp_lookup_rows_single_c*``,
+    which raw stores take) return the source rows, zeros for bad ids, with equal counters. The several-rows kernel
+    is also run on coded rows (tables marked raw), so its row-by-row path is checked too."""
+    from dataclasses import replace
+
     from ibpcache.kernels.lookup import LookupErrors, lookup_rows
 
     case = make_case(real_rows, name, dtype, cols, method, layout)
     eng = make_engine(case)
+    assert eng.tables.raw == (method == "raw")
     rb = case.codec.row_bytes
     n = 5 * 32 * single_bags(rb) + 3
     ids = _ids(n, cols + 9)
@@ -246,14 +249,13 @@ def test_gpu_rows_variant_fetches_the_rows(real_rows: Any, name: str, dtype: tor
     want = torch.zeros(n, rb, dtype=torch.uint8)
     want[keep] = case.rows.view(torch.uint8).reshape(N_ROWS, rb)[ids[keep]]
     seen = []
-    for options in ((), ("-DIBP_ROWS_SINGLE_BAGS=1",)):
-        with extra_kernel_options(*options):
-            err = LookupErrors(pin=True)
-            out = torch.full((n, rb), 0xAB, dtype=torch.uint8, device="cuda")
-            counters = torch.zeros(4, dtype=torch.int64, device="cuda")
-            lookup_rows(ids.cuda(), out, eng.src, eng.tables, counters, err.ptr)
-            torch.cuda.synchronize()
-        assert torch.equal(out.cpu(), want), f"rows differ ({options or 'default'})"
+    for raw in (False, True):
+        err = LookupErrors(pin=True)
+        out = torch.full((n, rb), 0xAB, dtype=torch.uint8, device="cuda")
+        counters = torch.zeros(4, dtype=torch.int64, device="cuda")
+        lookup_rows(ids.cuda(), out, eng.src, replace(eng.tables, raw=raw), counters, err.ptr)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), want), f"rows differ (raw={raw})"
         assert err.take()[0] == LookupErrors.BAD_ID
         seen.append(counters.cpu().tolist())
     assert seen[0] == seen[1] == _expected_counters(case, eng, ids[keep].numpy(), False)
