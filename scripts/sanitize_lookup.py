@@ -6,7 +6,7 @@ path (claim + stage + lookup, with a buffer that holds every miss and one that o
 exponent kinds (``*_e2`` / ``*_e4``: fp32, bf16, fp16 rows, one and several segments, narrow rows several per warp,
 rows past the 2 KB stage, a corrupt row), the exponent descriptor decode (dynamic policy, cpu-gather transfer) and
 the GPU encoder (admission).
-`compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py [rows pool exponent]` (no names: every part;
+`compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py [rows pool exponent single]` (no names: every part;
 scripts/gpu_check.sh runs every scripts/sanitize_*.py). Exits non-zero if any output is wrong, so a sanitizer-clean
 run is also a correct one.
 """
@@ -137,7 +137,36 @@ def exponent_ok() -> bool:
     return ok
 
 
-PARTS = {"rows": rows_ok, "pool": pool_ok, "exponent": exponent_ok}
+def single_ok() -> bool:
+    """The kernels that take several one-id bags (or rows) per warp, alone (racecheck runs the whole pool part for
+    many minutes): raw rows (the word path) and IBP-coded rows (row by row), sum and max, fp32 and bf16; raw rows
+    fetched by FeatureCache (``ibp_lookup_rows_single_c*``), misses then hits."""
+    ok = True
+    w = minilm_rows(900, 96)
+    gen = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        wt = w.to(dtype)
+        ibp_rows = Codec.fit(wt, method="ibp").compress(wt, layout="inplace")  # coded rows: IBP's kernels
+        for weight, mode in ((wt.clone(), "sum"), (ibp_rows, "max")):
+            m = CachedEmbeddingBag(900, 96, _weight=weight, mode=mode, cache_ratio=0.05, device="cuda",
+                                   **({"compress": False} if weight is not ibp_rows else {}))
+            m.eval()
+            ref = torch.nn.EmbeddingBag(900, 96, _weight=wt.clone().cuda(), mode=mode)
+            for _ in range(2):
+                single = torch.randint(0, 900, (300, 1), generator=gen).cuda()
+                with torch.no_grad():
+                    ok &= torch.equal(m(single).view(torch.uint8), ref(single).view(torch.uint8))
+            m.check_errors()
+    dense = w[:600, :64].contiguous()
+    fc = FeatureCache(dense, 0.05, device="cuda", compress_cache=False, compress_host=False)
+    ids = torch.randint(0, 600, (500,), generator=gen)
+    for _ in range(2):
+        ok &= torch.equal(fc.fetch(ids.cuda()).cpu(), dense[ids])
+    fc.check_errors()
+    return ok
+
+
+PARTS = {"rows": rows_ok, "pool": pool_ok, "exponent": exponent_ok, "single": single_ok}
 
 
 def main(argv: list[str]) -> int:
