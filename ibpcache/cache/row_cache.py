@@ -738,6 +738,17 @@ _WAYS = {
 """The ways a fused lookup can run, per kind: (label, stage the misses, take bags in row order)."""
 
 
+def _sorted_rows(keys: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The admission pass's keys (rows in ``[0, n_rows]``) sorted, as int64, and the permutation that sorts them.
+    Below 2^31 rows they sort as int32: half the radix passes of int64 keys (on an H200 the int64 sort took 58-69 us
+    of a 160-580 us DLRM lookup step). Equal keys may come in any order, as from any unstable sort: the pass reads
+    only the sorted keys, the lookup only which bag comes where."""
+    if n_rows < 2 ** 31 - 1:
+        s, perm = torch.sort(keys.to(torch.int32))
+        return s.to(torch.int64), perm
+    return torch.sort(keys)
+
+
 def _ways_of(kind: str) -> list:
     """The ways of a planner kind ("single", "multi", or either + " unstaged": no staging buffer)."""
     return [w for w in _WAYS[kind.split()[0]] if not (w[1] and kind.endswith("unstaged"))]
@@ -933,7 +944,7 @@ class FusedLookup:
         a.ws.zero_()
         a.bid.fill_(-1)
         k.count(keys, a, count_sketch, count_stats)
-        s, perm = torch.sort(keys)
+        s, perm = _sorted_rows(keys, self.mgr.num_embeddings)
         n = keys.numel()
         prefetch = role == "prefetch"
         full = self._cache_full()

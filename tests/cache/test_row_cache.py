@@ -498,3 +498,17 @@ def test_fused_admission_kernels_equal_the_cpu_twin(words: torch.Tensor, strateg
         if cpu.sketch is not None:
             assert torch.equal(cpu.sketch.table, gpu.sketch.table.cpu())
     assert mgrs[1].stats()["fused_admitted"] == mgrs[0].stats()["fused_admitted"]
+
+
+def test_sorted_rows_sorts_as_int64_whatever_the_key_width() -> None:
+    """The admission's sort: int32 keys below 2^31 rows, int64 above; the same sorted keys (int64) either way, and a
+    permutation that sorts them (keys include n_rows, the mark of a bad id)."""
+    from ibpcache.cache.row_cache import _sorted_rows
+
+    gen = torch.Generator().manual_seed(0)
+    for n_rows in (1000, 2 ** 31 - 1, 2 ** 40):
+        keys = torch.randint(0, min(n_rows, 2 ** 62), (5000,), generator=gen)
+        keys[::97] = n_rows
+        s, perm = _sorted_rows(keys, n_rows)
+        assert s.dtype == torch.int64 and torch.equal(s, torch.sort(keys).values)
+        assert torch.equal(keys[perm], s)
