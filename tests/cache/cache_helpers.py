@@ -93,3 +93,28 @@ class _null:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def pool_one_id_bags_both_ways(ids: torch.Tensor, n_rows: int, row_bytes: int, op, elem, psw, src, tables,
+                               staging_of, order) -> list[tuple]:
+    """One-id bags pooled by ``kernels.lookup.lookup_pool`` twice, as one-id bags (no offsets, bag size 1: the
+    kernels with several bags per warp) and as the same bags given as offsets (the bag loop), each with fresh
+    counters, freq (without staging) and error words: ``[(out, counters, freq or None, error kind or None)]``.
+    ``staging_of()`` makes each run's staging buffer (or None)."""
+    from ibpcache.kernels.lookup import LookupErrors, lookup_pool
+
+    n = ids.numel()
+    runs = []
+    for offsets in (None, torch.arange(n, device="cuda")):
+        st = staging_of()
+        err = LookupErrors(pin=True)
+        out = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8, device="cuda")
+        counters = torch.zeros(4, dtype=torch.int64, device="cuda")
+        freq = torch.zeros(n_rows, dtype=torch.int32, device="cuda") if st is None else None
+        lookup_pool(ids.cuda(), offsets, 1 if offsets is None else 0, n, False, op, elem, psw, out, src, tables,
+                    counters, err.ptr, freq=freq, staging=st, bag_order=order)
+        torch.cuda.synchronize()
+        taken = err.take()
+        runs.append((out.cpu(), counters.cpu().tolist(), None if freq is None else freq.cpu().numpy(),
+                     None if taken is None else taken[0]))
+    return runs

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 
+from cache_helpers import pool_one_id_bags_both_ways
+
 from ibpcache import ExponentCodec
 from ibpcache.errors import FormatError
 from ibpcache.kernels.exponent import WARP_MAX_ROW, WARP_SMEM_BYTES, group_rows
@@ -353,7 +355,7 @@ def test_gpu_lookup_pool_one_id_bags(real_rows: Any, name: str, dtype: torch.dty
     loop writes for the same bags given as offsets, and torch's embedding_bag's; a bad id's or malformed row's bag
     is zeros and reported, its group's neighbours exact; bag_order (bags taken in row order) changes nothing;
     counters and freq count the pooled rows."""
-    from ibpcache.kernels.lookup import CORRUPT_ROW, ElemType, LookupErrors, PoolOp, lookup_pool
+    from ibpcache.kernels.lookup import CORRUPT_ROW, ElemType, LookupErrors, PoolOp
 
     case = make_case(real_rows, name, dtype, cols, seg)
     c = case.codec
@@ -368,25 +370,18 @@ def test_gpu_lookup_pool_one_id_bags(real_rows: Any, name: str, dtype: torch.dty
         psw = (torch.rand(n, generator=torch.Generator().manual_seed(3)) * 4 - 2).to(dtype).float().cuda()
     order = torch.argsort(ids.clamp(0, N_ROWS)).cuda() if ordered else None
     op, elem = PoolOp[mode.upper()], ElemType.of(dtype)
-    outs, reports = [], []
-    for offsets in (None, torch.arange(n, device="cuda")):  # the one-id kernel, then the bag loop
-        st = _staging(staging, c.row_bytes)
-        err = LookupErrors(pin=True)
-        out = torch.full((n, c.row_bytes), 0xAB, dtype=torch.uint8, device="cuda")
-        counters = torch.zeros(4, dtype=torch.int64, device="cuda")
-        freq = torch.zeros(N_ROWS, dtype=torch.int32, device="cuda") if st is None else None
-        lookup_pool(ids.cuda(), offsets, 1 if offsets is None else 0, n, False, op, elem, psw, out, eng.src,
-                    eng.tables, counters, err.ptr, freq=freq, staging=st, bag_order=order)
-        torch.cuda.synchronize()
-        outs.append(out.cpu())
-        reports.append(_kind(err))
-        valid = (ids >= 0) & (ids < N_ROWS)
-        keep = valid.clone()
-        keep[valid] = torch.from_numpy(~eng.corrupt[ids[valid].numpy()])
-        rows = ids[keep].numpy()
-        assert counters.cpu().tolist() == _expected_counters(eng, rows, staging == "full")
+    runs = pool_one_id_bags_both_ways(ids, N_ROWS, c.row_bytes, op, elem, psw, eng.src, eng.tables,
+                                      lambda: _staging(staging, c.row_bytes), order)
+    outs = [run[0] for run in runs]  # the one-id kernel, then the bag loop
+    reports = [run[3] for run in runs]
+    valid = (ids >= 0) & (ids < N_ROWS)
+    keep = valid.clone()
+    keep[valid] = torch.from_numpy(~eng.corrupt[ids[valid].numpy()])
+    rows = ids[keep].numpy()
+    for _, counters, freq, _ in runs:
+        assert counters == _expected_counters(eng, rows, staging == "full")
         if freq is not None:
-            assert np.array_equal(freq.cpu().numpy(), np.bincount(rows, minlength=N_ROWS))
+            assert np.array_equal(freq, np.bincount(rows, minlength=N_ROWS))
     assert torch.equal(outs[0], outs[1]), "one-id bags differ from the bag loop"
     kept_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), keep.to(torch.int64).cumsum(0)[:-1]])
     want = torch.nn.functional.embedding_bag(ids[keep].cuda(), case.rows.cuda(), kept_offsets.cuda(), mode=mode,

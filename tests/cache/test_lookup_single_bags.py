@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from cache_helpers import pool_one_id_bags_both_ways
+
 from ibpcache import Codec, RawCodec
 
 N_ROWS = 3000
@@ -191,7 +193,7 @@ def test_gpu_pool_one_id_bags_of_ibp_and_raw_rows(real_rows: Any, name: str, dty
                                                    ordered: bool) -> None:
     """ibp_lookup_pool_single_c* == the bag loop over the same bags as offsets == torch's embedding_bag; bad ids
     zeros and reported; counters and freq count the pooled rows; bag_order changes nothing."""
-    from ibpcache.kernels.lookup import ElemType, LookupErrors, PoolOp, lookup_pool
+    from ibpcache.kernels.lookup import ElemType, LookupErrors, PoolOp
 
     case = make_case(real_rows, name, dtype, cols, method, layout)
     eng = make_engine(case)
@@ -205,21 +207,14 @@ def test_gpu_pool_one_id_bags_of_ibp_and_raw_rows(real_rows: Any, name: str, dty
     op, elem = PoolOp[mode.upper()], ElemType.of(dtype)
     keep = (ids >= 0) & (ids < N_ROWS)
     rows = ids[keep].numpy()
-    outs = []
-    for offsets in (None, torch.arange(n, device="cuda")):  # the one-id kernel, then the bag loop
-        st = _staging(staging, rb)
-        err = LookupErrors(pin=True)
-        out = torch.full((n, rb), 0xAB, dtype=torch.uint8, device="cuda")
-        counters = torch.zeros(4, dtype=torch.int64, device="cuda")
-        freq = torch.zeros(N_ROWS, dtype=torch.int32, device="cuda") if st is None else None
-        lookup_pool(ids.cuda(), offsets, 1 if offsets is None else 0, n, False, op, elem, psw, out, eng.src,
-                    eng.tables, counters, err.ptr, freq=freq, staging=st, bag_order=order)
-        torch.cuda.synchronize()
-        outs.append(out.cpu())
-        assert err.take()[0] == LookupErrors.BAD_ID
-        assert counters.cpu().tolist() == _expected_counters(case, eng, rows, staging == "full")
+    runs = pool_one_id_bags_both_ways(ids, N_ROWS, rb, op, elem, psw, eng.src, eng.tables,
+                                      lambda: _staging(staging, rb), order)
+    outs = [run[0] for run in runs]  # the one-id kernel, then the bag loop
+    for _, counters, freq, kind in runs:
+        assert kind == LookupErrors.BAD_ID
+        assert counters == _expected_counters(case, eng, rows, staging == "full")
         if freq is not None:
-            assert np.array_equal(freq.cpu().numpy(), np.bincount(rows, minlength=N_ROWS))
+            assert np.array_equal(freq, np.bincount(rows, minlength=N_ROWS))
     assert torch.equal(outs[0], outs[1]), "one-id bags differ from the bag loop"
     assert not outs[0][~keep].any(), "a bad id's bag is not zeros"
     kept_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), keep.to(torch.int64).cumsum(0)[:-1]])
