@@ -1042,17 +1042,17 @@ class FusedLookup:
                _ptr_of(st.ids), _ptr_of(st.sketch), _ptr_of(st.prio))
         passes, pending = self._passes, deque(self._pending)
 
-        def body(static: tuple, static_out: torch.Tensor) -> None:
+        def body(static: tuple, out_: torch.Tensor, out_ref: torch.Tensor) -> None:
             if prefetched:
                 self._pending.popleft()
-            try:
+            try:  # the lookup writes each replay's own output (its address read from out_ref): nothing to copy out
                 self._step(kind, way, static[0], static[1], bag_size, n_bags, include_last, mode, static[2],
-                           static_out, layout, prefetched)
+                           out_, layout, prefetched, out_ref)
             finally:  # the host's view of passes and prefetches is settled below, once, for the step that ran
                 self._passes, self._pending = passes, deque(pending)
 
         captures = graphs.captures
-        if not graphs.run(key, (ids, offsets, psw), out, body, keep=(layout,)):
+        if not graphs.run(key, (ids, offsets, psw), out, body, keep=(layout,), by_ref=True):
             return "first" if graphs.enabled else "failed"
         # what a captured step leaves to the host: the pass count, the prefetch it consumed, the sketch's aging,
         # the recent-window counters
@@ -1066,8 +1066,9 @@ class FusedLookup:
 
     def _step(self, kind: str, way: int, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,
               n_bags: int, include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor,
-              layout: Any, prefetched: bool) -> None:
-        """One lookup step as the device runs it: admission pass, the pooled lookup, staged rows released."""
+              layout: Any, prefetched: bool, out_ref: Optional[torch.Tensor] = None) -> None:
+        """One lookup step as the device runs it: admission pass, the pooled lookup, staged rows released.
+        ``out_ref`` (a CUDA-graph capture): the lookup writes where it points when it runs, ``out`` is the shape."""
         mgr = self.mgr
         n = ids.numel()
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
@@ -1081,7 +1082,7 @@ class FusedLookup:
             op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
             out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
             lookup_pool(ids, offsets, bag_size, n_bags, include_last, op, ElemType.of(mgr.store.dtype), psw, out_u8,
-                        self._src, self._tables, self.counters, self.errors.ptr, None, layout, None, order)
+                        self._src, self._tables, self.counters, self.errors.ptr, None, layout, None, order, out_ref)
         else:
             self._lookup_cpu(ids, keys, offsets, bag_size, n_bags, include_last, mode, psw, out, layout)
         self.kern.unstage(self._args("lookup", stage))

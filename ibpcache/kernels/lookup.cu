@@ -341,14 +341,20 @@ __device__ __forceinline__ void ibp_report_corrupt_row(volatile int* err, int t)
         int max_probes, const i64 *slab_bases, i64 host_base, const i64 *host_offsets, i64 host_stride,         \
         const int *host_lengths, int row_bytes, int codec_n, const u64 *codec_a, const u64 *codec_b,           \
         u64 *counters, int *err, int *freq, i64 *stage_of, i64 *step_state, const unsigned char *staging,       \
-        i64 stage_cap, const i64 *bag_order
+        i64 stage_cap, const i64 *bag_order, const i64 *out_ref
 
 // ... and as a call passes them on
 #define IBP_LOOKUP_ARGS                                                                                           \
     ids, n_ids, bag_offsets, bag_size, n_bags, include_last, n_tables, per_table, sample_major, table_base,        \
         table_rows, n_rows, out, index_mode, table_keys, table_values, capacity, max_probes, slab_bases, host_base, \
         host_offsets, host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err, freq, stage_of, \
-        step_state, staging, stage_cap, bag_order
+        step_state, staging, stage_cap, bag_order, out_ref
+
+// out_ref (optional): where the output goes is read from device memory (out_ref[0]) instead of `out`, so a step
+// captured in a CUDA graph writes each replay straight into that replay's output tensor (the address is stored
+// before the replay), with no copy out of a static buffer. Every kernel that writes `out` starts with this.
+#define IBP_OUT_FROM_REF                                                                                           \
+    if (out_ref != nullptr) out = reinterpret_cast<unsigned char*>(out_ref[0])
 
 // ---- in-step deduplication of misses (optional: staging == nullptr turns it off) --------------------------
 // A step with staging is three launches: CLAIM (thread per bag: every missed row claims a staging index once,
@@ -1125,14 +1131,17 @@ __device__ __forceinline__ void ibp_lookup_pool_impl(int op, int elem, const flo
     IBP_LOOKUP_STAGE(NAME, K)                                                                                   \
     extern "C" __global__ void LB(32 * IBP_WARPS_PER_BLOCK)                                                     \
         ibp_lookup_rows_##NAME(IBP_LOOKUP_PARAMS) {                                                             \
+        IBP_OUT_FROM_REF;                                                                                       \
         ibp_lookup_rows_impl<K>(IBP_LOOKUP_ARGS);                                                               \
     }                                                                                                           \
     extern "C" __global__ void LB(32 * IBP_POOL_WARPS)                                                          \
         ibp_lookup_pool_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                         \
+        IBP_OUT_FROM_REF;                                                                                       \
         ibp_lookup_pool_impl<K, IBP_POOL_PER_LANE>(op, elem, psw, IBP_LOOKUP_ARGS);                             \
     }                                                                                                           \
     extern "C" __global__ void LB(32 * IBP_POOL_WARPS)                                                          \
         ibp_lookup_pool_wide_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                    \
+        IBP_OUT_FROM_REF;                                                                                       \
         ibp_lookup_pool_impl<K, IBP_POOL_PER_LANE_WIDE>(op, elem, psw, IBP_LOOKUP_ARGS);                        \
     }
 #define IBP_LOOKUP_IBP(C) IBP_LOOKUP(c##C, IbpRows<C>, IBP_LB)
@@ -1145,6 +1154,7 @@ IBP_LOOKUP(e4, ExpRows<unsigned int>, IBP_EXP_LB)
 #define IBP_LOOKUP_POOL_SINGLE(NAME, K)                                                                         \
     extern "C" __global__ void IBP_EXP_LB(32 * IBP_POOL_WARPS)                                                  \
         ibp_lookup_pool_single_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                  \
+        IBP_OUT_FROM_REF;                                                                                       \
         __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];                                                     \
         __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];                                           \
         const K codec(row_bytes, codec_n, codec_a, codec_b);                                                    \
@@ -1159,6 +1169,7 @@ IBP_LOOKUP_POOL_SINGLE(e4, ExpRows<unsigned int>)
 #define IBP_LOOKUP_POOL_SINGLE_IBP(C)                                                                           \
     extern "C" __global__ void IBP_LB(32 * IBP_POOL_WARPS)                                                      \
         ibp_lookup_pool_single_c##C(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                    \
+        IBP_OUT_FROM_REF;                                                                                       \
         __shared__ uint4 sdec[IBP_POOL_WARPS][IbpRows<C>::SMEM_VEC];                                            \
         __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];                                           \
         const IbpRows<C> codec(row_bytes, codec_n, codec_a, codec_b);                                           \
@@ -1173,6 +1184,7 @@ IBP_FOR_EACH_C(IBP_LOOKUP_POOL_SINGLE_IBP)
 // loop, but decoded coded IBP hits 8-12% slower (row by row after the group's probes, with fewer resident warps).
 #define IBP_LOOKUP_ROWS_SINGLE_IBP(C)                                                                           \
     extern "C" __global__ void IBP_LB(32 * IBP_WARPS_PER_BLOCK) ibp_lookup_rows_single_c##C(IBP_LOOKUP_PARAMS) { \
+        IBP_OUT_FROM_REF;                                                                                       \
         __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][IbpRows<C>::SMEM_VEC];                                       \
         const IbpRows<C> codec(row_bytes, codec_n, codec_a, codec_b);                                           \
         ibp_lookup_single_bags<IbpRows<C>>(codec, sdec[threadIdx.x >> 5], nullptr, IBP_OP_ROWS, IBP_ELEM_F32,   \

@@ -183,7 +183,8 @@ def codec_kind(tables: object) -> tuple[str, tuple]:
 def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size: int, n_bags: int,
                  include_last: bool, layout: Optional[BagLayout], out: torch.Tensor, src: RowSource, tables: Tables,
                  counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor],
-                 staging: Optional[Staging], bag_order: Optional[torch.Tensor] = None) -> tuple:
+                 staging: Optional[Staging], bag_order: Optional[torch.Tensor] = None,
+                 out_ref: Optional[torch.Tensor] = None) -> tuple:
     idx = src.index
     layout = layout if layout is not None else _ONE_TABLE
     st = staging
@@ -196,7 +197,7 @@ def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_siz
         np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes), *codec_kind(tables)[1],
         _ptr(counters), np.uint64(err_ptr), _ptr(freq),
         _ptr(st.stage_of if st else None), _ptr(st.step_state if st else None), _ptr(st.rows if st else None),
-        np.int64(st.cap if st else 0), _ptr(bag_order))
+        np.int64(st.cap if st else 0), _ptr(bag_order), _ptr(out_ref))
 
 
 def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: Tables, counters: Optional[torch.Tensor],
@@ -212,11 +213,13 @@ def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: Tables, c
 
 
 def _check(ids: torch.Tensor, out: torch.Tensor, tables: Tables, err_ptr: int,
-           staging: Optional[Staging] = None) -> str:
+           staging: Optional[Staging] = None, out_ref: Optional[torch.Tensor] = None) -> str:
     """Cheap launch invariants; returns the kernels' codec suffix (raises CodecKindError for unknown tables)."""
     kind = codec_kind(tables)[0]  # another codec's tables are an error, never garbage
     assert ids.dtype == torch.int64 and ids.is_cuda and ids.is_contiguous()
     assert out.dtype == torch.uint8 and out.is_cuda and out.is_contiguous()
+    if out_ref is not None:  # the output's address, read by the kernels at run time (CUDA-graph replays)
+        assert out_ref.dtype == torch.int64 and out_ref.device == out.device and out_ref.numel() == 1
     assert err_ptr != 0, "err must point at pinned host memory (two int32 words)"
     assert tables.row_bytes > 0
     if isinstance(tables, ExponentTables):  # its decoder stores whole elements: rows start element-aligned
@@ -229,17 +232,20 @@ def _check(ids: torch.Tensor, out: torch.Tensor, tables: Tables, err_ptr: int,
 
 def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: Tables,
                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor] = None,
-                layout: Optional[BagLayout] = None, staging: Optional[Staging] = None) -> None:
+                layout: Optional[BagLayout] = None, staging: Optional[Staging] = None,
+                out_ref: Optional[torch.Tensor] = None) -> None:
     """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``.
     With ``staging``: three launches that read every missed row from host memory once (else one launch). Raw
-    stores (``tables.raw``) take the kernel with several rows per warp."""
-    kind = _check(ids, out, tables, err_ptr, staging)
+    stores (``tables.raw``) take the kernel with several rows per warp. ``out_ref`` (int64 [1] on the device, or
+    None): the kernel writes to the address it holds when it runs, ``out`` giving only the shape (see lookup.cu)."""
+    kind = _check(ids, out, tables, err_ptr, staging, out_ref)
     dev = device_index(out)
     n = ids.numel()
     if n == 0:
         return
     grid = max(1, min(-(-n // _ROWS_WARPS), sm_count(dev) * 16))
-    args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq, staging)
+    args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq, staging,
+                        out_ref=out_ref)
     if staging is not None:
         _stage(args, n, dev, src, tables, counters, staging, err_ptr)
     single = isinstance(tables, KernelTables) and tables.raw  # raw rows: several per warp in flight
@@ -250,11 +256,13 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
                 include_last: bool, op: PoolOp, elem: ElemType, per_sample_weights: Optional[torch.Tensor],
                 out: torch.Tensor, src: RowSource, tables: Tables, counters: Optional[torch.Tensor],
                 err_ptr: int, freq: Optional[torch.Tensor] = None, layout: Optional[BagLayout] = None,
-                staging: Optional[Staging] = None, bag_order: Optional[torch.Tensor] = None) -> None:
+                staging: Optional[Staging] = None, bag_order: Optional[torch.Tensor] = None,
+                out_ref: Optional[torch.Tensor] = None) -> None:
     """Pool each bag (``bag_offsets`` as torch.nn.functional.embedding_bag takes them, or fixed ``bag_size``)
     into its output row; see lookup.cu for the exact arithmetic. ``bag_order`` (int64 [n_bags], a permutation) is
-    the order in which warps take bags (e.g. sorted by row id, so host rows are read in address order)."""
-    kind = _check(ids, out, tables, err_ptr, staging)
+    the order in which warps take bags (e.g. sorted by row id, so host rows are read in address order);
+    ``out_ref`` as for :func:`lookup_rows`."""
+    kind = _check(ids, out, tables, err_ptr, staging, out_ref)
     dev = device_index(out)
     assert op is not PoolOp.ROWS
     assert tables.row_bytes <= POOL_MAX_ROW_BYTES
@@ -268,7 +276,7 @@ def lookup_pool(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_size
     if bag_order is not None:
         assert bag_order.dtype == torch.int64 and bag_order.numel() == n_bags and bag_order.is_contiguous()
     common = _common_args(ids, bag_offsets, bag_size, n_bags, include_last, layout, out, src, tables, counters,
-                          err_ptr, freq, staging, bag_order)
+                          err_ptr, freq, staging, bag_order, out_ref)
     if staging is not None:
         _stage(common, n_bags, dev, src, tables, counters, staging, err_ptr)
     args = (np.int32(int(op)), np.int32(int(elem)), _ptr(per_sample_weights)) + common

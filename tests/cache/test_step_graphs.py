@@ -78,3 +78,35 @@ def test_a_capture_cuda_invalidates_leaves_torch_random_usable() -> None:
     assert not g.enabled and g.error
     assert torch.equal(torch.rand(8, device="cuda"), expected)  # usable, and the same draws as without the capture
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_by_reference_replays_write_each_callers_output() -> None:
+    """``by_ref``: the captured kernel reads its output address from ``ref`` when it runs, so every replay writes
+    the output tensor passed to it (earlier outputs stay as they were) and no static output exists."""
+    import cupy
+
+    kern = cupy.RawKernel(r'''
+    extern "C" __global__ void twice(const long long* ref, const float* x, int n) {
+        float* out = reinterpret_cast<float*>(ref[0]);
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) out[i] = 2.0f * x[i];
+    }''', "twice")
+
+    def body(static: tuple, out: torch.Tensor, ref: torch.Tensor) -> None:
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            kern((1,), (32,), (ref.data_ptr(), static[0].data_ptr(), out.numel()))
+
+    g = StepGraphs(torch.device("cuda"))
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    first = torch.empty(8, device="cuda")
+    assert not g.run(("r",), (x,), first, body, by_ref=True)  # first sight: the caller runs it
+    outs = []
+    for k in range(4):
+        out = torch.full((8,), -1.0, device="cuda")
+        assert g.run(("r",), (x + k,), out, body, by_ref=True)
+        outs.append(out)
+    for k, out in enumerate(outs):
+        assert torch.equal(out, (x + k) * 2)
+    cap = next(iter(g._graphs.values()))
+    assert cap.out is None and cap.ref is not None and g.captures == 1 and g.replays == 4
