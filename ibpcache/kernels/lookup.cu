@@ -278,9 +278,9 @@ struct IbpRows {
 //                          each host word requested about once, not twice); default 0
 //   IBP_EXP_MIN_WARPS      resident warps per SM the kernels must allow (__launch_bounds__' min blocks: the
 //                          compiler caps registers to fit); default none (registers as the code needs)
-//   IBP_MIN_WARPS          the same for the IBP and raw kinds' kernels (ibp_lookup_{rows,pool,pool_wide}_c*):
-//                          their cache hits read one row per warp at a time, so resident warps bound how many rows
-//                          are in flight; default none
+//   IBP_MIN_WARPS          the same for the IBP and raw kinds' kernels (ibp_lookup_{rows,pool,pool_wide}_c* and
+//                          the several-bags ones, ibp_lookup_{pool,rows}_single_c*): resident warps bound how many
+//                          cache-hit rows are in flight; default none
 #ifndef IBP_EXP_LOOKUP_UNROLL
 #define IBP_EXP_LOOKUP_UNROLL IBP_EXP_GROUP_UNROLL
 #endif
