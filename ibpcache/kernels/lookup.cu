@@ -454,33 +454,30 @@ extern "C" __global__ void ibp_lookup_claim(IBP_LOOKUP_PARAMS, i64* __restrict__
     }
 }
 
-// STAGE: warp per claimed row, host -> decoded row in the staging buffer (device memory). A malformed row is
-// reported (err) and staged as zeros, so the lookup that reads it raw returns zeros for it, never garbage.
+// Warp per listed row: host row gids[k] -> its decoded row at dsts[k] (or base + k * row_bytes without dsts). A
+// malformed row is reported (err) and written as zeros, so a reader taking it as raw gets zeros, never garbage.
+// Stored bytes read are added to *host_bytes.
 template <class K>
-__device__ void ibp_lookup_stage_impl(const i64* __restrict__ stage_gid, const i64* step_state, i64 stage_cap,
-                                      unsigned char* __restrict__ staging, i64 host_base,
-                                      const i64* __restrict__ host_offsets, i64 host_stride,
-                                      const int* __restrict__ host_lengths, int row_bytes, int codec_n,
-                                      const u64* __restrict__ codec_a, const u64* __restrict__ codec_b,
-                                      u64* __restrict__ counters, int* err) {
+__device__ void ibp_decode_list(const i64* __restrict__ gids, const i64* __restrict__ dsts, unsigned char* base, i64 n,
+                                i64 host_base, const i64* __restrict__ host_offsets, i64 host_stride,
+                                const int* __restrict__ host_lengths, int row_bytes, int codec_n,
+                                const u64* __restrict__ codec_a, const u64* __restrict__ codec_b,
+                                u64* __restrict__ host_bytes_out, int* err) {
     __shared__ uint4 sdec[IBP_WARPS_PER_BLOCK][K::SMEM_VEC];
     const K codec(row_bytes, codec_n, codec_a, codec_b);
     const int lane = threadIdx.x & 31;
     uint4* smem = sdec[threadIdx.x >> 5];
-    const i64 gen = step_state[0];
-    i64 n = step_state[1 + (gen & 1)];
-    if (n > stage_cap) n = stage_cap;
     const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
     const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
     u64 host_bytes = 0;
     for (i64 k = warp; k < n; k += nwarps) {
-        const i64 gid = stage_gid[k];
+        const i64 gid = gids[k];
         const unsigned char* src =
             reinterpret_cast<const unsigned char*>(host_base + (host_offsets != nullptr ? host_offsets[gid] : gid * host_stride));
         int len = host_lengths != nullptr ? host_lengths[gid] : row_bytes;
         const bool comp = len < row_bytes;
         if (!comp) len = row_bytes;
-        unsigned char* dst = staging + k * (i64)row_bytes;
+        unsigned char* dst = dsts != nullptr ? reinterpret_cast<unsigned char*>(dsts[k]) : base + k * (i64)row_bytes;
         if (!codec.decode(src, len, comp, dst, smem, lane)) {
             if (lane == 0) ibp_report_corrupt_row(err, 0);
             __syncwarp();  // partial output some lanes wrote is ordered before the zeros (a vote does not order memory)
@@ -488,16 +485,31 @@ __device__ void ibp_lookup_stage_impl(const i64* __restrict__ stage_gid, const i
         }
         host_bytes += (u64)len;
     }
-    if (lane == 0 && counters != nullptr && host_bytes != 0) atomicAdd(&counters[IBP_COUNTER_HOST_BYTES], host_bytes);
+    if (lane == 0 && host_bytes_out != nullptr && host_bytes != 0) atomicAdd(host_bytes_out, host_bytes);
 }
 
+// STAGE: warp per claimed row, host -> decoded row in the staging buffer (device memory).
+// FILL: warp per entry of a row cache's admission list (kernels/admit.cu: list_gid, list_dst, the count at *count),
+// host row -> decoded row in its slot or staging row. Why: a cache holding decoded rows in front of compressed host
+// rows serves its hits at copy speed (dense float rows decode several times slower than they copy from device
+// memory) and decodes each admitted row once, while its misses still cross PCIe compressed.
 #define IBP_LOOKUP_STAGE(NAME, K)                                                                               \
     extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK) ibp_lookup_stage_##NAME(             \
         const i64* stage_gid, const i64* step_state, i64 stage_cap, unsigned char* staging, i64 host_base,      \
         const i64* host_offsets, i64 host_stride, const int* host_lengths, int row_bytes, int codec_n,          \
         const u64* codec_a, const u64* codec_b, u64* counters, int* err) {                                      \
-        ibp_lookup_stage_impl<K>(stage_gid, step_state, stage_cap, staging, host_base, host_offsets, host_stride, \
-                                 host_lengths, row_bytes, codec_n, codec_a, codec_b, counters, err);            \
+        const i64 n = step_state[1 + (step_state[0] & 1)];                                                      \
+        ibp_decode_list<K>(stage_gid, nullptr, staging, n < stage_cap ? n : stage_cap, host_base, host_offsets,  \
+                           host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b,                     \
+                           counters != nullptr ? counters + IBP_COUNTER_HOST_BYTES : nullptr, err);             \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * IBP_WARPS_PER_BLOCK) ibp_lookup_fill_##NAME(              \
+        const i64* list_gid, const i64* list_dst, const i64* count, i64 max_n, i64 host_base,                   \
+        const i64* host_offsets, i64 host_stride, const int* host_lengths, int row_bytes, int codec_n,          \
+        const u64* codec_a, const u64* codec_b, u64* host_bytes, int* err) {                                    \
+        const i64 n = *count;                                                                                   \
+        ibp_decode_list<K>(list_gid, list_dst, nullptr, n < max_n ? n : max_n, host_base, host_offsets,         \
+                           host_stride, host_lengths, row_bytes, codec_n, codec_a, codec_b, host_bytes, err);   \
     }
 
 // Where a row is read by the lookup: its slab entry on a hit, else its staging row (claimed this step), else the
@@ -596,91 +608,6 @@ __device__ __forceinline__ void ibp_lookup_rows_grouped(IBP_LOOKUP_PARAMS) {
         // a bad id's output row is zeros, as is a malformed row's
         ibp_zero_group_rows(__ballot_sync(IBP_FULL, lane < G && live && (bad || mine_corrupt)), dst, row_bytes, lane);
         if (fetch) {
-            requests += 1;
-            if (src.hit) {
-                hits += 1;
-                slab_bytes += (u64)src.len;
-            } else if (!staged) {
-                host_bytes += (u64)src.len;
-            }
-            if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[gid], 1);
-        }
-    }
-    ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
-                       ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
-    if (staging != nullptr) ibp_finish_step(step_state);
-}
-
-// SUM / MEAN / MAX of one-id bags (bag_offsets == nullptr, bag_size == 1: one-hot features, the embedding bags'
-// "single" step, and what the layout planner times; kernels ibp_lookup_pool_single_NAME for the grouped kinds, picked
-// by lookup.py), G bags per warp at once: lane L resolves bag L % G, the warp
-// decodes the G rows into its row buffer, then writes each bag's output row. Why: ibp_lookup_pool_grouped groups
-// the ids of ONE bag, so a bag of one id decodes one row per warp and only its n_seg lanes walk codewords (2 of 32
-// for a 512 B exponent row); grouping across bags, as ibp_lookup_rows_grouped does, puts G * n_seg walks on the
-// warp. Each value is computed as the bag loop computes a bag of one id (from 0: one add, fma or first-value max;
-// MEAN divides by the count, 1); a bag that pooled nothing (bad id, malformed row) is zeros, as there.
-template <class K>
-__device__ __forceinline__ void ibp_lookup_pool_single(const K& codec, uint4* smem, unsigned char* rowbuf, int op,
-                                                       int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
-    const int lane = threadIdx.x & 31;
-    const int G = codec.group_rows(IBP_POOL_MAX_ROW / row_bytes);
-    const int r = lane % G;  // the group's bag this lane resolves
-    const int dim = row_bytes / (elem == IBP_ELEM_F32 ? 4 : 2);
-    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
-    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;  // of this lane's rows (summed over lanes r < G)
-    for (i64 k0 = warp * G; k0 < n_bags; k0 += nwarps * G) {
-        const i64 k = k0 + r;
-        const bool live = k < n_bags;  // the last group may be short
-        unsigned char* dst = nullptr;
-        bool bad = false, staged = false;
-        int t = 0;
-        i64 gid = 0;
-        float w = 1.0f;
-        IbpRowSource src = {nullptr, 0, false, false};
-        if (live) {
-            const i64 j = bag_order != nullptr ? bag_order[k] : k;  // e.g. bags sorted by row: host reads in order
-            i64 s, start, end;
-            bool bad_offsets;  // never: fixed bags of one id
-            ibp_bag_place(j, n_tables, per_table, sample_major, bag_offsets, bag_size, n_bags, include_last, n_ids, t,
-                          s, start, end, bad_offsets);
-            dst = out + ((i64)s * n_tables + t) * (i64)row_bytes;
-            const i64 limit = table_rows != nullptr ? table_rows[t] : n_rows;
-            const i64 id = ids[start];
-            bad = id < 0 || id >= limit;
-            if (bad) {
-                if (lane < G) ibp_report_bad_id(err, t);
-            } else {
-                gid = id + (table_base != nullptr ? table_base[t] : 0);
-                src = ibp_lookup_source(gid, index_mode, table_keys, table_values, capacity, max_probes, slab_bases,
-                                        host_base, host_offsets, host_stride, host_lengths, row_bytes, stage_of,
-                                        step_state, staging, stage_cap, staged);
-            }
-            if (psw != nullptr) w = psw[start];
-        }
-        const bool fetch = live && !bad;
-        const unsigned corrupt =
-            codec.decode_group(G, src.src, src.len, src.comp, fetch ? rowbuf + r * row_bytes : nullptr, smem, lane);
-        const bool used = fetch && !((corrupt >> r) & 1u);  // a malformed row pools nothing
-        if (fetch && !used && lane < G) ibp_report_corrupt_row(err, t);
-        const unsigned live_bags = __ballot_sync(IBP_FULL, lane < G && live);
-        const unsigned use = __ballot_sync(IBP_FULL, lane < G && used);
-        __syncwarp();  // the decoded rows are visible to every lane
-        for (int q0 = 0; q0 < G; ++q0) {
-            if (!((live_bags >> q0) & 1u)) continue;  // uniform
-            unsigned char* bag_dst = reinterpret_cast<unsigned char*>(
-                __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), q0));
-            const float bw = __shfl_sync(IBP_FULL, w, q0);
-            const bool pooled = (use >> q0) & 1u;
-            const unsigned char* row = rowbuf + q0 * row_bytes;
-            for (int e = lane; e < dim; e += 32) {
-                const float v = pooled ? ibp_pool_one_value(ibp_elem_load(row, e, elem), op, psw != nullptr, bw)
-                                       : 0.0f;  // a bag that pooled nothing
-                ibp_elem_store(bag_dst, e, elem, v);
-            }
-        }
-        __syncwarp();  // the row buffer is free for the next group
-        if (used) {
             requests += 1;
             if (src.hit) {
                 hits += 1;
@@ -993,18 +920,27 @@ __device__ __forceinline__ IbpSingleBag ibp_single_bag(i64 k, const float* __res
     return b;
 }
 
+// May the group take ibp_single_group_direct? (every lane votes; `mine`: the lane resolves one of the group's bags)
+// Its output row is 16-byte aligned and, if it fetches a row, that row is raw and 16-byte aligned too.
+__device__ __forceinline__ bool ibp_single_direct_ok(const IbpSingleBag& b, bool fetch, int row_bytes, bool mine) {
+    if (!mine || !b.live) return true;
+    return fetch ? (!b.src.comp && ibp_copy_aligned(b.src.src, b.dst, row_bytes))
+                 : ibp_copy_aligned(b.dst, b.dst, row_bytes);
+}
+
 // The group's rows, all raw and 16-byte aligned, read and pooled (op ROWS: copied) word by word: word i of the
 // group is word i % n16 of row i / n16, held by lane q = i / n16's bag (fetch: its bit in `fetched`; live bags
-// without a row get zeros).
+// without a row get zeros). U: 16-byte words per lane loaded before any is stored.
+template <int U>
 __device__ __forceinline__ void ibp_single_group_direct(int G, int row_bytes, const unsigned char* src,
                                                         unsigned char* dst, float w, unsigned live, unsigned fetched,
                                                         int op, int elem, bool weighted, int lane) {
     const int n16 = row_bytes >> 4;
     const int total = G * n16;
-    for (int i0 = 0; i0 < total; i0 += 32 * IBP_SINGLE_UNROLL) {
-        uint4 x[IBP_SINGLE_UNROLL];
+    for (int i0 = 0; i0 < total; i0 += 32 * U) {
+        uint4 x[U];
 #pragma unroll
-        for (int u = 0; u < IBP_SINGLE_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int i = i0 + lane + 32 * u;
             const int q = min(i, total - 1) / n16;
             const uint4* s = reinterpret_cast<const uint4*>(
@@ -1013,7 +949,7 @@ __device__ __forceinline__ void ibp_single_group_direct(int G, int row_bytes, co
             if (i < total && ((fetched >> q) & 1u)) x[u] = s[i - q * n16];
         }
 #pragma unroll
-        for (int u = 0; u < IBP_SINGLE_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int i = i0 + lane + 32 * u;
             const int q = min(i, total - 1) / n16;
             uint4* d = reinterpret_cast<uint4*>(__shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(dst), q));
@@ -1077,12 +1013,10 @@ __device__ __forceinline__ void ibp_lookup_single_bags(const K& codec, uint4* sm
         const bool fetch = b.live && !b.bad;
         const unsigned live = __ballot_sync(IBP_FULL, lane < G && b.live);
         const unsigned fetched = __ballot_sync(IBP_FULL, lane < G && fetch);
-        const bool direct_ok = !(lane < G && b.live) || (ibp_copy_aligned(b.dst, b.dst, row_bytes) &&
-                                                         (!fetch || (!b.src.comp && ibp_copy_aligned(b.src.src, b.dst,
-                                                                                                     row_bytes))));
         unsigned used;
-        if (__all_sync(IBP_FULL, direct_ok)) {
-            ibp_single_group_direct(G, row_bytes, b.src.src, b.dst, b.w, live, fetched, op, elem, weighted, lane);
+        if (__all_sync(IBP_FULL, ibp_single_direct_ok(b, fetch, row_bytes, lane < G))) {
+            ibp_single_group_direct<IBP_SINGLE_UNROLL>(G, row_bytes, b.src.src, b.dst, b.w, live, fetched, op, elem,
+                                                       weighted, lane);
             used = fetched;
         } else {
             used = ibp_single_group_rows<K>(codec, smem, rowbuf, G, b, live, fetched, op, elem, weighted, row_bytes,
@@ -1091,6 +1025,81 @@ __device__ __forceinline__ void ibp_lookup_single_bags(const K& codec, uint4* sm
         const bool mine = (used >> r) & 1u;
         if (fetch && !mine && lane < G) ibp_report_corrupt_row(err, b.t);
         if (mine) {
+            requests += 1;
+            if (b.src.hit) {
+                hits += 1;
+                slab_bytes += (u64)b.src.len;
+            } else if (!b.staged) {
+                host_bytes += (u64)b.src.len;
+            }
+            if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[b.gid], 1);
+        }
+    }
+    ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
+                       ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
+    if (staging != nullptr) ibp_finish_step(step_state);
+}
+
+// SUM / MEAN / MAX of one-id bags (bag_offsets == nullptr, bag_size == 1: one-hot features, the embedding bags'
+// "single" step, and what the layout planner times; kernels ibp_lookup_pool_single_NAME for the grouped kinds, picked
+// by lookup.py), G bags per warp at once: lane L resolves bag L % G (ibp_single_bag), the warp decodes the G rows
+// into its row buffer, then writes each bag's output row. Why: ibp_lookup_pool_grouped groups the ids of ONE bag, so
+// a bag of one id decodes one row per warp and only its n_seg lanes walk codewords (2 of 32 for a 512 B exponent
+// row); grouping across bags, as ibp_lookup_rows_grouped does, puts G * n_seg walks on the warp. A group whose rows
+// are all raw and 16-byte aligned (the hits of a cache holding decoded rows) is read and pooled word by word, as the
+// IBP kinds' groups are (ibp_single_group_direct). Each value is computed as the bag loop computes a bag of one id
+// (from 0: one add, fma or first-value max; MEAN divides by the count, 1); a bag that pooled nothing (bad id,
+// malformed row) is zeros, as there.
+// Words per lane in flight on the exponent kinds' direct path: fewer than the IBP kinds' IBP_SINGLE_UNROLL, which
+// would raise ibp_lookup_pool_single_e4 from 96 to 128 registers (fewer resident warps for its misses' decode).
+#ifndef IBP_EXP_SINGLE_UNROLL
+#define IBP_EXP_SINGLE_UNROLL 4
+#endif
+template <class K>
+__device__ __forceinline__ void ibp_lookup_pool_single(const K& codec, uint4* smem, unsigned char* rowbuf, int op,
+                                                       int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
+    const int lane = threadIdx.x & 31;
+    const int G = codec.group_rows(IBP_POOL_MAX_ROW / row_bytes);
+    const int r = lane % G;  // the group's bag this lane resolves
+    const int dim = row_bytes / (elem == IBP_ELEM_F32 ? 4 : 2);
+    const bool weighted = psw != nullptr;
+    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
+    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
+    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;  // of this lane's rows (summed over lanes r < G)
+    for (i64 k0 = warp * G; k0 < n_bags; k0 += nwarps * G) {
+        const IbpSingleBag b = ibp_single_bag(k0 + r, psw, IBP_LOOKUP_ARGS);
+        if (b.bad && lane < G) ibp_report_bad_id(err, b.t);
+        const bool fetch = b.live && !b.bad;
+        const unsigned live = __ballot_sync(IBP_FULL, lane < G && b.live);
+        const unsigned fetched = __ballot_sync(IBP_FULL, lane < G && fetch);
+        unsigned use;
+        if (__all_sync(IBP_FULL, ibp_single_direct_ok(b, fetch, row_bytes, lane < G))) {
+            ibp_single_group_direct<IBP_EXP_SINGLE_UNROLL>(G, row_bytes, b.src.src, b.dst, b.w, live, fetched, op,
+                                                           elem, weighted, lane);
+            use = fetched;
+        } else {
+            const unsigned corrupt = codec.decode_group(G, b.src.src, b.src.len, b.src.comp,
+                                                        fetch ? rowbuf + r * row_bytes : nullptr, smem, lane);
+            use = __ballot_sync(IBP_FULL, lane < G && fetch && !((corrupt >> r) & 1u));  // malformed: pools nothing
+            __syncwarp();  // the decoded rows are visible to every lane
+            for (int q0 = 0; q0 < G; ++q0) {
+                if (!((live >> q0) & 1u)) continue;  // uniform
+                unsigned char* bag_dst = reinterpret_cast<unsigned char*>(
+                    __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(b.dst), q0));
+                const float bw = __shfl_sync(IBP_FULL, b.w, q0);
+                const bool pooled = (use >> q0) & 1u;
+                const unsigned char* row = rowbuf + q0 * row_bytes;
+                for (int e = lane; e < dim; e += 32) {
+                    const float v = pooled ? ibp_pool_one_value(ibp_elem_load(row, e, elem), op, weighted, bw)
+                                           : 0.0f;  // a bag that pooled nothing
+                    ibp_elem_store(bag_dst, e, elem, v);
+                }
+            }
+            __syncwarp();  // the row buffer is free for the next group
+        }
+        const bool used = (use >> r) & 1u;
+        if (fetch && !used && lane < G) ibp_report_corrupt_row(err, b.t);
+        if (used) {
             requests += 1;
             if (b.src.hit) {
                 hits += 1;
@@ -1150,9 +1159,17 @@ IBP_LOOKUP(e2, ExpRows<unsigned short>, IBP_EXP_LB)
 IBP_LOOKUP(e4, ExpRows<unsigned int>, IBP_EXP_LB)
 
 // One-id bags of the grouped kinds (ibp_lookup_pool_single): ibp_lookup_pool_single_NAME, a kernel of its own: the
-// two loops inlined in one kernel take ~166 registers on sm_90, the bag loop alone 128.
+// two loops inlined in one kernel take ~166 registers on sm_90, the bag loop alone 128. Its launch bounds keep
+// IBP_EXP_SINGLE_WARPS resident warps per SM (96 registers on sm_90, no spills): the direct path for raw groups
+// would otherwise take it to 115-119 registers and 16 warps, fewer in flight for the misses' host reads.
+#define IBP_EXP_SINGLE_WARPS 20
+#ifdef IBP_EXP_MIN_WARPS
+#define IBP_EXP_SINGLE_LB(THREADS) IBP_EXP_LB(THREADS)
+#else
+#define IBP_EXP_SINGLE_LB(THREADS) __launch_bounds__(THREADS, (IBP_EXP_SINGLE_WARPS * 32) / (THREADS))
+#endif
 #define IBP_LOOKUP_POOL_SINGLE(NAME, K)                                                                         \
-    extern "C" __global__ void IBP_EXP_LB(32 * IBP_POOL_WARPS)                                                  \
+    extern "C" __global__ void IBP_EXP_SINGLE_LB(32 * IBP_POOL_WARPS)                                           \
         ibp_lookup_pool_single_##NAME(int op, int elem, const float* psw, IBP_LOOKUP_PARAMS) {                  \
         IBP_OUT_FROM_REF;                                                                                       \
         __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];                                                     \

@@ -28,7 +28,7 @@ Tables = Union[KernelTables, ExponentTables]
 """The kernel tables a lookup takes: which one picks the kernels' decoder (``codec_kind``)."""
 
 __all__ = ["PoolOp", "ElemType", "SLOTS_INDEX", "SLOT_TABLE_INDEX", "RowSource", "BagLayout", "Staging", "LookupErrors", "lookup_rows",
-           "lookup_pool", "codec_kind", "CORRUPT_ROW",
+           "lookup_pool", "fill_rows", "codec_kind", "CORRUPT_ROW",
            "POOL_MAX_ROW_BYTES", "POOL_MAX_ELEMS", "pool_supported"]
 
 _SRC = "lookup.cu"
@@ -210,6 +210,27 @@ def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: Tables, c
                   np.int64(src.host_base), _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths),
                   np.int32(tables.row_bytes), *args_of, _ptr(counters), np.uint64(err_ptr))
     launch(_SRC, f"ibp_lookup_stage_{kind}", dev, sm_count(dev) * 8, 32 * _ROWS_WARPS, stage_args)
+
+
+def fill_rows(list_gid: torch.Tensor, list_dst: torch.Tensor, count: torch.Tensor, max_entries: int, src: RowSource,
+              tables: Tables, host_bytes: Optional[torch.Tensor], err_ptr: int) -> None:
+    """Decode host rows into device addresses (FILL, warp per entry): row ``list_gid[e]`` of ``src``'s host store
+    becomes a decoded ``row_bytes`` row at address ``list_dst[e]``, for ``e < min(count[0], max_entries)`` (the
+    count read on the device: a row cache's admission list, ``kernels/admit.cu``). ``host_bytes`` (int64 [1] on the
+    device, or None) gains the stored bytes read; a malformed row is reported through ``err`` and written as zeros."""
+    kind, args_of = codec_kind(tables)
+    assert list_gid.dtype == torch.int64 and list_dst.dtype == torch.int64 and count.dtype == torch.int64
+    assert list_gid.is_cuda and list_dst.device == list_gid.device and count.device == list_gid.device
+    assert host_bytes is None or (host_bytes.dtype == torch.int64 and host_bytes.device == list_gid.device)
+    assert err_ptr != 0, "err must point at pinned host memory (two int32 words)"
+    if max_entries <= 0:
+        return
+    dev = device_index(list_gid)
+    grid = max(1, min(-(-max_entries // _ROWS_WARPS), sm_count(dev) * 16))
+    launch(_SRC, f"ibp_lookup_fill_{kind}", dev, grid, 32 * _ROWS_WARPS,
+           (_ptr(list_gid), _ptr(list_dst), _ptr(count), np.int64(max_entries), np.int64(src.host_base),
+            _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes),
+            *args_of, _ptr(host_bytes), np.uint64(err_ptr)))
 
 
 def _check(ids: torch.Tensor, out: torch.Tensor, tables: Tables, err_ptr: int,
