@@ -46,7 +46,7 @@ from ..errors import (FormatError, InvalidArgumentError, RowDtypeError, RowShape
 from ..exponent import ExponentCodec
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
-from .plan_layout import LayoutChoice, calibrate_layout, named_fit, pick_codec
+from .plan_layout import SLOT_FORMS, LayoutChoice, calibrate_layout, named_fit, pick_codec
 from .plan_transfer import Transfer, TransferChoice, calibrate_transfer
 
 __all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "fit_candidates",
@@ -149,12 +149,13 @@ def fit_candidates(rows: torch.Tensor, device: torch.device, options: FitOptions
 
 
 def plan_codec(rows: torch.Tensor, device: torch.device, options: FitOptions, allow_raw: bool,
-               host_paths: bool = False) -> tuple[Codec, LayoutChoice]:
+               host_paths: bool = False, slots: str = "stored") -> tuple[Codec, LayoutChoice]:
     """The planner's codec for ``rows`` on ``device``: the candidates of ``options`` (and raw rows when
     ``allow_raw``), each timed on the store's own zero-copy fetch (CUDA) or sized (CPU); returns the chosen codec
-    (a :class:`RawCodec` for raw rows) and why (:class:`LayoutChoice`)."""
+    (a :class:`RawCodec` for raw rows) and why (:class:`LayoutChoice`). ``slots``: how a cache in front of the
+    store may hold rows (``plan_layout.SLOT_FORMS``)."""
     candidates = fit_candidates(rows, device, options)
-    choice = calibrate_layout(rows, candidates, device, host_paths=host_paths, allow_raw=allow_raw)
+    choice = calibrate_layout(rows, candidates, device, host_paths=host_paths, allow_raw=allow_raw, slots=slots)
     if not choice.compress:
         return Codec.raw(rows.dtype, tuple(rows.shape[1:])), choice
     return pick_codec(candidates, choice), choice
@@ -207,15 +208,21 @@ class HostStore:
         transfer: a :class:`Transfer` for CUDA reads, or ``"auto"``: the planner times zero-copy against cpu-gather
             reads of this store at construction and keeps the faster (``stats()['transfer']``). A CPU store
             always decodes on the host.
+        slots: how the device cache in front of this store holds rows, for the planner's weighing of cache hits
+            (``"stored"``: as stored; ``"decoded"``: decoded at admission; ``"auto"``: the planner says which,
+            ``layout_choice.slots``; see ``plan_layout.slot_form``).
     """
 
     adopted: Optional[CompressedRows] = None
 
     def __init__(self, rows: "torch.Tensor | CompressedRows", *, codec: "Codec | FitOptions | None" = None,
                  compress: "bool | str" = True, device: torch.device, layout: "str | Layout" = Layout.INPLACE,
-                 transfer: "str | Transfer" = "auto", share_rows: bool = False) -> None:
+                 transfer: "str | Transfer" = "auto", share_rows: bool = False, slots: str = "stored") -> None:
         if compress not in (True, False, "auto"):
             raise InvalidArgumentError(f"compress must be True, False or 'auto', got {compress!r}")
+        if slots not in SLOT_FORMS:
+            raise InvalidArgumentError(f"slots must be one of {SLOT_FORMS}, got {slots!r}")
+        self.slots_option = slots
         self.device = device
         auto = transfer == "auto"
         self.transfer = Transfer.ZERO_COPY if auto else Transfer.coerce(transfer)
@@ -276,10 +283,11 @@ class HostStore:
                                                      and self.fit_options.method == "auto")
         if planned and self.layout_choice is None:  # first load: the planner decides (refits keep its choice)
             if codec is not None:
-                self.layout_choice = calibrate_layout(rows, codec, self.device)
+                self.layout_choice = calibrate_layout(rows, codec, self.device, slots=self.slots_option)
             else:
                 codec, self.layout_choice = plan_codec(rows, self.device, self.fit_options or FitOptions(),
-                                                       allow_raw=self.compress_option == "auto")
+                                                       allow_raw=self.compress_option == "auto",
+                                                       slots=self.slots_option)
             self.compress = self.layout_choice.compress
         elif planned:
             self.compress = self.layout_choice.compress

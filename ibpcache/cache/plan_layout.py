@@ -16,7 +16,9 @@ are stored, so a codec also changes what a cache hit costs: a hit decodes from d
 at HBM speed and dense float rows coded by IBP or exponent coding decode several times slower. Each candidate is
 therefore also timed with the sample in device memory, and a codec that wins on misses is kept only if it also wins,
 by the same margin, at a hit share of :data:`HIT_SHARE` (a well-sized cache's regime): compression must pay whatever
-the hit rate.
+the hit rate. A cache that can decode rows when it admits them (the embedding bags' inference slots: ``slots``)
+instead holds them decoded where compressed hits would cost more than raw ones (:func:`slot_form`): its hits then
+cost what raw rows' do, and compression is judged by the misses it speeds up.
 
 Calibration happens once per table, at construction, before any lookup; its host syncs are there, never in a
 lookup step. Without CUDA there is no zero-copy path to time: the smallest stored size wins (host memory is then
@@ -37,6 +39,7 @@ from ._plan_timing import MARGIN, wall_medians
 
 __all__ = ["LayoutChoice", "decide_layout", "decide_codec", "prefer_host_gather", "calibrate_layout", "pick_codec",
            "best_compressed", "candidate_names", "codec_named", "named_fit",
+           "slot_form", "slot_option", "SLOT_FORMS", "STORED_SLOTS_MIN_RATIO",
            "CALIBRATION_BYTES", "MIN_RATIO", "MARGIN", "ROUNDS", "REPS", "HIT_SHARE"]
 
 CALIBRATION_BYTES = 32 << 20
@@ -48,6 +51,17 @@ MIN_RATIO = 1.02
 
 HIT_SHARE = 0.9
 """The hit share at which a compressed layout must still beat raw rows (by the margin) per looked-up row."""
+
+SLOT_FORMS = ("stored", "decoded", "auto")
+"""How a GPU cache in front of the store holds rows: as stored (compressed slots sized to the stored lengths: more
+rows per byte, each hit decoded), decoded at admission (raw slots: hits at copy speed, misses still read compressed),
+or ``"auto"`` (:func:`slot_form` per codec, from the timings)."""
+
+STORED_SLOTS_MIN_RATIO = 2.0
+"""From this compression ratio on, ``"auto"`` keeps compressed slots even where their hits decode slower than raw
+hits read: they hold at least twice the rows. Why 2: the dense-float codecs store 1.2-1.5x, so their slots would
+gain at most half again the rows while each hit cost 5-8x a raw one (H200, 2026-11-26); sparse rows (IBP, 7-25x)
+gain more hits from the extra rows than their decode costs."""
 
 ROUNDS = 3
 REPS = 7
@@ -64,7 +78,8 @@ class LayoutChoice:
     every candidate timed, ``ratios`` every candidate's compression ratio on the sample (metadata
     excluded), ``samples`` how many timings each median is of, ``hit_timings_ms`` the same lookups with the rows in
     device memory. ``compressed_ms`` / ``ratio`` describe the chosen (or, for a raw choice, the best) compressed
-    candidate, ``raw_ms`` the raw rows."""
+    candidate, ``raw_ms`` the raw rows; ``slots`` says whether a cache in front of the store holds the rows as stored
+    or decoded (:func:`slot_form`), ``slots_reason`` why."""
 
     compress: bool
     reason: str
@@ -79,6 +94,8 @@ class LayoutChoice:
     ratios: dict = field(default_factory=dict)
     samples: int = 0
     hit_timings_ms: dict = field(default_factory=dict)  # the same lookups from device memory (a cache hit)
+    slots: str = "stored"  # how a cache in front of the store holds the chosen rows (SLOT_FORMS, never "auto")
+    slots_reason: str = ""
 
     def __post_init__(self) -> None:
         if not self.method:  # the two-way form (compressed vs raw) names no codec: IBP, as it always was
@@ -97,7 +114,8 @@ def prefer_host_gather(choice: LayoutChoice, host_gather_ms: Optional[float], co
         return replace(choice, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms)
     if host_gather_ms <= compressed_wall_ms * (1.0 - margin):
         return replace(choice, compress=False, method="raw", host_gather_ms=host_gather_ms,
-                       compressed_wall_ms=compressed_wall_ms,
+                       compressed_wall_ms=compressed_wall_ms, slots="stored",
+                       slots_reason=slot_form("stored", "raw", 1.0, {})[1],
                        reason=f"raw rows by CPU gather {compressed_wall_ms / host_gather_ms:.2f}x faster than "
                               f"compressed zero-copy ({choice.reason})")
     return replace(choice, host_gather_ms=host_gather_ms, compressed_wall_ms=compressed_wall_ms)
@@ -115,10 +133,42 @@ def decide_layout(ratio: float, compressed_ms: Optional[float], raw_ms: Optional
     return decide_codec({"ibp": ratio}, timings, allow_raw=True, batch=batch, margin=margin, min_ratio=min_ratio)
 
 
+def slot_option(compress_cache: "bool | str") -> str:
+    """The slot form a cache's ``compress_cache`` argument asks for: True "stored" (compressed slots), False
+    "decoded" (raw slots, rows decoded at admission), ``"auto"`` the planner's call."""
+    if compress_cache is True or compress_cache is False:
+        return "stored" if compress_cache else "decoded"
+    if compress_cache == "auto":
+        return "auto"
+    raise InvalidArgumentError(f"compress_cache must be True, False or 'auto', got {compress_cache!r}")
+
+
+def slot_form(slots: str, method: str, ratio: float, hits: dict[str, float],
+              margin: float = MARGIN) -> tuple[str, str]:
+    """How a cache holds rows of candidate ``method`` (compression ``ratio``), and why: ``slots`` as asked
+    (``"stored"`` / ``"decoded"``), or for ``"auto"``: as stored where their hits (``hits``: device-memory lookup
+    times, key ``"raw"`` for raw rows) cost at most ``margin`` more than raw hits, or the ratio reaches
+    :data:`STORED_SLOTS_MIN_RATIO`; decoded otherwise. Raw rows are the same either way: ``"stored"``."""
+    if slots not in SLOT_FORMS:
+        raise InvalidArgumentError(f"slots must be one of {SLOT_FORMS}, got {slots!r}")
+    if method == "raw":
+        return "stored", "raw rows: stored and decoded are the same"
+    if slots != "auto":
+        return slots, f"{slots} slots asked for"
+    if method not in hits or "raw" not in hits:
+        return "stored", "no hit timings (CPU): compressed slots keep the most rows"
+    cost = hits[method] / hits["raw"]
+    if cost <= 1.0 / (1.0 - margin):
+        return "stored", f"compressed hits {cost:.2f}x raw hits: the {ratio:.2f}x rows come free"
+    if ratio >= STORED_SLOTS_MIN_RATIO:
+        return "stored", f"{ratio:.2f}x the rows per slot byte outweigh hits at {cost:.2f}x raw"
+    return "decoded", f"compressed hits {cost:.2f}x raw hits for {ratio:.2f}x the rows: decoded at admission"
+
+
 def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allow_raw: bool = True,
                  batch: int = 0, samples: int = 0, margin: float = MARGIN,
                  min_ratio: float = MIN_RATIO, hit_timings_ms: Optional[dict[str, float]] = None,
-                 hit_share: float = HIT_SHARE) -> LayoutChoice:
+                 hit_share: float = HIT_SHARE, slots: str = "stored") -> LayoutChoice:
     """The rule, apart from the measuring: which codec (``ratios``' keys, compressed methods in order of
     preference) stores a table, given each one's compression ratio and, on CUDA, the median lookup time of each and
     of raw rows (``timings_ms``, key ``"raw"``; empty without CUDA).
@@ -132,21 +182,28 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
     * ``hit_timings_ms`` (the same lookups from device memory): a codec beating raw on misses must also beat raw rows
       by ``margin`` at a hit share of ``hit_share`` (misses and hits weighted), or raw rows stay: a choice near the
       line would flip between two builds of one table on timing noise (seen: fp16 2 KB rows, IBP 1.05x on misses,
-      two identical modules 21-28% apart)."""
+      two identical modules 21-28% apart).
+    * ``slots``: how the cache holds a compressed candidate's rows (:func:`slot_form`); a candidate held decoded
+      is weighed with raw rows' hit time (its hits read raw rows)."""
     ratio_of = dict(ratios)
     best_ratio = max(ratio_of.values(), default=1.0)
     hits = dict(hit_timings_ms or {})
+
+    def form(m: str) -> tuple[str, str]:
+        return slot_form(slots, m, ratio_of.get(m, 1.0), hits, margin)
 
     def made(method: str, compress: bool, reason: str) -> LayoutChoice:
         r = ratio_of.get(method, best_ratio) if compress else best_ratio
         comp = [m for m in ratio_of if m in timings_ms]
         c_ms = timings_ms.get(method) if compress else min((timings_ms[m] for m in comp), default=None)
+        held, why = form(method if compress else "raw")
         return LayoutChoice(compress, reason, r, c_ms, timings_ms.get("raw"), batch, method=method,
                             timings_ms=dict(timings_ms), ratios=dict(ratio_of), samples=samples,
-                            hit_timings_ms=dict(hits))
+                            hit_timings_ms=dict(hits), slots=held, slots_reason=why)
 
     def blended(m: str) -> float:
-        return (1.0 - hit_share) * timings_ms[m] + hit_share * hits[m]
+        hit = hits["raw"] if form(m)[0] == "decoded" else hits[m]
+        return (1.0 - hit_share) * timings_ms[m] + hit_share * hit
 
     eligible = [m for m, r in ratio_of.items() if r >= min_ratio]
     if not eligible:
@@ -172,9 +229,10 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
             paying = [m for m in winners if blended(m) <= blended("raw") * (1.0 - margin)]
             if not paying:
                 best = min(winners, key=blended)
+                held = "decoded at admission" if form(best)[0] == "decoded" else "decoded from device memory"
                 return made("raw", False, f"{best} misses {raw / timings_ms[best]:.2f}x faster than raw, but with "
                                           f"{hit_share:.0%} cache hits it costs {blended(best) / blended('raw'):.2f}x "
-                                          "raw (hits decode from device memory)")
+                                          f"raw (hits {held})")
             winners = paying
     fastest = min(winners, key=lambda m: timings_ms[m])
     small = max(winners, key=lambda m: ratio_of[m])
@@ -288,7 +346,7 @@ def _candidates(codec: "Codec | Sequence[Codec]", allow_raw: bool) -> list[Codec
 
 def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", device: torch.device,
                      batch: int = 8192, reps: int = REPS, host_paths: bool = False, allow_raw: bool = True,
-                     rounds: int = ROUNDS) -> LayoutChoice:
+                     rounds: int = ROUNDS, slots: str = "stored") -> LayoutChoice:
     """Time each candidate codec's zero-copy misses and device-memory hits, and raw rows', on a pinned sample of
     ``table`` (``[N, ...]``, any device) on ``device``; :func:`decide_codec` decides (:func:`pick_codec` then names the codec).
 
@@ -297,7 +355,8 @@ def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", devi
     are not a candidate. Ratios are the sample's. Candidates are timed in alternation, ``rounds`` rounds of ``reps``
     lookups each; medians decide. ``host_paths`` (caches fed ids on the CPU): also time, wall clock from ids on the
     CPU, raw rows gathered by the CPU + one copy against the chosen codec's zero-copy reads
-    (:func:`prefer_host_gather`)."""
+    (:func:`prefer_host_gather`). ``slots``: how a cache in front of the store may hold rows (:data:`SLOT_FORMS`;
+    :func:`decide_codec`)."""
     from ..kernels.hashmap import IndexArgs, IndexMode
     from ..kernels.lookup import LookupErrors, RowSource
 
@@ -318,7 +377,7 @@ def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", devi
     raw_ok = "raw" in named
     timed = {name: c for name, c in named.items() if name == "raw" or ratios[name] >= MIN_RATIO}
     if not cuda or not any(name != "raw" for name in timed):
-        return decide_codec(ratios, {}, allow_raw=raw_ok, batch=batch)
+        return decide_codec(ratios, {}, allow_raw=raw_ok, batch=batch, slots=slots)
     raw = torch.empty(m * row_bytes + 16, dtype=torch.uint8, pin_memory=True)[: m * row_bytes]
     raw.copy_(sample.view(torch.uint8).reshape(-1))
     empty = torch.empty(0, dtype=torch.int64, device=device)
@@ -345,7 +404,7 @@ def calibrate_layout(table: torch.Tensor, codec: "Codec | Sequence[Codec]", devi
     medians = {k: statistics.median(v) for k, v in times.items()}
     hit_medians = {k: statistics.median(v) for k, v in hit_times.items()}
     choice = decide_codec(ratios, medians, allow_raw=raw_ok, batch=batch, samples=rounds * reps,
-                          hit_timings_ms=hit_medians)
+                          hit_timings_ms=hit_medians, slots=slots)
     if not host_paths or not raw_ok:
         return choice
     # the compressed candidate the CPU's raw gather competes with: the chosen one, or the fastest if raw won

@@ -31,6 +31,7 @@ batch; Colossal-AI refuses such batches.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import threading
@@ -38,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..codec import Codec
@@ -50,10 +52,11 @@ from ..kernels import admit_cpu
 from ..kernels.admit import (ADMIT_FORCE, ADMIT_POLICY, N_STATS, N_WS, STAT_ADMITTED, STAT_HITS, STAT_HOST_BYTES,
                              STAT_REQUESTS, STAT_STAGED, WS_LIST, AdmitArgs)
 from ..kernels.hashmap import IndexArgs
-from ..kernels.lookup import (SLOT_TABLE_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, lookup_pool,
-                              pool_supported)
+from ..kernels.lookup import (SLOT_TABLE_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, fill_rows,
+                              lookup_pool, pool_supported)
 from .host_store import HostStore
 from .ordering import StreamOrder
+from .plan_layout import slot_form, slot_option
 from .plan_path import PathPlanner
 from .policy import EvictionStrategy, SlotPolicy, choose_slot_bytes, row_policy
 from .row_optimizer import RowOptimizer, watch_unattached
@@ -226,7 +229,7 @@ class CachedRowManager:
         self._warmup(warmup_ratio)
         watch_unattached(self)
 
-    def fused_lookup(self, stage_bytes: int = STAGE_BYTES, compress_cache: bool = True,
+    def fused_lookup(self, stage_bytes: int = STAGE_BYTES, compress_cache: "bool | str" = True,
                      graphs: bool = True) -> "FusedLookup":
         """The fused inference lookup over this cache and its host store (built on first use, once: two lookups
         over one manager would each keep their own per-slot lengths of the same slots)."""
@@ -765,15 +768,19 @@ def _shape_of(t: Optional[torch.Tensor]) -> Optional[tuple]:
 class FusedLookup:
     """Inference lookups of a :class:`CachedRowManager`: admission on the device, then ONE pooled lookup launch.
 
-    The cache holds rows as the host store stores them (compressed or raw) in ``slot_bytes`` slots carved from the
-    manager's ``cached_weight`` bytes (``compress_cache``: sized to the stored lengths by ``choose_slot_bytes``, so the
-    same bytes keep ratio-times more rows; else ``row_bytes``). Each lookup, with no host sync:
+    The cache holds rows in ``slot_bytes`` slots carved from the manager's ``cached_weight`` bytes, in one of two
+    forms (``compress_cache``; ``plan_layout.SLOT_FORMS``): as the host store stores them ("stored": slots sized to
+    the stored lengths by ``choose_slot_bytes``, so the same bytes keep ratio-times more rows, each hit decoded), or
+    decoded when admitted ("decoded": ``row_bytes`` slots whose hits read at copy speed, while misses still cross
+    PCIe compressed). ``"auto"`` takes the host layout planner's word (``layout_choice.slots``). Each lookup, with no
+    host sync:
 
     1. the step's ids become keys (global rows; bad ids a sentinel the kernels skip: the lookup reports them);
     2. ``kernels/admit.cu``: requests are counted into the policy's frequency sketch; the distinct missed rows bid for
        sampled victim slots and enter where the policy admits them (TinyLFU: more frequent than the victim), copied
-       as stored; the other misses are copied once each into this step's staging buffer (``stage_bytes``, sized to the
-       step, nothing per table row) -- or left to zero-copy reads, where the path planner measured that faster;
+       as stored (or decoded: ``kernels.lookup.fill_rows``); the other misses are copied once each into this step's
+       staging buffer (``stage_bytes``, sized to the step, nothing per table row) -- or left to zero-copy reads,
+       where the path planner measured that faster;
     3. ``kernels/lookup.cu`` (index mode ``SLOT_TABLE``) decodes slot, staged and host rows and pools them into the
        output; then the staged rows leave the slot table.
 
@@ -784,7 +791,7 @@ class FusedLookup:
     (rows decoded, then ``embedding_bag``): what the tests drive.
     """
 
-    def __init__(self, mgr: "CachedRowManager", stage_bytes: int = STAGE_BYTES, compress_cache: bool = True,
+    def __init__(self, mgr: "CachedRowManager", stage_bytes: int = STAGE_BYTES, compress_cache: "bool | str" = True,
                  graphs: bool = True) -> None:
         if stage_bytes < 0:
             raise InvalidArgumentError(f"stage_bytes must be >= 0, got {stage_bytes}")
@@ -793,7 +800,9 @@ class FusedLookup:
         self.cuda = dev.type == "cuda"
         self.kern: Any = admit_gpu if self.cuda else admit_cpu
         self.stage_bytes = int(stage_bytes)
-        self.compress_cache = bool(compress_cache)
+        self.slots_option = slot_option(compress_cache)
+        self.decoded = False  # the slots hold decoded rows (see _slots_for)
+        self.slots_reason = ""
         with _state_mode():
             self.errors = LookupErrors(pin=self.cuda)  # the kernel writes it through UVA
             self.counters = torch.zeros(4, dtype=torch.int64, device=dev)  # lookup kernel: requests, device, host, slab
@@ -832,10 +841,20 @@ class FusedLookup:
 
     # -- the stored form --------------------------------------------------------------------------
     def _slots_for(self) -> int:
-        """Slot size and count for the manager's bytes and the host store's current stored lengths."""
+        """Slot form, size and count for the manager's bytes and the host store's current stored lengths."""
         mgr, store = self.mgr, self.mgr.store
         budget = mgr.base_slots * store.row_bytes
-        if self.compress_cache and store.compress:
+        choice = store.layout_choice
+        if not store.compress:
+            form, self.slots_reason = slot_form(self.slots_option, "raw", 1.0, {})
+        elif self.slots_option == "auto" and choice is not None and choice.compress:
+            form, self.slots_reason = choice.slots, choice.slots_reason
+        elif self.slots_option == "auto":
+            form, self.slots_reason = "stored", "compression asked for: no timings to weigh slots by"
+        else:
+            form, self.slots_reason = slot_form(self.slots_option, store.codec.method, 1.0, {})
+        self.decoded = store.compress and form == "decoded"
+        if store.compress and not self.decoded:
             self.slot_bytes = choose_slot_bytes(store.stored_lengths(), budget, store.row_bytes, _SLOT_ALIGN,
                                                 coverage=_SLOT_COVERAGE)
         else:
@@ -891,7 +910,7 @@ class FusedLookup:
             slot_bytes=self.slot_bytes, slab_base=mgr.cached_weight.data_ptr(),
             stage_base=self.stage_buf.data_ptr(), stage_cap=self.stage_cap if stage else 0,
             stage_gid=self.stage_gid, host_base=store.data.data_ptr(), host_offsets=store.offsets_dev,
-            host_len=store.lengths_dev, row_bytes=store.row_bytes, n_rows=mgr.num_embeddings, stamp=self.scal[0],
+            host_len=None if self.decoded else store.lengths_dev, row_bytes=store.row_bytes, n_rows=mgr.num_embeddings, stamp=self.scal[0],
             protect=self.scal[1], stats=self.adm_stats if role == "lookup" else self.pre_stats, ws=ws.ws, bid=ws.bid[: st.n_slots + 1], victim=ws.victim,
             key=ws.key, flags=ws.flags, rank=ws.rank, list_gid=ws.list_gid, list_dst=ws.list_dst,
             list_len=ws.list_len)
@@ -957,10 +976,39 @@ class FusedLookup:
             k.apply(s, a, stage and self.stage_cap > 0)
             if not full:
                 admit_gpu.advance_fill(n, a)
-        k.copy(a, n)
+        self._fill(a, n, role)
         if count_sketch and not (self.cuda and torch.cuda.is_current_stream_capturing()):
             self.mgr.policy.counted(n)  # the halving is host-timed: a captured lookup's replays do not age the sketch
         return perm
+
+    def _fill(self, a: AdmitArgs, n: int, role: str) -> None:
+        """The admission's copy list into slots and staging rows: stored bytes as they are, or decoded ones."""
+        if not self.decoded:
+            self.kern.copy(a, n)
+            return
+        stats = self.adm_stats if role == "lookup" else self.pre_stats
+        if self.cuda:
+            fill_rows(a.list_gid, a.list_dst, a.ws[WS_LIST: WS_LIST + 1], n, self._src, self._tables,
+                      stats[STAT_HOST_BYTES: STAT_HOST_BYTES + 1], self.errors.ptr)
+        else:
+            self._fill_cpu(a, n, stats)
+
+    def _fill_cpu(self, a: AdmitArgs, n: int, stats: torch.Tensor) -> None:
+        """The CPU twin of ``fill_rows``: the listed host rows decoded, each moved to its address."""
+        store = self.mgr.store
+        count = min(int(a.ws[WS_LIST]), n)
+        if count == 0:
+            return
+        gid = a.list_gid[:count]
+        lens = store.stored_lengths().to(torch.int64)[gid]
+        offs = store.offsets_cpu[gid] if store.offsets_cpu is not None else gid * store.row_bytes
+        rows = torch.zeros((count, store.row_bytes), dtype=torch.uint8)
+        lens32 = lens.to(torch.int32)
+        store.codec.decode_rows_at(store.data.numpy(), offs.numpy(), lens32.numpy(), rows.numpy(),
+                                   np.arange(count), compressed=(lens32 < store.row_bytes).to(torch.uint8).numpy())
+        for d, r in zip(a.list_dst[:count].tolist(), rows):
+            ctypes.memmove(d, r.data_ptr(), store.row_bytes)
+        stats[STAT_HOST_BYTES] += lens.sum()
 
     def _cache_full(self) -> bool:
         """Has every slot been used since the cache was emptied (the device's ``fill``, read without waiting: a copy
@@ -1180,6 +1228,7 @@ class FusedLookup:
                 "fused_zero_copy_bytes": zero_copy_bytes, "fused_device_reads": device_reads,
                 "fused_raw_host_bytes": (adm[STAT_REQUESTS] - adm[STAT_HITS]) * rb,
                 "fused_cache_slots": self.n_slots, "fused_slot_bytes": self.slot_bytes,
+                "fused_slot_form": "decoded" if self.decoded else "stored", "fused_slot_form_reason": self.slots_reason,
                 "fused_cache_rows_raw": self.mgr.base_slots,
                 "fused_staging_bytes": self.stage_buf.numel() if self.stage_buf is not None else 0,
                 "fused_calls": self.calls, "fused_prefetches": self.prefetches, "fused_plan": self.planner.plan(),

@@ -69,6 +69,7 @@ from .._validation import check_fraction, resolve_device
 from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, StateError, UnsupportedError
 from ..cache.host_store import FitOptions, HostStore, Transfer
+from ..cache.plan_layout import slot_option
 from ..cache.policy import EvictionStrategy
 from ..cache.row_cache import (STAGE_BYTES, BagLayout, CachedRowManager, Prepared, check_adoptable_rows,
                                pool_supported)
@@ -82,6 +83,7 @@ __all__ = [
 ]
 
 _MODES = ("sum", "mean", "max")
+_COMPRESS = (True, False, "auto", "ibp", "exponent")
 
 
 class EmbeddingBagIndexError(InvalidIdsError, RuntimeError):
@@ -221,7 +223,7 @@ class _CachedBagBase(nn.Module):
         fused_inference: bool = True,
         validate: str = "lazy",
         stage_bytes: int = STAGE_BYTES,
-        compress_cache: bool = True,
+        compress_cache: "bool | str" = "auto",
         cuda_graphs: bool = True,
     ) -> None:
         if validate not in ("eager", "lazy"):
@@ -259,15 +261,20 @@ class _CachedBagBase(nn.Module):
         self.cache_op = True
 
         fetch = fetch if fetch == "auto" else Transfer.coerce(fetch, "fetch")
+        slots = slot_option(compress_cache)
+        if compress not in _COMPRESS:
+            raise InvalidArgumentError(f"compress must be one of {_COMPRESS}, got {compress!r}")
         if isinstance(weight, CompressedRows):  # serve the given store's bytes: no second host copy
             check_adoptable_rows(weight, (num_embeddings, embedding_dim), dtype, "_weight")
             store = HostStore.adopt(weight, device=self.device, transfer=fetch)
         else:
             weight = self._initial_weight(weight, dtype).to("cpu")
             # "auto": the planner weighs IBP, exponent coding (float tables) and raw rows by this machine's fetch
-            method = "auto" if compress == "auto" else "ibp"
-            store = HostStore(weight, codec=FitOptions(threshold, chunk_bytes, method=method), compress=compress,
-                              device=self.device, transfer=fetch)
+            # (and, with compress_cache="auto", how the inference cache holds the chosen rows); True is IBP
+            method = compress if isinstance(compress, str) else "ibp"
+            store = HostStore(weight, codec=FitOptions(threshold, chunk_bytes, method=method),
+                              compress=compress if compress in (True, False, "auto") else True,
+                              device=self.device, transfer=fetch, slots=slots)
         del weight
         capacity = max(1, int(num_embeddings * self.cache_ratio))
         self.cache_weight_mgr = CachedRowManager(
@@ -278,7 +285,7 @@ class _CachedBagBase(nn.Module):
         self._padding_slot = None if padding_idx is None else 0
         self.validate = validate
         self.stage_bytes = int(stage_bytes)
-        self.compress_cache = bool(compress_cache)
+        self.compress_cache = compress_cache
         self.cuda_graphs = bool(cuda_graphs)
         # an explicitly chosen host-side path is honoured for every read; with "auto" the planner's choice serves
         # cache fills (training, prefetch, refresh) and fused inference lookups read misses zero-copy, sync-free
@@ -573,9 +580,10 @@ class CachedEmbeddingBag(_CachedBagBase):
     ``_weight`` may also be a :class:`~ibpcache.CompressedRows` of the table (in-place layout; e.g. one attached from
     shared memory with ``CompressedRows.attach``): the module then serves those bytes with no second host copy,
     for inference only (``HostStore`` adopts them read-only). The
-    keyword-only ones: ``compress`` (IBP host table: True, False, or "auto", the default: the planner in
-    ``ibpcache.cache.plan_layout`` times compressed vs raw misses on this machine at construction and keeps the
-    faster; ``stats()['host_layout']`` says which and why), ``threshold`` / ``chunk_bytes`` (codec fit,
+    keyword-only ones: ``compress`` (host table: True (IBP), "ibp", "exponent" (exponent coding, float tables),
+    False (raw), or "auto", the default: the planner in ``ibpcache.cache.plan_layout`` times IBP, exponent and raw
+    misses and hits on this machine at construction and keeps the fastest; ``stats()['host_layout']`` says which and
+    why), ``threshold`` / ``chunk_bytes`` (codec fit,
     "auto" searches), ``refit_threshold`` (refit when the compressed-row share falls below this fraction of
     its value at the last fit; None never refits), ``fetch`` (how cache fills cross PCIe on CUDA: "zero_copy",
     "cpu_gather" (stored bytes gathered on the CPU, one copy, GPU decode), "host_gather" (decoded on the CPU), or "auto", the default: the engine's planner times zero-copy
@@ -588,8 +596,10 @@ class CachedEmbeddingBag(_CachedBagBase):
     ``check_errors()``; "eager": checked before the lookup, one sync), ``stage_bytes`` (device buffer, sized to the
     step, in which a fused lookup reads each distinct missed row from host memory once per step; the path planner
     keeps it only where it measured faster than zero-copy reads of every miss; 0 turns it off), ``compress_cache``
-    (the inference cache keeps rows as the host stores them, in slots sized to their compressed length, so the same
-    device bytes hold about ratio-times more rows; False: one row per ``row_bytes`` slot, as many as training holds),
+    (how the inference cache holds compressed host rows: True, as stored, in slots sized to their compressed length,
+    so the same device bytes hold about ratio-times more rows, each hit decoded; False, decoded when admitted, one
+    row per ``row_bytes`` slot, as many as training holds, hits read at copy speed; "auto", the default: the host
+    layout planner's choice, ``stats()['fused_slot_form']`` and its reason),
     ``cuda_graphs`` (a fused inference step of a batch shape seen before replays from a CUDA graph: one launch
     instead of ~40, the host time that bounds small batches; ``ibpcache.cache.step_graphs``).
     """
@@ -623,7 +633,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         fused_inference: bool = True,
         validate: str = "lazy",
         stage_bytes: int = STAGE_BYTES,
-        compress_cache: bool = True,
+        compress_cache: "bool | str" = "auto",
         cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
@@ -729,7 +739,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         fused_inference: bool = True,
         validate: str = "lazy",
         stage_bytes: int = STAGE_BYTES,
-        compress_cache: bool = True,
+        compress_cache: "bool | str" = "auto",
         cuda_graphs: bool = True,
     ) -> None:
         super().__init__()
