@@ -5,8 +5,8 @@ weights, mean, max; fp32 and bf16; table-batched and single-table; sorted and as
 path (claim + stage + lookup, with a buffer that holds every miss and one that overflows); and the same kernels'
 exponent kinds (``*_e2`` / ``*_e4``: fp32, bf16, fp16 rows, one and several segments, narrow rows several per warp,
 rows past the 2 KB stage, a corrupt row), the exponent descriptor decode (dynamic policy, cpu-gather transfer) and
-the GPU encoder (admission).
-`compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py [rows pool exponent single]` (no names: every part;
+the GPU encoder (admission); inference caches holding decoded rows (the FILL kernels).
+`compute-sanitizer --tool memcheck python scripts/sanitize_lookup.py [rows pool exponent single decoded]` (no names: every part;
 scripts/gpu_check.sh runs every scripts/sanitize_*.py). Exits non-zero if any output is wrong, so a sanitizer-clean
 run is also a correct one.
 """
@@ -166,7 +166,32 @@ def single_ok() -> bool:
     return ok
 
 
-PARTS = {"rows": rows_ok, "pool": pool_ok, "exponent": exponent_ok, "single": single_ok}
+def decoded_ok() -> bool:
+    """Inference caches of decoded rows in front of compressed host rows (``compress_cache=False``): the FILL kernels
+    (``ibp_lookup_fill_*``: admitted and staged rows decoded into slots), then hits read raw: one-id bags (the direct
+    word path of ``ibp_lookup_pool_single_*``, exponent and IBP kinds) and bags of five; fp32, fp16, bf16."""
+    ok = True
+    w = minilm_rows(1200, 128)
+    gen = torch.Generator().manual_seed(9)
+    for method, dtype in (("exponent", torch.float32), ("exponent", torch.float16), ("ibp", torch.bfloat16)):
+        wt = w.to(dtype).contiguous()
+        for stage in (0, 1 << 20):
+            m = CachedEmbeddingBag(1200, 128, _weight=wt.clone(), mode="sum", cache_ratio=0.05, device="cuda",
+                                   compress=method, compress_cache=False, stage_bytes=stage)
+            m.eval()
+            ref = torch.nn.EmbeddingBag(1200, 128, _weight=wt.clone().cuda(), mode="sum")
+            hot = torch.randint(0, 1200, (40,), generator=gen)
+            for _ in range(3):  # misses, then hits of the rows the first steps admitted
+                for width in (1, 5):
+                    bags = hot[torch.randint(0, 40, (96, width), generator=gen)].cuda()
+                    with torch.no_grad():
+                        ok &= torch.equal(m(bags).view(torch.uint8), ref(bags).view(torch.uint8))
+            m.check_errors()
+            ok &= m.cache_weight_mgr.fused is not None and m.cache_weight_mgr.fused.decoded
+    return ok
+
+
+PARTS = {"rows": rows_ok, "pool": pool_ok, "exponent": exponent_ok, "single": single_ok, "decoded": decoded_ok}
 
 
 def main(argv: list[str]) -> int:
