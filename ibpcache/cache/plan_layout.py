@@ -184,13 +184,27 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
       line would flip between two builds of one table on timing noise (seen: fp16 2 KB rows, IBP 1.05x on misses,
       two identical modules 21-28% apart).
     * ``slots``: how the cache holds a compressed candidate's rows (:func:`slot_form`); a candidate held decoded
-      is weighed with raw rows' hit time (its hits read raw rows)."""
+      is weighed with raw rows' hit time (its hits read raw rows). With ``"auto"``, a candidate whose compressed
+      slots would pass :func:`slot_form` is held decoded instead where only decoded slots make it pay."""
     ratio_of = dict(ratios)
     best_ratio = max(ratio_of.values(), default=1.0)
     hits = dict(hit_timings_ms or {})
 
     def form(m: str) -> tuple[str, str]:
-        return slot_form(slots, m, ratio_of.get(m, 1.0), hits, margin)
+        held, why = slot_form(slots, m, ratio_of.get(m, 1.0), hits, margin)
+        if slots == "auto" and held == "stored" and m != "raw" and _timed(m):
+            # compressed slots whose hits leave the codec no gain at the hit share, where decoded ones would
+            target = blend(timings_ms["raw"], hits["raw"]) * (1.0 - margin)
+            if blend(timings_ms[m], hits[m]) > target >= blend(timings_ms[m], hits["raw"]):
+                return "decoded", (f"compressed hits {hits[m] / hits['raw']:.2f}x raw hits cost the misses' gain at "
+                                   f"{hit_share:.0%} hits: decoded at admission")
+        return held, why
+
+    def _timed(m: str) -> bool:
+        return all(k in timings_ms and k in hits for k in (m, "raw"))
+
+    def blend(miss: float, hit: float) -> float:
+        return (1.0 - hit_share) * miss + hit_share * hit
 
     def made(method: str, compress: bool, reason: str) -> LayoutChoice:
         r = ratio_of.get(method, best_ratio) if compress else best_ratio
@@ -202,8 +216,7 @@ def decide_codec(ratios: dict[str, float], timings_ms: dict[str, float], *, allo
                             hit_timings_ms=dict(hits), slots=held, slots_reason=why)
 
     def blended(m: str) -> float:
-        hit = hits["raw"] if form(m)[0] == "decoded" else hits[m]
-        return (1.0 - hit_share) * timings_ms[m] + hit_share * hit
+        return blend(timings_ms[m], hits["raw"] if form(m)[0] == "decoded" else hits[m])
 
     eligible = [m for m, r in ratio_of.items() if r >= min_ratio]
     if not eligible:

@@ -252,3 +252,18 @@ def test_gpu_fill_rows_reports_malformed_rows(words: torch.Tensor) -> None:
     _same(out[2], raw[good[1]], "last row")
     assert err.take() is not None and not bool(out[1].any()), "a malformed row must be reported and zeroed"
     assert int(host_bytes) == int(lens[[good[0], bad, good[1]]].sum())
+
+
+def test_auto_decodes_where_only_decoded_slots_pay() -> None:
+    """Exponent misses 1.18x faster than raw, hits 1.03x raw (within the margin, so compressed slots would be free
+    capacity), yet at 90% hits those hits cost the misses' gain: "auto" holds the rows decoded and keeps compression;
+    "stored" gives compression up; with hits as fast as raw, compressed slots stay."""
+    from ibpcache.cache.plan_layout import decide_codec
+
+    misses = {"exponent": 0.85, "raw": 1.0}
+    near = {"exponent": 0.309, "raw": 0.300}
+    auto = decide_codec({"exponent": 1.3}, misses, hit_timings_ms=near, slots="auto")
+    assert auto.compress and auto.slots == "decoded" and "cost the misses' gain" in auto.slots_reason
+    assert not decide_codec({"exponent": 1.3}, misses, hit_timings_ms=near, slots="stored").compress
+    same = decide_codec({"exponent": 1.3}, misses, hit_timings_ms={"exponent": 0.300, "raw": 0.300}, slots="auto")
+    assert same.compress and same.slots == "stored"
