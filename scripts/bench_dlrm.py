@@ -5,11 +5,11 @@ the points as they run, builds included; about 9 minutes of wall clock with star
 
     PYTHONPATH=$PWD:<fbgemm folder> python scripts/bench_dlrm.py --out docs/results/<date>-h100
 
-Grid: row sizes 128 B, 512 B, 2 KB (``--entry-bytes``) x weights fp32 and fp16 (``--dtypes``) x cache 1% and 10%
+Grid: row sizes 128 B, 512 B, 2 KB (``--entry-bytes``) x weights fp32 and fp16, or bf16 (``--dtypes``) x cache 1% and 10%
 (``--cache-ratios``) x batch 1024, 4096, 8192 (``--batches``) x traces (``--traces``) x one id per table per sample
 (``--bags``). Tables: ``--tables`` (26) tables of ``--total-gb`` (1.0) GB of real trained values per row size and
 dtype: the MiniLM word-embedding table resampled, rows cut to the width (128 B fp32 = MiniLM[:, :32]; 2 KB = a MiniLM
-row + columns of another row; fp16 rows = those values rounded to fp16).
+row + columns of another row; fp16 and bf16 rows = those values rounded).
 
 Traces (ids per table, bounded Zipf ``--zipf`` 1.05 over the table's rows, ranks mapped to rows by a permutation):
   zipf-stable  one permutation per table for the whole run (a fixed hot set); steady state over consecutive points
@@ -21,7 +21,7 @@ Methods (one module over all tables each, so one lookup call per step):
   fbgemm_lfu / fbgemm_lru  FBGEMM 1.6 ``SplitTableBatchedEmbeddingBagsCodegen`` (what TorchRec runs), every table
                  ``EmbeddingLocation.MANAGED_CACHING`` with ``uvm_host_mapped=True`` (tables in pinned host memory,
                  an HBM cache of ``cache_load_factor`` = the cache ratio), LFU or LRU, the same weights precision
-                 (``SparseType.FP16`` for fp16) and output precision; its UVM cache counters give its hit rate
+                 (``SparseType.FP16`` / ``BF16`` for fp16 / bf16) and output precision; its UVM cache counters give its hit rate
                  (``1 - unique misses / requested ids``: it counts each distinct missed row once per step, so this
                  is an upper bound of its per-lookup hit rate); staged by ../shared/tools/stage-fbgemm
                  (FBGEMM's cached forward is not graph-safe: captured in a CUDA graph it replayed exactly on a stable
@@ -92,7 +92,7 @@ FORCED = ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged", "ibpcache_decoded
 TRACES = ("zipf-stable", "zipf-drift", "zipf")
 ORDER = ("zipf-stable", "zipf", "zipf-drift")
 """The order a module meets the traces in (it keeps its cache): the stationary ones first, the moving one last."""
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 def real_rows(entry_bytes: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MiniLM rows shaped to the entry size: the first columns, or a MiniLM row + columns of other rows when wider;
-    fp16 rows are the same values rounded."""
+    fp16 / bf16 rows are the same values rounded."""
     minilm = datasets.load_minilm()
     dim = entry_bytes // torch.tensor([], dtype=dtype).element_size()
     if dim <= minilm.shape[1]:
@@ -196,7 +196,7 @@ def build_fbgemm(name: str, table: torch.Tensor, tables: int, rows: int, ratio: 
     )
 
     alg = CacheAlgorithm.LFU if name.startswith("fbgemm_lfu") else CacheAlgorithm.LRU
-    precision = SparseType.FP16 if table.dtype == torch.float16 else SparseType.FP32
+    precision = {torch.float16: SparseType.FP16, torch.bfloat16: SparseType.BF16}.get(table.dtype, SparseType.FP32)
     dim = table.shape[1]
     emb = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)] * tables, cache_algorithm=alg,
@@ -544,7 +544,7 @@ def check_targets(points: list[dict[str, Any]]) -> dict[str, Any]:
         if fb:
             need = 1.0 if pt["row_bytes"] <= 128 else (2.0 if pt["cache_ratio"] >= 0.1 and pt["batch"] >= 4096
                                                        else 1.5)
-            if pt["dtype"] == "fp16":
+            if pt["dtype"] in ("fp16", "bf16"):
                 need = max(need, 1.3)
             got = ours["M_lookups_per_s"] / max(fb)
             pt["speedup_vs_best_fbgemm"] = got
