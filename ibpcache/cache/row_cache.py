@@ -955,15 +955,15 @@ class FusedLookup:
 
     def _pass(self, keys: torch.Tensor, role: str, *, count_sketch: bool, count_stats: bool,
               stage: bool) -> torch.Tensor:
-        """count, sort, scan, apply, copy (see ``kernels/admit.cu``); returns the sort's permutation (the bags in row
+        """sort, count, scan, apply, copy (see ``kernels/admit.cu``); returns the sort's permutation (the bags in row
         order, for a one-id-per-bag lookup)."""
         k = self.kern
         a = self._args(role, stage)
         count_sketch = count_sketch and self.mgr.policy.sketch is not None
         a.ws.zero_()
         a.bid.fill_(-1)
-        k.count(keys, a, count_sketch, count_stats)
         s, perm = _sorted_rows(keys, self.mgr.num_embeddings)
+        k.count(s, a, count_sketch, count_stats)
         n = keys.numel()
         prefetch = role == "prefetch"
         full = self._cache_full()

@@ -3,9 +3,10 @@
 //
 // A step (one lookup of the embedding bags' fused inference path, or a prefetch of the next one) is five launches
 // over fixed-size buffers, so it can be captured in a CUDA graph:
-//   count   thread per key: count it into the frequency sketch (count-min, 4 rows, int32 counters), stamp the slot
-//           of a resident row with the step, add requests / hits to the statistics;
 //   (torch sorts the keys: equal keys become neighbours, rows come in address order)
+//   count   thread per sorted key: count it into the frequency sketch (count-min, 4 rows, int32 counters; a run of
+//           equal keys adds its length at once), stamp the slot of a resident row with the step, add requests /
+//           hits to the statistics;
 //   scan    thread per sorted position, the first of each distinct row decides: a resident row refreshes its slot's
 //           frequency; a missed one estimates its frequency (or takes its static priority); while slots never used
 //           since the cache was emptied remain (fill < n_slots) it is flagged to take one (torch ranks the flagged
@@ -113,21 +114,28 @@ __device__ __forceinline__ i64 ibp_adm_warp_claim(bool want, i64* counter) {
     return want ? (i64)(first + __popc(m & ((1u << lane) - 1u))) : -1;
 }
 
-extern "C" __global__ void ibp_adm_count(const i64* __restrict__ keys, i64 n, i64 n_rows,
+// Over the SORTED keys (equal keys adjacent): a run of m keys of row x adds m to x's sketch counters with at most two
+// atomics per counter (the run's first key adds -p, its last p + 1; a lone key adds 1), and its first key stamps x's
+// slot. Why: on a Zipf step the hottest rows come thousands of times, and one atomic per key on their counters
+// serialized the pass. The counters only hold their sums once the pass ended; nothing reads them before.
+extern "C" __global__ void ibp_adm_count(const i64* __restrict__ s, i64 n, i64 n_rows,
                                          const int* __restrict__ slot_of, int* __restrict__ sketch, u64 mask,
                                          int count_sketch, i64* __restrict__ last, const i64* __restrict__ stamp,
                                          i64* __restrict__ stats, int count_stats) {
     const i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
-    const i64 key = i < n ? keys[i] : -1;
+    const i64 key = i < n ? s[i] : -1;
     const bool valid = key >= 0 && key < n_rows;
     int slot = -1;
     if (valid) {
-        if (count_sketch) {
+        const bool run_first = i == 0 || s[i - 1] != key;
+        const bool run_last = i == n - 1 || s[i + 1] != key;
+        if (count_sketch && (run_first || run_last)) {
+            const int add = run_first && run_last ? 1 : (run_first ? -(int)i : (int)(i + 1));
 #pragma unroll
-            for (int d = 0; d < IBP_ADM_DEPTH; ++d) atomicAdd(&sketch[ibp_adm_sketch_slot(key, d, mask)], 1);
+            for (int d = 0; d < IBP_ADM_DEPTH; ++d) atomicAdd(&sketch[ibp_adm_sketch_slot(key, d, mask)], add);
         }
         slot = slot_of[key];
-        if (slot >= 0) last[slot] = *stamp;  // every writer stores the same value
+        if (slot >= 0 && run_first) last[slot] = *stamp;
     }
     if (count_stats) {  // no thread returned early: the ballots see the whole warp
         ibp_adm_warp_count(valid, &stats[IBP_ADM_STAT_REQUESTS]);

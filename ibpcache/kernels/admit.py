@@ -176,8 +176,9 @@ def _grid(n: int) -> int:
 
 
 def count(keys: torch.Tensor, a: AdmitArgs, count_sketch: bool, count_stats: bool) -> None:
-    """Pass 1 (thread per key, any order): count valid keys into the sketch, stamp the slots of resident rows with
-    this pass's step, add requests and hits to the statistics. Keys ``>= n_rows`` are not rows (bad ids, padding)."""
+    """Pass 1 (thread per key; ``keys`` SORTED, as :func:`scan` takes them: a run of equal keys is counted into the
+    sketch at once): count valid keys into the sketch, stamp the slots of resident rows with this pass's step, add
+    requests and hits to the statistics. Keys ``>= n_rows`` are not rows (bad ids, padding)."""
     n = keys.numel()
     launch(_SRC, "ibp_adm_count", device_index(keys), _grid(n), _BLOCK,
            (_ptr(keys), np.int64(n), np.int64(a.n_rows), _ptr(a.slot_of), _ptr(a.sketch), np.uint64(a.width - 1),
