@@ -21,7 +21,8 @@ Methods (one module over all tables each, so one lookup call per step):
   fbgemm_lfu / fbgemm_lru  FBGEMM 1.6 ``SplitTableBatchedEmbeddingBagsCodegen`` (what TorchRec runs), every table
                  ``EmbeddingLocation.MANAGED_CACHING`` with ``uvm_host_mapped=True`` (tables in pinned host memory,
                  an HBM cache of ``cache_load_factor`` = the cache ratio), LFU or LRU, the same weights precision
-                 (``SparseType.FP16`` / ``BF16`` for fp16 / bf16) and output precision; its UVM cache counters give its hit rate
+                 (``SparseType.FP16`` for fp16; for bf16 tables its fp16 tables, the same bytes per row: FBGEMM 1.6
+                 asserts ``cache_precision bf16 not supported``) and output precision; its UVM cache counters give its hit rate
                  (``1 - unique misses / requested ids``: it counts each distinct missed row once per step, so this
                  is an upper bound of its per-lookup hit rate); staged by ../shared/tools/stage-fbgemm
                  (FBGEMM's cached forward is not graph-safe: captured in a CUDA graph it replayed exactly on a stable
@@ -196,7 +197,9 @@ def build_fbgemm(name: str, table: torch.Tensor, tables: int, rows: int, ratio: 
     )
 
     alg = CacheAlgorithm.LFU if name.startswith("fbgemm_lfu") else CacheAlgorithm.LRU
-    precision = {torch.float16: SparseType.FP16, torch.bfloat16: SparseType.BF16}.get(table.dtype, SparseType.FP32)
+    if table.dtype == torch.bfloat16:  # FBGEMM 1.6 asserts "cache_precision bf16 not supported": fp16, same bytes
+        table = table.to(torch.float16)
+    precision = SparseType.FP16 if table.dtype == torch.float16 else SparseType.FP32
     dim = table.shape[1]
     emb = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)] * tables, cache_algorithm=alg,
@@ -219,8 +222,11 @@ class Method:
         self.rows = table.shape[0] // tables
         self.dim = table.shape[1]
         self.cache_ratio = cache_ratio
+        self.values_dtype = table.dtype  # the precision of the rows it serves (FBGEMM: fp16 for bf16 tables)
         if name.startswith("fbgemm"):
             self.module = build_fbgemm(name, table, tables, self.rows, cache_ratio, device)
+            if table.dtype == torch.bfloat16:
+                self.values_dtype = torch.float16
         elif name == "colossal":
             cls, strategy = colossal
             weight = table.clone() if train else table  # it writes evicted rows back into the tensor it is given
@@ -353,6 +359,8 @@ def run_window(method: Method, trace: Trace, table_dev: torch.Tensor, batch: int
     probe = trace.batch(batch, bag)
     got = method.step(method.inputs(probe, bag), bag).detach()
     checkable = not method.train or method.fresh  # training changes the table after the first step
+    if method.values_dtype != table_dev.dtype:
+        table_dev = table_dev.to(method.values_dtype)
     ok_before = bool(torch.equal(got.view(torch.uint8), reference(table_dev, probe, method.rows, bag)
                                  .to(got.device).to(got.dtype).view(torch.uint8))) if checkable else None
     method.fresh = False
