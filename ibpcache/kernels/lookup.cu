@@ -920,6 +920,24 @@ __device__ __forceinline__ IbpSingleBag ibp_single_bag(i64 k, const float* __res
     return b;
 }
 
+// What a one-id bag's lane adds up: a fetched row that pooled nothing was malformed (reported once, by the lane
+// `mine` resolving it); a used row is a request, and a hit (slab bytes) or a host read (host bytes; staged rows were
+// counted when staged), and adds to freq (nullptr: no counting).
+__device__ __forceinline__ void ibp_single_account(const IbpSingleBag& b, bool fetch, bool used, bool mine, int* err,
+                                                   int* freq, u64& requests, u64& hits, u64& host_bytes,
+                                                   u64& slab_bytes) {
+    if (fetch && !used && mine) ibp_report_corrupt_row(err, b.t);
+    if (!used) return;
+    requests += 1;
+    if (b.src.hit) {
+        hits += 1;
+        slab_bytes += (u64)b.src.len;
+    } else if (!b.staged) {
+        host_bytes += (u64)b.src.len;
+    }
+    if (freq != nullptr && mine) atomicAdd(&freq[b.gid], 1);
+}
+
 // May the group take ibp_single_group_direct? (every lane votes; `mine`: the lane resolves one of the group's bags)
 // Its output row is 16-byte aligned and, if it fetches a row, that row is raw and 16-byte aligned too.
 __device__ __forceinline__ bool ibp_single_direct_ok(const IbpSingleBag& b, bool fetch, int row_bytes, bool mine) {
@@ -1022,18 +1040,8 @@ __device__ __forceinline__ void ibp_lookup_single_bags(const K& codec, uint4* sm
             used = ibp_single_group_rows<K>(codec, smem, rowbuf, G, b, live, fetched, op, elem, weighted, row_bytes,
                                             lane);
         }
-        const bool mine = (used >> r) & 1u;
-        if (fetch && !mine && lane < G) ibp_report_corrupt_row(err, b.t);
-        if (mine) {
-            requests += 1;
-            if (b.src.hit) {
-                hits += 1;
-                slab_bytes += (u64)b.src.len;
-            } else if (!b.staged) {
-                host_bytes += (u64)b.src.len;
-            }
-            if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[b.gid], 1);
-        }
+        ibp_single_account(b, fetch, (used >> r) & 1u, lane < G, err, staging == nullptr ? freq : nullptr, requests,
+                           hits, host_bytes, slab_bytes);
     }
     ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
                        ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
@@ -1097,18 +1105,8 @@ __device__ __forceinline__ void ibp_lookup_pool_single(const K& codec, uint4* sm
             }
             __syncwarp();  // the row buffer is free for the next group
         }
-        const bool used = (use >> r) & 1u;
-        if (fetch && !used && lane < G) ibp_report_corrupt_row(err, b.t);
-        if (used) {
-            requests += 1;
-            if (b.src.hit) {
-                hits += 1;
-                slab_bytes += (u64)b.src.len;
-            } else if (!b.staged) {
-                host_bytes += (u64)b.src.len;
-            }
-            if (freq != nullptr && staging == nullptr && lane < G) atomicAdd(&freq[b.gid], 1);
-        }
+        ibp_single_account(b, fetch, (use >> r) & 1u, lane < G, err, staging == nullptr ? freq : nullptr, requests, hits,
+                           host_bytes, slab_bytes);
     }
     ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
                        ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
