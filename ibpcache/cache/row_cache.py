@@ -910,7 +910,8 @@ class FusedLookup:
             slot_bytes=self.slot_bytes, slab_base=mgr.cached_weight.data_ptr(),
             stage_base=self.stage_buf.data_ptr(), stage_cap=self.stage_cap if stage else 0,
             stage_gid=self.stage_gid, host_base=store.data.data_ptr(), host_offsets=store.offsets_dev,
-            host_len=None if self.decoded else store.lengths_dev, row_bytes=store.row_bytes, n_rows=mgr.num_embeddings, stamp=self.scal[0],
+            host_len=None if self.decoded else store.lengths_dev,  # decoded slots: every row admitted is row_bytes
+            row_bytes=store.row_bytes, n_rows=mgr.num_embeddings, stamp=self.scal[0],
             protect=self.scal[1], stats=self.adm_stats if role == "lookup" else self.pre_stats, ws=ws.ws, bid=ws.bid[: st.n_slots + 1], victim=ws.victim,
             key=ws.key, flags=ws.flags, rank=ws.rank, list_gid=ws.list_gid, list_dst=ws.list_dst,
             list_len=ws.list_len)

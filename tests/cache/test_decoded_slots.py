@@ -28,8 +28,8 @@ def words(minilm: torch.Tensor) -> torch.Tensor:
 
 def _same(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    assert torch.equal(a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8)), \
-        f"{what}: not bit-identical"
+    bits = [t.detach().cpu().contiguous().view(torch.uint8) for t in (a, b)]
+    assert torch.equal(*bits), f"{what}: not bit-identical"
 
 
 def _manager(table: torch.Tensor, method: str, capacity: int, device: torch.device = CPU) -> Any:
