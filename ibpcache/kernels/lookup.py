@@ -193,9 +193,8 @@ def _common_args(ids: torch.Tensor, bag_offsets: Optional[torch.Tensor], bag_siz
         np.int32(int(include_last)), np.int32(layout.n_tables), np.int64(layout.per_table),
         np.int32(int(layout.sample_major)), _ptr(layout.table_base), _ptr(layout.table_rows), np.int64(src.n_rows),
         _ptr(out), np.int32(int(idx.mode)), _ptr(idx.table_keys), _ptr(idx.table_values), np.int64(idx.capacity),
-        np.int32(idx.max_probes), _ptr(src.slab_bases), np.int64(src.host_base), _ptr(src.host_offsets),
-        np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes), *codec_kind(tables)[1],
-        _ptr(counters), np.uint64(err_ptr), _ptr(freq),
+        np.int32(idx.max_probes), _ptr(src.slab_bases), *_host_args(src, tables), _ptr(counters), np.uint64(err_ptr),
+        _ptr(freq),
         _ptr(st.stage_of if st else None), _ptr(st.step_state if st else None), _ptr(st.rows if st else None),
         np.int64(st.cap if st else 0), _ptr(bag_order), _ptr(out_ref))
 
@@ -205,11 +204,15 @@ def _stage(args: tuple, n_bags: int, dev: int, src: RowSource, tables: Tables, c
     """CLAIM (warp per bag) then STAGE (warp per claimed row): the unique misses of this step, read once."""
     grid = max(1, min(-(-n_bags // _ROWS_WARPS), sm_count(dev) * 16))
     launch(_SRC, "ibp_lookup_claim", dev, grid, 32 * _ROWS_WARPS, args + (_ptr(staging.stage_gid),))
-    kind, args_of = codec_kind(tables)
     stage_args = (_ptr(staging.stage_gid), _ptr(staging.step_state), np.int64(staging.cap), _ptr(staging.rows),
-                  np.int64(src.host_base), _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths),
-                  np.int32(tables.row_bytes), *args_of, _ptr(counters), np.uint64(err_ptr))
-    launch(_SRC, f"ibp_lookup_stage_{kind}", dev, sm_count(dev) * 8, 32 * _ROWS_WARPS, stage_args)
+                  *_host_args(src, tables), _ptr(counters), np.uint64(err_ptr))
+    launch(_SRC, f"ibp_lookup_stage_{codec_kind(tables)[0]}", dev, sm_count(dev) * 8, 32 * _ROWS_WARPS, stage_args)
+
+
+def _host_args(src: RowSource, tables: Tables) -> tuple:
+    """The host store and codec arguments, in the order every lookup.cu kernel takes them."""
+    return (np.int64(src.host_base), _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths),
+            np.int32(tables.row_bytes), *codec_kind(tables)[1])
 
 
 def fill_rows(list_gid: torch.Tensor, list_dst: torch.Tensor, count: torch.Tensor, max_entries: int, src: RowSource,
@@ -218,7 +221,7 @@ def fill_rows(list_gid: torch.Tensor, list_dst: torch.Tensor, count: torch.Tenso
     becomes a decoded ``row_bytes`` row at address ``list_dst[e]``, for ``e < min(count[0], max_entries)`` (the
     count read on the device: a row cache's admission list, ``kernels/admit.cu``). ``host_bytes`` (int64 [1] on the
     device, or None) gains the stored bytes read; a malformed row is reported through ``err`` and written as zeros."""
-    kind, args_of = codec_kind(tables)
+    kind = codec_kind(tables)[0]
     assert list_gid.dtype == torch.int64 and list_dst.dtype == torch.int64 and count.dtype == torch.int64
     assert list_gid.is_cuda and list_dst.device == list_gid.device and count.device == list_gid.device
     assert host_bytes is None or (host_bytes.dtype == torch.int64 and host_bytes.device == list_gid.device)
@@ -228,9 +231,8 @@ def fill_rows(list_gid: torch.Tensor, list_dst: torch.Tensor, count: torch.Tenso
     dev = device_index(list_gid)
     grid = max(1, min(-(-max_entries // _ROWS_WARPS), sm_count(dev) * 16))
     launch(_SRC, f"ibp_lookup_fill_{kind}", dev, grid, 32 * _ROWS_WARPS,
-           (_ptr(list_gid), _ptr(list_dst), _ptr(count), np.int64(max_entries), np.int64(src.host_base),
-            _ptr(src.host_offsets), np.int64(src.host_stride), _ptr(src.host_lengths), np.int32(tables.row_bytes),
-            *args_of, _ptr(host_bytes), np.uint64(err_ptr)))
+           (_ptr(list_gid), _ptr(list_dst), _ptr(count), np.int64(max_entries), *_host_args(src, tables),
+            _ptr(host_bytes), np.uint64(err_ptr)))
 
 
 def _check(ids: torch.Tensor, out: torch.Tensor, tables: Tables, err_ptr: int,
