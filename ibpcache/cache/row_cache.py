@@ -39,7 +39,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 
 from ..codec import Codec
@@ -1000,13 +999,9 @@ class FusedLookup:
         count = min(int(a.ws[WS_LIST]), n)
         if count == 0:
             return
-        gid = a.list_gid[:count]
-        lens = store.stored_lengths().to(torch.int64)[gid]
-        offs = store.offsets_cpu[gid] if store.offsets_cpu is not None else gid * store.row_bytes
+        lens, offs = self._host_rows_cpu(a.list_gid[:count])
         rows = torch.zeros((count, store.row_bytes), dtype=torch.uint8)
-        lens32 = lens.to(torch.int32)
-        store.codec.decode_rows_at(store.data.numpy(), offs.numpy(), lens32.numpy(), rows.numpy(),
-                                   np.arange(count), compressed=(lens32 < store.row_bytes).to(torch.uint8).numpy())
+        self._decode_cpu(store.data, offs, lens, rows, torch.arange(count))
         for d, r in zip(a.list_dst[:count].tolist(), rows):
             ctypes.memmove(d, r.data_ptr(), store.row_bytes)
         stats[STAT_HOST_BYTES] += lens.sum()
@@ -1170,23 +1165,32 @@ class FusedLookup:
         out = torch.zeros((keys.numel(), rb), dtype=torch.uint8)
         ok = keys < n_rows
         v = mgr.slot_table[keys].to(torch.int64)
-        codec = store.codec
         for where, buf, offs, lens in self._sources_cpu(keys, v, ok):
             rows = torch.nonzero(where).reshape(-1)
             if rows.numel():
-                lens_r = lens[rows].to(torch.int32)
-                comp = (lens_r < rb).to(torch.uint8)
-                codec.decode_rows_at(buf.numpy(), offs[rows].numpy(), lens_r.numpy(), out.numpy(), rows.numpy(),
-                                     compressed=comp.numpy())
+                self._decode_cpu(buf, offs[rows], lens[rows], out, rows)
         return out
+
+    def _decode_cpu(self, buf: torch.Tensor, offs: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
+                    at: torch.Tensor) -> None:
+        """Rows of ``lens`` bytes at ``offs`` in ``buf`` decoded into rows ``at`` of ``out`` (a row of ``row_bytes``
+        stored bytes is raw: the kernels' rule)."""
+        lens32 = lens.to(torch.int32)
+        comp = (lens32 < self.mgr.store.row_bytes).to(torch.uint8)
+        self.mgr.store.codec.decode_rows_at(buf.numpy(), offs.numpy(), lens32.numpy(), out.numpy(), at.numpy(),
+                                            compressed=comp.numpy())
+
+    def _host_rows_cpu(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored lengths and byte offsets (int64) of host rows ``rows``."""
+        store = self.mgr.store
+        lens = store.stored_lengths().to(torch.int64)[rows]
+        return lens, store.offsets_cpu[rows] if store.offsets_cpu is not None else rows * store.row_bytes
 
     def _sources_cpu(self, keys: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> list:
         store, rb = self.mgr.store, self.mgr.store.row_bytes
         slab = self.mgr.cached_weight.data.view(torch.uint8).reshape(-1)
         slot_lens = self.slot_len.to(torch.int64)
-        safe = keys.clamp(max=self.mgr.num_embeddings - 1)
-        host_len = store.stored_lengths().to(torch.int64)[safe]
-        host_off = store.offsets_cpu[safe] if store.offsets_cpu is not None else safe * rb
+        host_len, host_off = self._host_rows_cpu(keys.clamp(max=self.mgr.num_embeddings - 1))
         cached = ok & (v >= 0)
         staged = ok & (v <= -2)
         k = (-2 - v).clamp(min=0)
