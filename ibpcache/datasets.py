@@ -9,7 +9,7 @@ Every loader here returns real rows:
 * real KV-cache rows of SmolLM2-135M as fp16, bf16 or fp32.
 
 To reach benchmark sizes, :func:`scale_up` / :func:`resample_rows` resample real rows with replacement (the
-paper's "SU" data sets); :func:`power_law_graph`, :func:`zipf_ids` and :func:`degree_proportional_ids` make the
+paper's "SU" data sets); :func:`power_law_graph`, :func:`zipf_ids`, :func:`hot_set_ids` and :func:`degree_proportional_ids` make the
 graphs and access streams that decide which of those rows are hot.
 
 Only NumPy and PyTorch are used (no CUDA, no SciPy): the Planetoid pickles hold SciPy CSR matrices, which a
@@ -48,6 +48,7 @@ __all__ = [
     "power_law_graph",
     "degree_proportional_ids",
     "zipf_ids",
+    "hot_set_ids",
     "DATASETS",
     "load_rows",
 ]
@@ -514,6 +515,33 @@ def zipf_ids(n_rows: int, n: int, a: float = 1.05, seed: int = 0, hot_seed: "int
     perm = torch.randperm(n_rows, generator=gen if hot_seed is None else _generator(hot_seed))
     weights = torch.arange(1, n_rows + 1, dtype=torch.float64).pow_(-float(a))
     return perm[_sample_weighted(weights, n, gen)]
+
+
+def hot_set_ids(n_rows: int, n: int, hot_rows: int, share: float = 0.9, seed: int = 0,
+                hot_seed: "int | None" = None) -> torch.Tensor:
+    """``n`` ids in ``[0, n_rows)``: each, with probability ``share``, uniform over a hot set of ``hot_rows`` rows,
+    else uniform over all rows.
+
+    A working-set trace: the accesses concentrate on a set of known size (the rows a training set's neighbourhoods
+    or a day's popular items touch) instead of a Zipf law's long tail, so whether a cache holds the hot set is a
+    question of capacity alone. It is the trace on which a node cache larger than one GPU's cache can turn misses
+    into hits: under Zipf 1.05 a second GPU's worth of cache adds few hits. The hot rows are the first ``hot_rows``
+    of a seeded permutation (``hot_seed``, else ``seed``), so draws sharing ``hot_seed`` share the hot set, as with
+    :func:`zipf_ids`.
+    """
+    n_rows = _check_count(n_rows, "n_rows", 1)
+    n = _check_count(n, "n", 0)
+    hot_rows = _check_count(hot_rows, "hot_rows", 1)
+    if hot_rows > n_rows:
+        raise FormatError(f"hot_rows must be <= n_rows ({n_rows}), got {hot_rows}")
+    if not (isinstance(share, numbers.Real) and 0.0 <= float(share) <= 1.0):
+        raise FormatError(f"share must be a number in [0, 1], got {share!r}")
+    gen = _generator(seed)
+    hot = torch.randperm(n_rows, generator=gen if hot_seed is None else _generator(hot_seed))[:hot_rows]
+    in_hot = torch.rand(n, dtype=torch.float64, generator=gen) < float(share)
+    picks = hot[torch.randint(0, hot_rows, (n,), generator=gen)]
+    anywhere = torch.randint(0, n_rows, (n,), generator=gen)
+    return torch.where(in_hot, picks, anywhere)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,13 +1,22 @@
 """The node cache (PartitionedFeatureCache) vs one independent cache per GPU (multi-GPU; torchrun, one process per GPU).
 
     torchrun --nproc_per_node=2 scripts/bench_partitioned.py --out DIR \
-        [--datasets cora_su,minilm_su --total-gb 2 --budgets 0.01,0.02 --replicate auto,0,0.25,0.5]
+        [--datasets cora_su,minilm_su --total-gb 2 --budgets 0.01,0.02 --replicate auto,0,0.25,0.5 \
+         --traces zipf,hotset --hot-factor 1.5 --hot-share 0.9]
 
 For each data set (``<name>_su``: a registered data set's real rows scaled up to ``--total-gb``; a plain name is
 scaled up too), rank 0 compresses the rows and shares them in POSIX shared memory; every rank attaches the one store.
-Ids: a Zipf trace (``--zipf``) over one fixed hot set (the same rows are hot on every rank and in every batch),
-drawn differently per rank; hotness for the static caches = each row's count in a separate presampled trace of the
-same law. For each budget per GPU, both methods live in the same processes:
+Ids, one trace per ``--traces`` value, drawn differently per rank over one fixed set of hot rows (the same rows are
+hot on every rank and in every batch); hotness for the static caches = each row's count in a separate presampled
+trace of the same law:
+
+  zipf    a Zipf law (``--zipf``) over all rows: a long tail, so a second GPU's worth of cache adds few hits
+  hotset  a working set (``datasets.hot_set_ids``): ``--hot-share`` of the ids uniform over ``--hot-factor`` times the
+          rows one GPU's budget holds (estimated from the stored row bytes), the rest uniform over all rows: the hot
+          set exceeds one GPU's cache and fits the node's, the case the node cache is for (the point's
+          ``hot_set_vs_one_gpu`` is the hot rows over the rows one independent cache really holds)
+
+For each budget per GPU, both methods live in the same processes:
 
   independent  a FeatureCache per GPU (every GPU caches the same hottest rows: what DDP does without a node cache)
   partitioned  PartitionedFeatureCache: the hottest rows replicated, the warm tail dealt to the GPUs, peer rows read
@@ -21,7 +30,7 @@ Both fetch with ``validate="lazy"`` (no host sync). Each configuration runs ``--
 (round robin), after ``--warmup`` batches; CUDA events around each fetch, medians. The first ``--verify`` batches of
 every run are compared byte for byte with the store's own decode. Also timed: a batch of ids that are all peer-owned
 (peer hit GB/s), all host misses, all local (on the first method with peer access). Node GB/s = sum over ranks.
-Rank 0 writes ``<name>.json`` (``{"points": [{"dataset", "gpus", "budget_per_gpu", "methods": {"partitioned":
+Rank 0 writes ``<name>.json`` (``{"points": [{"dataset", "trace", "gpus", "budget_per_gpu", "methods": {"partitioned":
 {"GBps", "hit_rate", "replicate", "speedup", ...}, "partitioned_r0.25": {...}, "independent": {...}}, "speedup",
 "speedups", ...}]}``; ``speedup`` and the point's other placement keys are the first ``--replicate`` value's; the
 costs each ``auto`` cache measured are in ``meta.source_costs_us_per_row``) and ``<name>.png``.
@@ -30,6 +39,7 @@ costs each ``auto`` cache measured are in ``meta.source_costs_us_per_row``) and 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from typing import Any, Callable
@@ -44,6 +54,7 @@ from ibpcache.testing.timing import add_out_argument, format_table, write_result
 
 TARGET_SPEEDUP, TARGET_PEER_GBPS = 1.3, 150.0
 HOT_SEED = 7  # which rows are hot: one permutation for the whole benchmark
+TRACES = ("zipf", "hotset")
 
 
 def build_store(name: str, total_gb: float, device: str, rank: int, seg_name: str) -> Any:
@@ -55,6 +66,26 @@ def build_store(name: str, total_gb: float, device: str, rank: int, seg_name: st
     big = datasets.scale_up(rows, int(total_gb * 1e9), seed=0)
     codec = Codec.fit(big[: min(big.shape[0], 200_000)].to(device))
     return codec.compress(big, layout="inplace", pin=False, device=device).share(seg_name)
+
+
+def make_trace(kind: str, args: argparse.Namespace, rows: CompressedRows, budget: float, rank: int,
+               dev: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, Any]]:
+    """(hotness counts for the static caches, this rank's batches, what the point records about the trace)."""
+    n = rows.n_rows
+    if kind == "zipf":
+        def draw(count: int, seed: int) -> torch.Tensor:
+            return datasets.zipf_ids(n, count, args.zipf, seed=seed, hot_seed=HOT_SEED)
+        info: dict[str, Any] = {"trace": kind, "zipf": args.zipf}
+    else:
+        stored_per_row = max(rows.nbytes / n, 1.0)  # what one cached row takes, on average
+        hot_rows = min(n, max(1, math.ceil(args.hot_factor * budget * n * rows.row_bytes / stored_per_row)))
+
+        def draw(count: int, seed: int) -> torch.Tensor:
+            return datasets.hot_set_ids(n, count, hot_rows, args.hot_share, seed=seed, hot_seed=HOT_SEED)
+        info = {"trace": kind, "hot_rows": hot_rows, "hot_share": args.hot_share, "hot_factor": args.hot_factor}
+    hot = torch.bincount(draw(2_000_000, 99), minlength=n).to(torch.float64)
+    batches = [draw(args.batch, 1000 * rank + k).to(dev) for k in range(args.batches)]
+    return hot, batches, info
 
 
 def timed(fn: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], verify: int, rows: CompressedRows,
@@ -161,8 +192,8 @@ def run_budget(args: argparse.Namespace, rows: CompressedRows, hotness: torch.Te
     return rec
 
 
-def point(dataset: str, everyone: list[dict[str, Any]]) -> dict[str, Any]:
-    """One JSON point from every rank's record of one (data set, budget)."""
+def point(dataset: str, everyone: list[dict[str, Any]], trace: dict[str, Any]) -> dict[str, Any]:
+    """One JSON point from every rank's record of one (data set, trace, budget)."""
     world = len(everyone)
     names = everyone[0]["methods"]
     methods = {}
@@ -187,9 +218,14 @@ def point(dataset: str, everyone: list[dict[str, Any]]) -> dict[str, Any]:
     primary = everyone[0]["primary"]
     prim = methods[primary]
     speedup = prim["speedup"]
-    exceeds = prim["node_cached_rows"] > one_gpu and methods["independent"]["hit_rate"] < 0.99
+    if trace["trace"] == "hotset":
+        exceeds = trace["hot_rows"] > one_gpu
+        trace = trace | {"hot_set_vs_one_gpu": trace["hot_rows"] / max(one_gpu, 1)}
+    else:
+        exceeds = prim["node_cached_rows"] > one_gpu and methods["independent"]["hit_rate"] < 0.99
     peer = [r["peer_hits"]["GBps"] for r in everyone if "peer_hits" in r]
-    pt = {"dataset": dataset, "gpus": world, "budget_per_gpu": everyone[0]["budget_per_gpu"], "methods": methods,
+    pt = {"dataset": dataset, **trace, "gpus": world, "budget_per_gpu": everyone[0]["budget_per_gpu"],
+          "methods": methods,
           "primary": primary, "speedup": speedup, "speedups": {m: methods[m]["speedup"] for m in names[1:]},
           "best_method": max(names, key=lambda m: methods[m]["GBps"]),
           "peer_hit_GBps": float(np.mean(peer)) if peer else None,
@@ -252,7 +288,10 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=2, help="runs of each configuration, methods in turn")
+    p.add_argument("--traces", default="zipf", help=f"comma list of {TRACES} (module docstring)")
     p.add_argument("--zipf", type=float, default=1.05)
+    p.add_argument("--hot-factor", type=float, default=1.5, help="hotset: hot rows / rows one GPU's budget holds")
+    p.add_argument("--hot-share", type=float, default=0.9, help="hotset: the share of ids drawn from the hot set")
     p.add_argument("--verify", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a gloo smoke run")
     p.add_argument("--deadline-s", type=float, default=0.0,
@@ -262,6 +301,9 @@ def main() -> None:
     names = [d.strip() for d in (args.datasets or args.dataset).split(",") if d.strip()]
     budgets = _floats(args.budgets) if args.budgets else [args.budget]
     args.replicate_values = _replicates(args.replicate)
+    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    if not traces or any(t not in TRACES for t in traces):
+        raise SystemExit(f"--traces: a comma list of {TRACES}, got {args.traces!r}")
 
     started = time.perf_counter()
     cpu = args.device == "cpu"
@@ -273,7 +315,7 @@ def main() -> None:
     dev = torch.device("cpu") if cpu else torch.device("cuda", local)
     points: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
-    configs = [(d, b) for d in names for b in budgets]
+    configs = [(d, t, b) for d in names for t in traces for b in budgets]
     skipped: list[dict[str, Any]] = []
 
     def out_of_time() -> bool:
@@ -290,30 +332,30 @@ def main() -> None:
     try:
         for dataset in names:
             if out_of_time():
-                skipped += [{"dataset": dataset, "budget_per_gpu": b} for b in budgets]
+                skipped += [{"dataset": dataset, "trace": t, "budget_per_gpu": b} for t in traces for b in budgets]
                 continue
             seg_name = f"bench-part-{os.environ.get('MASTER_PORT', '0')}-{dataset}"
             seg = build_store(dataset, args.total_gb, "cpu" if cpu else "cuda", rank, seg_name)
             dist.barrier()
             try:
                 rows = CompressedRows.attach(seg_name)
-                n = rows.n_rows
-                # One hot set (HOT_SEED) for the hotness trace and every rank's batches; only the draws differ.
-                hot = torch.bincount(datasets.zipf_ids(n, 2_000_000, args.zipf, seed=99, hot_seed=HOT_SEED),
-                                     minlength=n)
-                batches = [datasets.zipf_ids(n, args.batch, args.zipf, seed=1000 * rank + k, hot_seed=HOT_SEED)
-                           .to(dev) for k in range(args.batches)]
-                for budget in budgets:
+                drawn: dict[Any, Any] = {}  # the Zipf trace does not depend on the budget: drawn once
+                for kind, budget in [(t, b) for t in traces for b in budgets]:
                     if out_of_time():
-                        skipped.append({"dataset": dataset, "budget_per_gpu": budget})
+                        skipped.append({"dataset": dataset, "trace": kind, "budget_per_gpu": budget})
                         continue
-                    rec = run_budget(args, rows, hot.to(torch.float64), batches, budget, dev, rank)
+                    key = kind if kind == "zipf" else (kind, budget)
+                    if key not in drawn:
+                        drawn = {key: make_trace(kind, args, rows, budget, rank, dev)}
+                    hot, batches, info = drawn[key]
+                    rec = run_budget(args, rows, hot, batches, budget, dev, rank)
                     everyone: list[Any] = [None] * world
                     dist.all_gather_object(everyone, rec)
                     if rank == 0:
-                        points.append(point(dataset, everyone))
-                        records += [{"dataset": dataset, **r} for r in everyone]
+                        points.append(point(dataset, everyone, info))
+                        records += [{"dataset": dataset, **info, **r} for r in everyone]
                         bar.update(1)
+                del drawn
                 del rows
                 dist.barrier()
             finally:
@@ -322,7 +364,8 @@ def main() -> None:
                     seg.close()
         if rank == 0:
             bar.close()
-            print(format_table([{"dataset": q["dataset"], "budget": q["budget_per_gpu"], "method": m,
+            print(format_table([{"dataset": q["dataset"], "trace": q["trace"], "budget": q["budget_per_gpu"],
+                                 "method": m,
                                  "GB/s": q["methods"][m]["GBps"], "speedup": q["methods"][m].get("speedup", 1.0),
                                  "hit": q["methods"][m]["hit_rate"], "replicate": q["methods"][m].get("replicate"),
                                  "peer access": q["methods"][m].get("peer_access"),
@@ -344,7 +387,7 @@ def plot(points: list[dict[str, Any]]):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
-    labels = [f"{q['dataset']}\n{q['budget_per_gpu']:g}/GPU" for q in points]
+    labels = [f"{q['dataset']} {q['trace']}\n{q['budget_per_gpu']:g}/GPU" for q in points]
     xs = np.arange(len(points))
     names = list(points[0]["methods"]) if points else []
     width = 0.8 / max(len(names), 1)

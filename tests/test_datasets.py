@@ -274,6 +274,28 @@ def test_zipf_draws_share_a_hot_set_only_through_hot_seed() -> None:
         D.zipf_ids(10, 5, hot_seed=1.5)
 
 
+def test_hot_set_ids_share_of_accesses_and_shared_hot_rows() -> None:
+    """``share`` of the draws land on the ``hot_rows`` hot rows (plus the uniform part's own hot-row hits), every hot
+    row is drawn about equally often, the same ``hot_seed`` gives the same hot rows for other ``seed``s."""
+    n_rows, n, hot_rows, share = 10_000, 400_000, 1_500, 0.9
+    ids = D.hot_set_ids(n_rows, n, hot_rows, share, seed=3, hot_seed=11)
+    assert ids.dtype == torch.int64 and ids.shape == (n,) and int(ids.min()) >= 0 and int(ids.max()) < n_rows
+    assert torch.equal(ids, D.hot_set_ids(n_rows, n, hot_rows, share, seed=3, hot_seed=11))
+    counts = torch.bincount(ids, minlength=n_rows).double()
+    hot = counts.topk(hot_rows).indices
+    expect_hot = share + (1 - share) * hot_rows / n_rows
+    assert abs(float(counts[hot].sum()) / n - expect_hot) < 0.01
+    per_hot = counts[hot] / n
+    assert float(per_hot.std() / per_hot.mean()) < 0.12  # uniform within the hot set: Poisson spread only
+    other = D.hot_set_ids(n_rows, n, hot_rows, share, seed=4, hot_seed=11)
+    assert not torch.equal(ids, other)
+    assert set(torch.bincount(other, minlength=n_rows).topk(hot_rows).indices.tolist()) == set(hot.tolist())
+    assert int(torch.bincount(D.hot_set_ids(n_rows, 1000, 1, 1.0, seed=0), minlength=n_rows).count_nonzero()) == 1
+    for bad in ({"hot_rows": 0}, {"hot_rows": n_rows + 1}, {"share": 1.5}, {"share": "0.5"}):
+        with pytest.raises(FormatError):
+            D.hot_set_ids(n_rows, 10, **({"hot_rows": 5} | bad))
+
+
 def test_zipf_uniform_and_bad_args() -> None:
     ids = D.zipf_ids(10, 100_000, a=0.0, seed=0)
     counts = torch.bincount(ids, minlength=10).double() / 100_000
