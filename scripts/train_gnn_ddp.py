@@ -24,7 +24,9 @@ after the other in the same processes, same seeds:
 Pipelined (``model.pipelined``, default on; ``model.pipelined=false`` for the loop in turn): every process samples
 its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call), fetches the next one's features on
 a side stream and trains on the current one, with ``ibpcache.loaders.pipeline.PipelinedLoader``. No mode's fetch is a
-collective, so every mode may fetch from the loader's thread.
+collective, so every mode may fetch from the loader's thread. The loader runs once over every epoch, so the next
+epoch's first micro-batches are sampled and fetched while this epoch's last steps train (``--epoch-by-epoch``: a new
+loader run per epoch, each starting with an empty pipeline).
 
 What matches what. Batches, neighbour samples and dropout masks depend only on (seed, epoch, step, rank): samples
 are hashed from that key (ibpcache's ``NeighborSampler``: the same on any device and in any chunk of micro-batches)
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import math
 import os
 import sys
@@ -288,6 +291,7 @@ class Run:
     probe: dict[str, Any] = field(default_factory=dict)
     setup_s: float = 0.0
     pipelined: bool = True
+    across_epochs: bool = False
 
 
 @dataclass
@@ -303,6 +307,7 @@ class Job:
     labels: torch.Tensor  # on the device
     verified: int = 0
     node_replicate: "str | float" = "auto"  # the node cache's head: "auto" (measured costs) or a budget fraction
+    across_epochs: bool = True  # pipelined: one loader run over every epoch (module docstring)
 
     @property
     def world(self) -> int:
@@ -353,19 +358,22 @@ class MicroBatch:
 
 
 class MicroBatches:
-    """The sampling stage: micro-batches of (virtual) ranks ``vranks`` for every step of epoch ``epoch`` (set it
-    before iterating), in (step, rank) order, ``cfg.sample_chunk`` of them sampled per call. Spans go to ``timer``
-    as "sample" (CUDA events on the sampling stream when pipelined)."""
+    """The sampling stage: micro-batches of (virtual) ranks ``vranks`` for every step of the epochs ``epochs`` (set
+    them before iterating), in (epoch, step, rank) order, ``cfg.sample_chunk`` of them sampled per call. Spans go to
+    ``timer`` as "sample" (CUDA events on the sampling stream when pipelined)."""
 
     def __init__(self, job: "Job", vranks: list[int], timer: StageTimer) -> None:
         self.job, self.vranks, self.timer = job, vranks, timer
-        self.epoch = 0
+        self.epochs: list[int] = [0]
 
-    def __len__(self) -> int:
+    def per_epoch(self) -> int:
         return self.job.steps_per_epoch() * len(self.vranks)
 
+    def __len__(self) -> int:
+        return self.per_epoch() * len(self.epochs)
+
     def __iter__(self) -> "Iterator[MicroBatch]":
-        return self._sample(self.epoch)
+        return itertools.chain.from_iterable(self._sample(e) for e in self.epochs)
 
     def _sample(self, epoch: int) -> "Iterator[MicroBatch]":
         job, dev = self.job, self.job.ranks.device
@@ -391,6 +399,24 @@ class _InTurn:
     def __iter__(self) -> "Iterator[MicroBatch]":
         for mb in self.batches:
             yield self.fetch(mb)
+
+
+def epochs_of(job: "Job", src: MicroBatches, loop: Any, timer: StageTimer) -> "Iterator[Iterator[MicroBatch]]":
+    """Each epoch's micro-batches, in turn. Pipelined with ``job.across_epochs`` the loader runs once over every
+    epoch, so the next epoch's first micro-batches are sampled and fetched while this epoch's last steps train:
+    without it each epoch starts with an empty pipeline and the trainer waits for the first batch's sampling and
+    fetch. A micro-batch depends only on (seed, epoch, step, rank), so the batches and losses are the same."""
+    if job.cfg.pipelined and job.across_epochs:
+        src.epochs = list(range(job.cfg.epochs))
+        stream = batches_timed(loop, timer)
+        for _ in src.epochs:
+            yield itertools.islice(stream, src.per_epoch())
+        if next(stream, None) is not None:
+            raise AssertionError("the loader yielded more micro-batches than its epochs hold")
+        return
+    for epoch in range(job.cfg.epochs):
+        src.epochs = [epoch]
+        yield batches_timed(loop, timer)
 
 
 def make_loop(job: "Job", vranks: list[int], cache_fetch: Callable[[torch.Tensor], torch.Tensor], timer: StageTimer,
@@ -454,7 +480,8 @@ def train_ddp(job: Job, mode: str) -> Run:
     r, dev, cfg = job.ranks.rank, job.ranks.device, job.cfg
     t0 = time.perf_counter()
     fetch, cache = make_fetch(job, mode)
-    run = Run(mode, r, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined)
+    run = Run(mode, r, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined,
+              across_epochs=cfg.pipelined and job.across_epochs)
     model = new_model(job)
     model.use_rank(r, dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None) if job.ranks.distributed else model
@@ -466,13 +493,12 @@ def train_ddp(job: Job, mode: str) -> Run:
     grads = GradsReady(model, timer)
     job.verified = 0
     _reset(cache)
-    for epoch in range(cfg.epochs):
+    for batches in epochs_of(job, src, loop, timer):
         model.train()
         _sync(dev)
         start = time.perf_counter()
-        src.epoch = epoch
         losses = []
-        for mb in batches_timed(loop, timer):
+        for mb in batches:
             _pin_threads(dev)
             job.check(mb)
             t0 = time.perf_counter()
@@ -506,7 +532,8 @@ def train_reference(job: Job) -> Run:
     dev, cfg, w = job.ranks.device, job.cfg, job.world
     t0 = time.perf_counter()
     fetch, cache = make_fetch(job, "reference")
-    run = Run("reference", job.ranks.rank, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined)
+    run = Run("reference", job.ranks.rank, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined,
+              across_epochs=cfg.pipelined and job.across_epochs)
     model = new_model(job)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     params = list(model.parameters())
@@ -517,14 +544,13 @@ def train_reference(job: Job) -> Run:
     grads = GradsReady(model, timer)
     job.verified = 0
     _reset(cache)
-    for epoch in range(cfg.epochs):
+    for batches in epochs_of(job, src, loop, timer):
         model.train()
         _sync(dev)
         start = time.perf_counter()
-        src.epoch = epoch
         losses: dict[int, list[torch.Tensor]] = {v: [] for v in range(w)}
         acc: list[torch.Tensor | None] = [None] * len(params)
-        for mb in batches_timed(loop, timer):  # the W micro-batches of each global batch in rank order
+        for mb in batches:  # the W micro-batches of each global batch in rank order
             _pin_threads(dev)
             job.check(mb)
             model.use_rank(mb.rank, dev)
@@ -668,6 +694,7 @@ def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, An
         hits = sum(r.cache.get("hit_rate", 0.0) * r.cache.get("requests", 0) for r in per_rank)
         rec: dict[str, Any] = {
             "mode": mode, "processes": len(per_rank), "world": world, "pipelined": per_rank[0].pipelined,
+            "across_epochs": per_rank[0].across_epochs,
             "epoch_ms": 1e3 * max(epoch_s),
             "epoch_ms_per_rank": [1e3 * s for s in epoch_s], **{f"{k}_ms": 1e3 * v for k, v in stages.items()},
             **{f"{k}_ms_per_rank": [1e3 * v for v in vals] for k, vals in stage_ranks.items()},
@@ -774,6 +801,9 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--node-replicate", default="auto",
                    help="the node cache's head: 'auto' (sized from costs it measures) or a fraction of the budget "
                         "(1.0: no peer rows, the node cache's code path as a control)")
+    p.add_argument("--epoch-by-epoch", action="store_true",
+                   help="pipelined: a new loader run per epoch (each epoch starts with an empty pipeline) instead of "
+                        "one run over every epoch")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/bench_gnn.yaml, e.g. dataset.n_nodes=200000")
     args = p.parse_args(argv)
     overrides = [*(QUICK if args.quick else []), *args.overrides]
@@ -817,7 +847,8 @@ def main(argv: "list[str] | None" = None) -> int:
         attach_s = time.perf_counter() - t2
         sampler = BlockSampler(ds.src, ds.dst, ds.num_nodes, train_cfg.fanouts, ranks.device)
         job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device),
-                  node_replicate=args.node_replicate if args.node_replicate == "auto" else float(args.node_replicate))
+                  node_replicate=args.node_replicate if args.node_replicate == "auto" else float(args.node_replicate),
+                  across_epochs=not args.epoch_by_epoch)
         if ranks.rank == 0:
             print(f"train_gnn_ddp: {ds.name} {ds.num_nodes:,} nodes, {ds.num_edges:,} edges, {ds.row_bytes} B rows, "
                   f"store ratio {rows.ratio:.2f}x ({args.layout}); {ranks.world} ranks on {ranks.device.type}, "

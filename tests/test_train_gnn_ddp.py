@@ -104,12 +104,15 @@ def _reference(out: Path, *extra: str) -> dict[str, Any]:
 
 def test_reference_alone_without_torchrun_pipelined_or_not(tmp_path: Path) -> None:
     rec = _reference(tmp_path / "piped")
-    assert rec["pipelined"] is True
+    assert rec["pipelined"] is True and rec["across_epochs"] is True
     assert len(rec["losses"]) == 2 and all(len(l) == len(rec["losses"][0]) > 0 for l in rec["losses"])
     assert 0.0 <= rec["accuracy"] <= 1.0 and rec["hit_rate"] > 0
     plain = _reference(tmp_path / "plain", "model.pipelined=false", "model.sample_chunk=1")
     assert plain["pipelined"] is False
     assert plain["losses"] == rec["losses"] and plain["predictions_sha1"] == rec["predictions_sha1"]
+    by_epoch = _reference(tmp_path / "by_epoch", "--epoch-by-epoch")  # a new pipeline per epoch: the same batches
+    assert by_epoch["pipelined"] is True and by_epoch["across_epochs"] is False
+    assert by_epoch["losses"] == rec["losses"] and by_epoch["predictions_sha1"] == rec["predictions_sha1"]
 
 
 def test_sampler_draws_distinct_real_in_neighbours() -> None:
