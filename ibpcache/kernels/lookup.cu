@@ -1015,11 +1015,65 @@ __device__ __forceinline__ unsigned ibp_single_group_rows(const K& codec, uint4*
     return used;
 }
 
+// SUM / MEAN / MAX of one-id bags of the grouped exponent kinds (bag_offsets == nullptr, bag_size == 1: one-hot
+// features, the embedding bags' "single" step, and what the layout planner times; kernels
+// ibp_lookup_pool_single_NAME, picked by lookup.py): G bags per warp at once (ibp_lookup_single_bags), the warp
+// decoding the G rows into its row buffer before writing each bag's output row. Why: ibp_lookup_pool_grouped groups
+// the ids of ONE bag, so a bag of one id decodes one row per warp and only its n_seg lanes walk codewords (2 of 32 for
+// a 512 B exponent row); grouping across bags, as ibp_lookup_rows_grouped does, puts G * n_seg walks on the warp.
+// Each value is computed as the bag loop computes a bag of one id (from 0: one add, fma or first-value max; MEAN
+// divides by the count, 1); a bag that pooled nothing (bad id, malformed row) is zeros, as there.
+// Words per lane in flight on the exponent kinds' direct path: fewer than the IBP kinds' IBP_SINGLE_UNROLL, which
+// would raise ibp_lookup_pool_single_e4 from 96 to 128 registers (fewer resident warps for its misses' decode).
+#ifndef IBP_EXP_SINGLE_UNROLL
+#define IBP_EXP_SINGLE_UNROLL 4
+#endif
+// One group of exponent-kind one-id bags the direct path cannot take: the warp decodes the G rows at once
+// (decode_group: G * n_seg codeword walks) into its row buffer, then writes each bag's output row; returns the bags
+// that pooled.
+template <class K>
+__device__ __forceinline__ unsigned ibp_single_group_decoded(const K& codec, uint4* smem, unsigned char* rowbuf,
+                                                             int G, const IbpSingleBag& b, unsigned live,
+                                                             unsigned fetched, int op, int elem, bool weighted,
+                                                             int row_bytes, int lane) {
+    const int r = lane % G;
+    const bool fetch = (fetched >> r) & 1u;
+    const int dim = row_bytes / (elem == IBP_ELEM_F32 ? 4 : 2);
+    const unsigned corrupt = codec.decode_group(G, b.src.src, b.src.len, b.src.comp,
+                                                fetch ? rowbuf + r * row_bytes : nullptr, smem, lane);
+    const unsigned use = __ballot_sync(IBP_FULL, lane < G && fetch && !((corrupt >> r) & 1u));  // malformed: nothing
+    __syncwarp();  // the decoded rows are visible to every lane
+    for (int q0 = 0; q0 < G; ++q0) {
+        if (!((live >> q0) & 1u)) continue;  // uniform
+        unsigned char* bag_dst = reinterpret_cast<unsigned char*>(
+            __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(b.dst), q0));
+        const float bw = __shfl_sync(IBP_FULL, b.w, q0);
+        const bool pooled = (use >> q0) & 1u;
+        const unsigned char* row = rowbuf + q0 * row_bytes;
+        for (int e = lane; e < dim; e += 32) {
+            const float v = pooled ? ibp_pool_one_value(ibp_elem_load(row, e, elem), op, weighted, bw)
+                                   : 0.0f;  // a bag that pooled nothing
+            ibp_elem_store(bag_dst, e, elem, v);
+        }
+    }
+    __syncwarp();  // the row buffer is free for the next group
+    return use;
+}
+
+// The one-id-bag loop of every kind: groups of G bags per warp, lane L resolving bag L % G (ibp_single_bag). A group
+// whose rows are all raw and 16-byte aligned is read and pooled word by word (ibp_single_group_direct); any other
+// group is decoded row by row (IBP and raw kinds: ibp_single_group_rows) or all at once (the grouped exponent
+// kinds: ibp_single_group_decoded). A bad id or malformed row pools nothing (zeros).
 template <class K>
 __device__ __forceinline__ void ibp_lookup_single_bags(const K& codec, uint4* smem, unsigned char* rowbuf, int op,
                                                        int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
     const int lane = threadIdx.x & 31;
-    const int G = ibp_single_bags(row_bytes);
+    int G;
+    if constexpr (K::GROUPED) {
+        G = codec.group_rows(IBP_POOL_MAX_ROW / row_bytes);
+    } else {
+        G = ibp_single_bags(row_bytes);
+    }
     const int r = lane % G;  // the group's bag this lane resolves
     const bool weighted = psw != nullptr;
     const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
@@ -1033,80 +1087,18 @@ __device__ __forceinline__ void ibp_lookup_single_bags(const K& codec, uint4* sm
         const unsigned fetched = __ballot_sync(IBP_FULL, lane < G && fetch);
         unsigned used;
         if (__all_sync(IBP_FULL, ibp_single_direct_ok(b, fetch, row_bytes, lane < G))) {
-            ibp_single_group_direct<IBP_SINGLE_UNROLL>(G, row_bytes, b.src.src, b.dst, b.w, live, fetched, op, elem,
-                                                       weighted, lane);
+            ibp_single_group_direct<K::GROUPED ? IBP_EXP_SINGLE_UNROLL : IBP_SINGLE_UNROLL>(
+                G, row_bytes, b.src.src, b.dst, b.w, live, fetched, op, elem, weighted, lane);
             used = fetched;
+        } else if constexpr (K::GROUPED) {
+            used = ibp_single_group_decoded<K>(codec, smem, rowbuf, G, b, live, fetched, op, elem, weighted,
+                                               row_bytes, lane);
         } else {
             used = ibp_single_group_rows<K>(codec, smem, rowbuf, G, b, live, fetched, op, elem, weighted, row_bytes,
                                             lane);
         }
         ibp_single_account(b, fetch, (used >> r) & 1u, lane < G, err, staging == nullptr ? freq : nullptr, requests,
                            hits, host_bytes, slab_bytes);
-    }
-    ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
-                       ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
-    if (staging != nullptr) ibp_finish_step(step_state);
-}
-
-// SUM / MEAN / MAX of one-id bags (bag_offsets == nullptr, bag_size == 1: one-hot features, the embedding bags'
-// "single" step, and what the layout planner times; kernels ibp_lookup_pool_single_NAME for the grouped kinds, picked
-// by lookup.py), G bags per warp at once: lane L resolves bag L % G (ibp_single_bag), the warp decodes the G rows
-// into its row buffer, then writes each bag's output row. Why: ibp_lookup_pool_grouped groups the ids of ONE bag, so
-// a bag of one id decodes one row per warp and only its n_seg lanes walk codewords (2 of 32 for a 512 B exponent
-// row); grouping across bags, as ibp_lookup_rows_grouped does, puts G * n_seg walks on the warp. A group whose rows
-// are all raw and 16-byte aligned (the hits of a cache holding decoded rows) is read and pooled word by word, as the
-// IBP kinds' groups are (ibp_single_group_direct). Each value is computed as the bag loop computes a bag of one id
-// (from 0: one add, fma or first-value max; MEAN divides by the count, 1); a bag that pooled nothing (bad id,
-// malformed row) is zeros, as there.
-// Words per lane in flight on the exponent kinds' direct path: fewer than the IBP kinds' IBP_SINGLE_UNROLL, which
-// would raise ibp_lookup_pool_single_e4 from 96 to 128 registers (fewer resident warps for its misses' decode).
-#ifndef IBP_EXP_SINGLE_UNROLL
-#define IBP_EXP_SINGLE_UNROLL 4
-#endif
-template <class K>
-__device__ __forceinline__ void ibp_lookup_pool_single(const K& codec, uint4* smem, unsigned char* rowbuf, int op,
-                                                       int elem, const float* __restrict__ psw, IBP_LOOKUP_PARAMS) {
-    const int lane = threadIdx.x & 31;
-    const int G = codec.group_rows(IBP_POOL_MAX_ROW / row_bytes);
-    const int r = lane % G;  // the group's bag this lane resolves
-    const int dim = row_bytes / (elem == IBP_ELEM_F32 ? 4 : 2);
-    const bool weighted = psw != nullptr;
-    const i64 warp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
-    const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-    u64 requests = 0, hits = 0, host_bytes = 0, slab_bytes = 0;  // of this lane's rows (summed over lanes r < G)
-    for (i64 k0 = warp * G; k0 < n_bags; k0 += nwarps * G) {
-        const IbpSingleBag b = ibp_single_bag(k0 + r, psw, IBP_LOOKUP_ARGS);
-        if (b.bad && lane < G) ibp_report_bad_id(err, b.t);
-        const bool fetch = b.live && !b.bad;
-        const unsigned live = __ballot_sync(IBP_FULL, lane < G && b.live);
-        const unsigned fetched = __ballot_sync(IBP_FULL, lane < G && fetch);
-        unsigned use;
-        if (__all_sync(IBP_FULL, ibp_single_direct_ok(b, fetch, row_bytes, lane < G))) {
-            ibp_single_group_direct<IBP_EXP_SINGLE_UNROLL>(G, row_bytes, b.src.src, b.dst, b.w, live, fetched, op,
-                                                           elem, weighted, lane);
-            use = fetched;
-        } else {
-            const unsigned corrupt = codec.decode_group(G, b.src.src, b.src.len, b.src.comp,
-                                                        fetch ? rowbuf + r * row_bytes : nullptr, smem, lane);
-            use = __ballot_sync(IBP_FULL, lane < G && fetch && !((corrupt >> r) & 1u));  // malformed: pools nothing
-            __syncwarp();  // the decoded rows are visible to every lane
-            for (int q0 = 0; q0 < G; ++q0) {
-                if (!((live >> q0) & 1u)) continue;  // uniform
-                unsigned char* bag_dst = reinterpret_cast<unsigned char*>(
-                    __shfl_sync(IBP_FULL, reinterpret_cast<unsigned long long>(b.dst), q0));
-                const float bw = __shfl_sync(IBP_FULL, b.w, q0);
-                const bool pooled = (use >> q0) & 1u;
-                const unsigned char* row = rowbuf + q0 * row_bytes;
-                for (int e = lane; e < dim; e += 32) {
-                    const float v = pooled ? ibp_pool_one_value(ibp_elem_load(row, e, elem), op, weighted, bw)
-                                           : 0.0f;  // a bag that pooled nothing
-                    ibp_elem_store(bag_dst, e, elem, v);
-                }
-            }
-            __syncwarp();  // the row buffer is free for the next group
-        }
-        ibp_single_account(b, fetch, (use >> r) & 1u, lane < G, err, staging == nullptr ? freq : nullptr, requests, hits,
-                           host_bytes, slab_bytes);
     }
     ibp_flush_counters(counters, lane, ibp_group_sum(requests, G, lane), ibp_group_sum(hits, G, lane),
                        ibp_group_sum(host_bytes, G, lane), ibp_group_sum(slab_bytes, G, lane));
@@ -1156,7 +1148,7 @@ IBP_FOR_EACH_C(IBP_LOOKUP_IBP)
 IBP_LOOKUP(e2, ExpRows<unsigned short>, IBP_EXP_LB)
 IBP_LOOKUP(e4, ExpRows<unsigned int>, IBP_EXP_LB)
 
-// One-id bags of the grouped kinds (ibp_lookup_pool_single): ibp_lookup_pool_single_NAME, a kernel of its own: the
+// One-id bags of the grouped kinds (ibp_lookup_single_bags): ibp_lookup_pool_single_NAME, a kernel of its own: the
 // two loops inlined in one kernel take ~166 registers on sm_90, the bag loop alone 128. Its launch bounds keep
 // IBP_EXP_SINGLE_WARPS resident warps per SM (96 registers on sm_90, no spills): the direct path for raw groups
 // would otherwise take it to 115-119 registers and 16 warps, fewer in flight for the misses' host reads.
@@ -1173,7 +1165,7 @@ IBP_LOOKUP(e4, ExpRows<unsigned int>, IBP_EXP_LB)
         __shared__ uint4 sdec[IBP_POOL_WARPS][K::SMEM_VEC];                                                     \
         __shared__ uint4 srow[IBP_POOL_WARPS][IBP_POOL_MAX_ROW / 16];                                           \
         const K codec(row_bytes, codec_n, codec_a, codec_b);                                                    \
-        ibp_lookup_pool_single<K>(codec, sdec[threadIdx.x >> 5],                                                \
+        ibp_lookup_single_bags<K>(codec, sdec[threadIdx.x >> 5],                                                \
                                   reinterpret_cast<unsigned char*>(srow[threadIdx.x >> 5]), op, elem, psw,      \
                                   IBP_LOOKUP_ARGS);                                                             \
     }
