@@ -67,6 +67,9 @@ PROBE_BYTES = 256 << 20
 """Output bytes of one timed probe fetch: enough rows for several waves of warps on an H100/H200 (a latency-bound
 fetch of one wave or less would overstate the per-row cost), small enough to cost milliseconds at set-up."""
 
+PROBE_WARMUP, PROBE_REPEATS = 2, 5
+"""Untimed and timed fetches of a set-up probe (the cost is the median of the timed ones), each of its own draw."""
+
 LOCAL, PEER, HOST = 0, 1, 2
 """Where a rank reads a row (``PartitionedFeatureCache.holder``)."""
 
@@ -272,8 +275,8 @@ class PartitionedFeatureCache:
         timing = self._timing
         baseline = None
         if timing and built_with_hot:  # the independent layout is in place now: time it first
-            ids = self._weighted_batch(hot, torch.arange(self.n_rows))
-            baseline = (ids, self._time_fetch(ids))
+            batches = self._probe_batches(hot, torch.arange(self.n_rows))
+            baseline = (batches, self._time_fetch(batches))
         self._apply(self._plan(hot), hot, built_with_hot)
         if timing and self.source_costs_us_per_row is None and self.peer_access:
             measured = self._measure_costs(hot)
@@ -346,27 +349,30 @@ class PartitionedFeatureCache:
     def _probe_rows(self) -> int:
         return int(min(max(PROBE_BYTES // max(self.row_bytes, 1), 16384), 131072))
 
-    def _weighted_batch(self, hot: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-        """:meth:`_probe_rows` ids from ``pool`` drawn with probability ~ hotness (uniform where ``pool`` holds no
-        positive hotness), seeded per rank, on the device: what requests for those rows look like."""
+    def _probe_batches(self, hot: torch.Tensor, pool: torch.Tensor) -> list[torch.Tensor]:
+        """``PROBE_WARMUP + PROBE_REPEATS`` batches of :meth:`_probe_rows` ids from ``pool``, each drawn anew with
+        probability ~ hotness (uniform where ``pool`` holds no positive hotness), seeded per rank and draw, on the
+        device: what requests for those rows look like. A new draw per timed fetch: a batch fetched again would be
+        read from L2 (a probe of compressed rows can fit in it), which the rows' real requests are not."""
         gen = torch.Generator().manual_seed(9176 + self.rank)
-        return _weighted_sample(pool, hot, self._probe_rows(), gen).to(self.device)
+        return [_weighted_sample(pool, hot, self._probe_rows(), gen).to(self.device)
+                for _ in range(PROBE_WARMUP + PROBE_REPEATS)]
 
-    def _time_fetch(self, ids: torch.Tensor, warmup: int = 2, repeats: int = 5) -> float:
-        """Median microseconds of a fetch of ``ids`` on this rank while every rank fetches its own (the ranks start
-        together, as they fetch in training). CUDA events, construction only (syncs). Collective."""
-        out = torch.empty((ids.numel(), *self.cache.row_shape), dtype=self.cache.dtype, device=self.device)
+    def _time_fetch(self, batches: list[torch.Tensor]) -> float:
+        """Median microseconds of a fetch of one of ``batches`` (the first ``PROBE_WARMUP`` untimed) on this rank
+        while every rank fetches its own (the ranks start together, as they fetch in training). CUDA events,
+        construction only (syncs). Collective."""
+        out = torch.empty((batches[0].numel(), *self.cache.row_shape), dtype=self.cache.dtype, device=self.device)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
-        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                 for _ in range(warmup + repeats)]
-        for start, end in marks:
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in batches]
+        for ids, (start, end) in zip(batches, marks):
             start.record()
-            self.cache.fetch(ids, out)
+            self.cache.fetch(ids, out[:ids.numel()])
             end.record()
         marks[-1][1].synchronize()
         self.cache.check_errors()
-        return 1e3 * float(np.median([a.elapsed_time(b) for a, b in marks[warmup:]]))
+        return 1e3 * float(np.median([a.elapsed_time(b) for a, b in marks[PROBE_WARMUP:]]))
 
     def _measure_costs(self, hot: torch.Tensor) -> "tuple[float, float, float] | None":
         """Per-row microseconds of a local hit, a peer hit and a host miss, the mean over ranks (so every rank
@@ -380,7 +386,7 @@ class PartitionedFeatureCache:
         if not (have[LOCAL] and have[PEER]):
             self.costs_rule = "default (no local or no peer rows to time)"
             return None
-        mine = [self._time_fetch(self._weighted_batch(hot, pool)) / self._probe_rows() if ok else None
+        mine = [self._time_fetch(self._probe_batches(hot, pool)) / self._probe_rows() if ok else None
                 for pool, ok in zip(pools, have)]
         everyone = self._gather(mine)
         us = [float(np.mean([r[k] for r in everyone])) if have[k] else None for k in range(3)]
@@ -393,14 +399,16 @@ class PartitionedFeatureCache:
                                         "rows_per_probe": self._probe_rows(), "per_rank": everyone, "note": note}
         return costs  # type: ignore[return-value]
 
-    def _check_against_independent(self, hot: torch.Tensor, ids: torch.Tensor, independent_us: float) -> None:
-        """Time ``ids`` (a hotness-weighted batch) on the placed layout; unless the node fetches it faster than it
-        did on the independent layout (times summed over ranks), every rank goes back to that layout. Collective."""
-        placed_us = self._time_fetch(ids)
+    def _check_against_independent(self, hot: torch.Tensor, batches: list[torch.Tensor],
+                                   independent_us: float) -> None:
+        """Time ``batches`` (hotness-weighted draws) on the placed layout; unless the node fetches them faster than
+        it did on the independent layout (times summed over ranks), every rank goes back to that layout.
+        Collective."""
+        placed_us = self._time_fetch(batches)
         times = self._gather((independent_us, placed_us))
         indep, placed = sum(t[0] for t in times), sum(t[1] for t in times)
         kept = "placed" if placed < indep else "independent"
-        self.setup_check = {"batch_rows": int(ids.numel()), "independent_us": [t[0] for t in times],
+        self.setup_check = {"batch_rows": int(batches[0].numel()), "independent_us": [t[0] for t in times],
                             "placed_us": [t[1] for t in times], "speedup": indep / placed if placed else None,
                             "kept": kept}
         if kept == "independent":

@@ -363,7 +363,7 @@ def test_measured_costs_and_the_setup_check_with_injected_times(tmp_path: Path, 
     one on the check batch sends the rank back to its own hottest rows, and says so; a faster one is kept."""
     import torch.distributed as dist
 
-    from ibpcache.cache.partitioned import HOST, LOCAL, PEER, PartitionedFeatureCache
+    from ibpcache.cache.partitioned import HOST, LOCAL, PEER, PROBE_REPEATS, PROBE_WARMUP, PartitionedFeatureCache
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -376,7 +376,7 @@ def test_measured_costs_and_the_setup_check_with_injected_times(tmp_path: Path, 
         part._where = part._where_table()
         per_row = {LOCAL: 0.5, PEER: 0.75, HOST: 6.0}
         monkeypatch.setattr(part, "_time_fetch",
-                            lambda ids: per_row[int(part._where[ids[0]])] * ids.numel())
+                            lambda batches: per_row[int(part._where[batches[0][0]])] * batches[0].numel())
         costs = part._measure_costs(hot)
         assert costs == pytest.approx((0.5, 0.75, 6.0))
         src = part.source_costs_us_per_row
@@ -392,10 +392,13 @@ def test_measured_costs_and_the_setup_check_with_injected_times(tmp_path: Path, 
 
         part.fallback_reason = None
         part.cache.restock(-hot)  # as if placed: other rows than the hottest
-        ids = part._weighted_batch(hot, torch.arange(cora.num_nodes))
-        assert ids.numel() == part._probe_rows() and float(hot[ids].min()) > 0
-        monkeypatch.setattr(part, "_time_fetch", lambda ids: 120.0)
-        part._check_against_independent(hot, ids, 100.0)  # placed slower: back to the independent layout
+        batches = part._probe_batches(hot, torch.arange(cora.num_nodes))
+        assert len(batches) == PROBE_WARMUP + PROBE_REPEATS
+        assert all(b.numel() == part._probe_rows() and float(hot[b].min()) > 0 for b in batches)
+        # a new draw per timed fetch (a batch fetched again would be timed from L2), each drawn by hotness
+        assert all(not torch.equal(a, b) for a, b in zip(batches, batches[1:]))
+        monkeypatch.setattr(part, "_time_fetch", lambda batches: 120.0)
+        part._check_against_independent(hot, batches, 100.0)  # placed slower: back to the independent layout
         st = part.stats()
         assert st["setup_check"]["kept"] == "independent" and st["setup_check"]["placed_us"] == [120.0]
         assert st["peer_access"] is False and st["fallback_reason"].startswith("set-up check")
@@ -403,7 +406,7 @@ def test_measured_costs_and_the_setup_check_with_injected_times(tmp_path: Path, 
         again = PartitionedFeatureCache(f, hot, 0.01, device="cpu")
         assert torch.equal(part.cache.cached_ids.cpu().sort().values, again.cache.cached_ids.cpu().sort().values)
         part.fallback_reason = None
-        part._check_against_independent(hot, ids, 150.0)  # placed faster: kept
+        part._check_against_independent(hot, batches, 150.0)  # placed faster: kept
         assert part.setup_check["kept"] == "placed" and part.peer_access
         assert part.setup_check["speedup"] == pytest.approx(150 / 120)
         ids_all = torch.arange(cora.num_nodes)
