@@ -386,8 +386,8 @@ def main() -> None:
 def plot(points: list[dict[str, Any]]):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
-    labels = [f"{q['dataset']} {q['trace']}\n{q['budget_per_gpu']:g}/GPU" for q in points]
+    fig, axes = plt.subplots(1, 2, figsize=(max(12.0, 1.6 * len(points)), 4.2))
+    labels = [f"{q['dataset']}\n{q['trace']}\n{q['budget_per_gpu']:g}/GPU" for q in points]
     xs = np.arange(len(points))
     names = list(points[0]["methods"]) if points else []
     width = 0.8 / max(len(names), 1)
@@ -398,7 +398,7 @@ def plot(points: list[dict[str, Any]]):
     axes[0].set_ylabel("node fetch GB/s of output (sum over GPUs)")
     axes[1].set_ylabel("hit rate (GPU caches of the node)")
     for ax in axes:
-        ax.set_xticks(xs, labels)
+        ax.set_xticks(xs, labels, fontsize=7)
         ax.legend(fontsize=7)
     fig.suptitle(f"node cache vs independent caches, {points[0]['gpus'] if points else 0} GPUs")
     fig.tight_layout()
