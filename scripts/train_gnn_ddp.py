@@ -804,8 +804,13 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--epoch-by-epoch", action="store_true",
                    help="pipelined: a new loader run per epoch (each epoch starts with an empty pipeline) instead of "
                         "one run over every epoch")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for this run (seconds; Python's default is 0.005): how long the "
+                        "sampling and fetch threads may hold the GIL while the training thread waits for it")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/bench_gnn.yaml, e.g. dataset.n_nodes=200000")
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     overrides = [*(QUICK if args.quick else []), *args.overrides]
     cfg = _compose(overrides)
     ranks = init_ranks(args.world, args.device)

@@ -1272,6 +1272,48 @@ def test_path_planner_interleaves_then_keeps_the_fastest_way() -> None:
         planner.fix("other", 0)
     with pytest.raises(ValueError):
         planner.fix("single", "backwards")
+    with pytest.raises(ValueError):
+        PathPlanner(ways, first_recheck=0)
+
+
+def test_path_planner_rechecks_early_then_at_growing_intervals() -> None:
+    """The ways are timed again ``first_recheck`` steps after the first decision (the first timings ran while the
+    cache was filling), then after 4x as many, up to ``recheck_every``; a way that became faster by the margin on the
+    warm cache takes over at the first recheck."""
+    from ibpcache.cache.plan_path import PathPlanner
+
+    class Ev:
+        def __init__(self, ms: float = 0.0) -> None:
+            self.ms = ms
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, end: "Ev") -> float:
+            return end.ms
+
+    planner = PathPlanner({"single": ("as given", "sorted")}, trials=2, margin=0.05, recheck_every=40,
+                          first_recheck=3)
+    cost = {0: 1.0, 1: 1.2}  # cold cache: "as given" looks faster
+
+    def calibrate() -> None:
+        while planner.calibrating("single", 8):
+            w = planner.choose("single", 8)
+            planner.record("single", 8, w, Ev(), Ev(ms=cost[w]))
+
+    calibrate()
+    assert planner.choose("single", 8) == 0
+    cost.update({0: 1.3, 1: 1.0})  # warm cache: "sorted" is faster by more than the margin
+    gaps = []
+    for _ in range(4):
+        steps = 1  # the choose() above or the one that ended the last calibration
+        while not planner.calibrating("single", 8):
+            planner.choose("single", 8)
+            steps += 1
+        gaps.append(steps)
+        calibrate()
+        assert planner.choose("single", 8) == 1
+    assert gaps == [3, 12, 40, 40]
 
 
 def test_fused_table_batched_lookup_on_cpu_matches_torch(table: torch.Tensor) -> None:
