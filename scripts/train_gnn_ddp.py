@@ -26,7 +26,9 @@ its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call)
 a side stream and trains on the current one, with ``ibpcache.loaders.pipeline.PipelinedLoader``. No mode's fetch is a
 collective, so every mode may fetch from the loader's thread. The loader runs once over every epoch, so the next
 epoch's first micro-batches are sampled and fetched while this epoch's last steps train (``--epoch-by-epoch``: a new
-loader run per epoch, each starting with an empty pipeline).
+loader run per epoch, each starting with an empty pipeline). ``--interleave`` runs one epoch of each mode in turn
+(per-epoch loaders, so no mode's loader runs ahead while another trains) instead of the modes one after the other:
+on a host whose speed drifts between runs, every mode then meets the same moments.
 
 What matches what. Batches, neighbour samples and dropout masks depend only on (seed, epoch, step, rank): samples
 are hashed from that key (ibpcache's ``NeighborSampler``: the same on any device and in any chunk of micro-batches)
@@ -67,7 +69,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 # cuBLAS reads this when it starts: deterministic GEMM workspaces (same rule as scripts/train_gnn.py).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -292,6 +294,7 @@ class Run:
     setup_s: float = 0.0
     pipelined: bool = True
     across_epochs: bool = False
+    verified: int = 0  # micro-batches whose features were checked against the source rows
 
 
 @dataclass
@@ -305,7 +308,6 @@ class Job:
     budget: float
     ranks: Ranks
     labels: torch.Tensor  # on the device
-    verified: int = 0
     node_replicate: "str | float" = "auto"  # the node cache's head: "auto" (measured costs) or a budget fraction
     across_epochs: bool = True  # pipelined: one loader run over every epoch (module docstring)
 
@@ -335,14 +337,14 @@ class Job:
         n = max(math.ceil(s.numel() / eb) for s in shards)
         return [shards[rank][i * eb:(i + 1) * eb] for i in range(n)]
 
-    def check(self, mb: MicroBatch) -> None:
-        """The first ``cfg.verify_batches`` micro-batches' features against the source rows, byte for byte."""
-        if self.verified >= self.cfg.verify_batches:
+    def check(self, mb: MicroBatch, run: "Run") -> None:
+        """A run's first ``cfg.verify_batches`` micro-batches' features against the source rows, byte for byte."""
+        if run.verified >= self.cfg.verify_batches:
             return
         want = self.ds.node_rows(mb.input_nodes)
         if not torch.equal(mb.x.view(torch.uint8), want.contiguous().view(torch.uint8)):
             raise AssertionError("fetched features differ from the source rows (the lossless path is broken)")
-        self.verified += 1
+        run.verified += 1
 
 
 @dataclass
@@ -473,7 +475,11 @@ def _add_step(timer: StageTimer, a: Any, f: Any, grads_ready: Any, b: Any, c: An
     timer.add("optimizer", b, c)
 
 
-def train_ddp(job: Job, mode: str) -> Run:
+EpochRuns = Generator[None, None, "Run"]
+"""A mode's training: it yields after each epoch and returns its Run (see :func:`finish` and ``--interleave``)."""
+
+
+def train_ddp(job: Job, mode: str) -> EpochRuns:
     """DDP: this rank trains its micro-batch of every global batch; DDP averages the gradients."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -491,7 +497,6 @@ def train_ddp(job: Job, mode: str) -> Run:
     src, loop = make_loop(job, [r], fetch, timer, collective=False)
     in_flight = StepsInFlight(dev, limit=2)
     grads = GradsReady(model, timer)
-    job.verified = 0
     _reset(cache)
     for batches in epochs_of(job, src, loop, timer):
         model.train()
@@ -500,7 +505,7 @@ def train_ddp(job: Job, mode: str) -> Run:
         losses = []
         for mb in batches:
             _pin_threads(dev)
-            job.check(mb)
+            job.check(mb, run)
             t0 = time.perf_counter()
             a = timer.mark()
             loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
@@ -518,6 +523,7 @@ def train_ddp(job: Job, mode: str) -> Run:
         run.losses[r] += torch.stack(losses).tolist() if losses else []
         _sync(dev)
         run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
+        yield
     grads.remove()
     run.cache = _cache_stats(cache)
     _evaluate(job, model, fetch, [r], run)
@@ -527,7 +533,7 @@ def train_ddp(job: Job, mode: str) -> Run:
     return run
 
 
-def train_reference(job: Job) -> Run:
+def train_reference(job: Job) -> EpochRuns:
     """One process, one GPU: the W micro-batches of each global batch in turn, gradients combined as DDP does."""
     dev, cfg, w = job.ranks.device, job.cfg, job.world
     t0 = time.perf_counter()
@@ -542,7 +548,6 @@ def train_reference(job: Job) -> Run:
     src, loop = make_loop(job, list(range(w)), fetch, timer, collective=False)
     in_flight = StepsInFlight(dev, limit=2 * w)
     grads = GradsReady(model, timer)
-    job.verified = 0
     _reset(cache)
     for batches in epochs_of(job, src, loop, timer):
         model.train()
@@ -552,7 +557,7 @@ def train_reference(job: Job) -> Run:
         acc: list[torch.Tensor | None] = [None] * len(params)
         for mb in batches:  # the W micro-batches of each global batch in rank order
             _pin_threads(dev)
-            job.check(mb)
+            job.check(mb, run)
             model.use_rank(mb.rank, dev)
             t0 = time.perf_counter()
             a = timer.mark()
@@ -579,10 +584,60 @@ def train_reference(job: Job) -> Run:
             run.losses[v] += torch.stack(losses[v]).tolist() if losses[v] else []
         _sync(dev)
         run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
+        yield
     grads.remove()
     run.cache = _cache_stats(cache)
     _evaluate(job, model, fetch, list(range(w)), run)
     return run
+
+
+def finish(epochs: EpochRuns) -> Run:
+    """Run a mode's remaining epochs; its Run."""
+    while True:
+        try:
+            next(epochs)
+        except StopIteration as done:
+            return done.value
+
+
+def run_modes(job: Job, modes: list[str], interleave: bool) -> dict[str, list[Run]]:
+    """Every mode's Runs (all ranks'), the modes one after the other, or with ``interleave`` one epoch of each in
+    turn (the reference on rank 0 while the other ranks wait). Interleaved, every mode meets the machine at the same
+    moments, so a host that runs faster or slower for a while (on shared VMs, 118-206 ms for the same reference
+    epoch from run to run) shifts every mode alike instead of deciding the ratio."""
+    ranks = job.ranks
+
+    def start(mode: str) -> "EpochRuns | None":
+        if mode == "reference":
+            return train_reference(job) if ranks.rank == 0 else None
+        return train_ddp(job, mode)
+
+    mine: dict[str, "Run | None"] = {}
+    if interleave:
+        gens = {mode: start(mode) for mode in modes}
+        for _ in range(job.cfg.epochs + 1):  # the last round returns each mode's Run (evaluation, probe)
+            for mode, gen in gens.items():
+                if gen is not None and mode not in mine:
+                    try:
+                        next(gen)
+                    except StopIteration as done:
+                        mine[mode] = done.value
+                if mode == "reference":
+                    ranks.barrier()
+    else:
+        for mode in modes:
+            gen = start(mode)
+            mine[mode] = finish(gen) if gen is not None else None
+            if mode == "reference":
+                ranks.barrier()
+            if ranks.rank == 0:
+                print(f"  {mode}: done", flush=True)
+            _free(ranks.device)
+    runs: dict[str, list[Run]] = {}
+    for mode in modes:
+        gathered = ranks.gather([mine[mode]] if mine.get(mode) is not None else [])
+        runs[mode] = [r for lst in gathered for r in lst]
+    return runs
 
 
 @torch.no_grad()
@@ -804,6 +859,9 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--epoch-by-epoch", action="store_true",
                    help="pipelined: a new loader run per epoch (each epoch starts with an empty pipeline) instead of "
                         "one run over every epoch")
+    p.add_argument("--interleave", action="store_true",
+                   help="one epoch of each mode in turn instead of the modes one after the other (implies "
+                        "--epoch-by-epoch: no mode's loader runs ahead while another trains)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this run (seconds; Python's default is 0.005): how long the "
                         "sampling and fetch threads may hold the GIL while the training thread waits for it")
@@ -853,26 +911,16 @@ def main(argv: "list[str] | None" = None) -> int:
         sampler = BlockSampler(ds.src, ds.dst, ds.num_nodes, train_cfg.fanouts, ranks.device)
         job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device),
                   node_replicate=args.node_replicate if args.node_replicate == "auto" else float(args.node_replicate),
-                  across_epochs=not args.epoch_by_epoch)
+                  across_epochs=not (args.epoch_by_epoch or args.interleave))
         if ranks.rank == 0:
             print(f"train_gnn_ddp: {ds.name} {ds.num_nodes:,} nodes, {ds.num_edges:,} edges, {ds.row_bytes} B rows, "
                   f"store ratio {rows.ratio:.2f}x ({args.layout}); {ranks.world} ranks on {ranks.device.type}, "
                   f"{job.steps_per_epoch()} global batches of {ranks.world} x {train_cfg.batch_size} per epoch, "
                   f"{train_cfg.epochs} epochs, cache budget {cfg.cache.budget} per GPU; modes {modes}", flush=True)
-        runs: dict[str, list[Run]] = {}
-        for mode in modes:
-            if mode == "reference":
-                mine = [train_reference(job)] if ranks.rank == 0 else []
-                ranks.barrier()
-            else:
-                mine = [train_ddp(job, mode)]
-            gathered = ranks.gather(mine)
-            runs[mode] = [r for lst in gathered for r in lst]
-            if ranks.rank == 0:
-                print(f"  {mode}: done", flush=True)
-            _free(ranks.device)
+        runs = run_modes(job, modes, args.interleave)
         if ranks.rank == 0:
             records, summary = summarize(runs, ranks.world)
+            summary["interleaved"] = bool(args.interleave)
             cols = ["mode", "processes", "pipelined", "epoch_ms", "sample_ms", "fetch_ms", "train_ms", "forward_ms",
                     "backward_ms", "allreduce_ms", "optimizer_ms", "train_host_ms", "wait_batch_ms", "hit_rate",
                     "rows_cached_on_node", "accuracy", "identical_losses_vs_reference", "max_abs_loss_diff"]

@@ -88,8 +88,14 @@ def _check(doc: dict[str, Any], out: Path, peers: bool) -> None:
     assert (out / "train_gnn_ddp.png").stat().st_size > 0
 
 
-def test_two_gloo_ranks_match_the_single_process_reference(tmp_path: Path, free_port: int) -> None:
-    _check(_torchrun(tmp_path, free_port, "--device", "cpu"), tmp_path, peers=False)
+@pytest.mark.parametrize("interleave", [False, True], ids=["modes in turn", "epochs interleaved"])
+def test_two_gloo_ranks_match_the_single_process_reference(tmp_path: Path, free_port: int, interleave: bool) -> None:
+    """Also with one epoch of each mode in turn (``--interleave``): every mode's caches, models and loaders live at
+    once, and the losses must not notice."""
+    doc = _torchrun(tmp_path, free_port, "--device", "cpu", *(["--interleave"] if interleave else []))
+    _check(doc, tmp_path, peers=False)
+    assert doc["meta"]["summary"]["interleaved"] is interleave
+    assert all(r["across_epochs"] is not interleave for r in doc["records"])
 
 
 def _reference(out: Path, *extra: str) -> dict[str, Any]:
