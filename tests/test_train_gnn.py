@@ -42,6 +42,7 @@ def test_quick_run_on_cpu_writes_every_variant(tmp_path: Path) -> None:
         assert r["slowest_stage_ms"] == max(r["sample_ms"], r["fetch_ms"], r["train_ms"])
         assert r["speedup_vs_dgl_pinned"] is not None and r["speedup_vs_dgl_pinned_unpipelined"] is not None
         assert r["run"]["pipelined"] == r["pipelined"] and len(r["run"]["losses"]) == 2
+        assert r["run"]["across_epochs"] == (r["pipelined"] and r["sampler"] == "torch")
         # the profiled stage pass: host shares on the CPU (no GPU numbers, so no GPU bound)
         assert all(r[f"{n}_host_ms"] is not None and r[f"{n}_host_ms"] >= 0 for n in ("sample", "fetch", "train"))
         assert r["host_busy_ms"] > 0 and r["gpu_busy_ms"] is None and r["bound_ms"] is None

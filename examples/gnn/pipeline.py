@@ -23,6 +23,7 @@ import contextlib
 import functools
 import gc
 import hashlib
+import itertools
 import math
 import os
 import time
@@ -348,6 +349,7 @@ class TrainConfig:
     pipelined: bool = True  # sampling, feature fetch and training overlapped (PipelinedLoader) or in turn
     sample_ahead: int = 2  # sampled batches waiting for the fetch stage
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
+    across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_one)
 
 
 @dataclass
@@ -387,6 +389,7 @@ class RunResult:
     sampler: str = "dgl"
     sampler_device: str = "cpu"
     pipelined: bool = True
+    across_epochs: bool = False  # one loader run over every epoch (the next epoch's first batches made ahead)
     stages: dict[str, float] = field(default_factory=dict)  # sample / fetch / train seconds per epoch (stage pass)
 
     def mean_epoch(self) -> EpochTimes:
@@ -406,6 +409,7 @@ class RunResult:
         return {"mode": self.mode, "label": self.label, "accuracy": self.accuracy,
                 "predictions_sha1": self.predictions_sha1, "setup_seconds": self.setup_seconds,
                 "sampler": self.sampler, "sampler_device": self.sampler_device, "pipelined": self.pipelined,
+                "across_epochs": self.across_epochs,
                 "stages": self.stages, "mean_epoch": asdict(self.mean_epoch()),
                 "epochs": [asdict(e) for e in self.epochs], "losses": self.losses, "stats": self.stats}
 
@@ -561,6 +565,21 @@ class _InTurn:
     def __iter__(self) -> Iterator[_Batch]:
         for s in self.batches:
             yield self.fetch(s)
+
+
+class _AllEpochs:
+    """``epochs`` epochs of a re-iterable batch source as ONE stream (the source iterated once per epoch, in turn),
+    so a pipelined loader over it samples and fetches the next epoch's first batches while this epoch trains."""
+
+    def __init__(self, batches: Any, epochs: int) -> None:
+        self.batches, self.epochs = batches, epochs
+
+    def __len__(self) -> int:
+        return len(self.batches) * self.epochs
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(self.epochs):
+            yield from self.batches
 
 
 def _epochs(batches: Any, fetch: _Fetch, cfg: TrainConfig, device: torch.device) -> Any:
@@ -804,7 +823,12 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
     dgl = import_dgl()
     fetch = _Fetch(storage)
     where = str(sampler.device) if cfg.sampler == "torch" and sampler is not None else "cpu"
-    result = RunResult(mode.value, mode.label, sampler=cfg.sampler, sampler_device=where, pipelined=cfg.pipelined)
+    # One loader run over every epoch where the batches allow it: the torch sampler's depend on (seed, epoch, batch)
+    # alone. DGL's loader shuffles with NumPy's global generator, seeded per epoch in this thread, so it starts
+    # each epoch here.
+    across = cfg.pipelined and cfg.across_epochs and cfg.sampler == "torch"
+    result = RunResult(mode.value, mode.label, sampler=cfg.sampler, sampler_device=where, pipelined=cfg.pipelined,
+                       across_epochs=across)
     threads = torch.get_num_threads()
     in_dim = int(np.prod(ds.row_shape))
 
@@ -819,16 +843,20 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
         dgl.seed(cfg.seed)
         model, opt = new_model()
         train_batches = _batches(ds, g, cfg, device, sampler, train=True)
-        loop = _epochs(train_batches, fetch, cfg, device)
+        loop = _epochs(_AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
+        stream = iter(loop) if across else None
         storage.reset_stats()
         for epoch in range(cfg.epochs):
             np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
-            times, losses = _train_epoch(model, opt, loop, device, cfg, threads,
+            batches = itertools.islice(stream, len(train_batches)) if stream is not None else loop
+            times, losses = _train_epoch(model, opt, batches, device, cfg, threads,
                                          verify=ds if epoch == 0 else None)
             result.epochs.append(times)
             result.losses.append(losses)
             if progress is not None:
                 progress(1)
+        if stream is not None and next(stream, None) is not None:
+            raise IbpcacheError("the training stream held more batches than its epochs")
         result.stats = storage.stats()
         test_batches = _batches(ds, g, cfg, device, sampler, train=False)
         result.accuracy, result.predictions_sha1 = _evaluate(model, _epochs(test_batches, fetch, cfg, device))
@@ -837,7 +865,7 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
                 np.random.seed((cfg.seed * 1000 + cfg.epochs) % 2**32)
                 stage_cache[cfg.sampler] = _stage_times(train_batches, fetch, new_model, device, cfg, threads)
             result.stages = dict(stage_cache[cfg.sampler])
-        del loop, train_batches, test_batches
+        del loop, stream, train_batches, test_batches
     return result
 
 
@@ -1038,7 +1066,8 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        sample_chunk=int(model.get("sample_chunk", base.sample_chunk)),
                        pipelined=bool(model.get("pipelined", base.pipelined)),
                        sample_ahead=int(model.get("sample_ahead", base.sample_ahead)),
-                       stage_batches=int(model.get("stage_batches", base.stage_batches)))
+                       stage_batches=int(model.get("stage_batches", base.stage_batches)),
+                       across_epochs=bool(model.get("across_epochs", base.across_epochs)))
 
 
 def dataset_from_config(dataset: Any) -> GnnDataset:

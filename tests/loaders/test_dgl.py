@@ -316,6 +316,8 @@ def test_pipelined_training_same_losses_per_sampler(dgl: Any, cora: Any) -> None
     torch_losses = by[("dgl", "torch", False)]["run"]["losses"]
     assert dgl_losses != torch_losses  # different samplers, different batches
     assert by[("ibp_cm", "torch", True)]["run"]["losses"] == torch_losses
+    # the torch sampler's pipelined runs take every epoch from one loader run; DGL's start a loader run per epoch
+    assert [r["run"]["across_epochs"] for r in recs] == [s == "torch" and p for _ in range(2) for s, p in variants]
 
 
 # ---------------------------------------------------------------------------------------------------------------
