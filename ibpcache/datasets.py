@@ -9,8 +9,8 @@ Every loader here returns real rows:
 * real KV-cache rows of SmolLM2-135M as fp16, bf16 or fp32.
 
 To reach benchmark sizes, :func:`scale_up` / :func:`resample_rows` resample real rows with replacement (the
-paper's "SU" data sets); :func:`power_law_graph`, :func:`zipf_ids`, :func:`hot_set_ids` and :func:`degree_proportional_ids` make the
-graphs and access streams that decide which of those rows are hot.
+paper's "SU" data sets); :func:`power_law_graph`, :func:`zipf_ids`, :func:`hot_set_ids` and
+:func:`degree_proportional_ids` make the graphs and access streams that decide which of those rows are hot.
 
 Only NumPy and PyTorch are used (no CUDA, no SciPy): the Planetoid pickles hold SciPy CSR matrices, which a
 restricted unpickler reads into plain arrays.

@@ -352,8 +352,8 @@ class PartitionedFeatureCache:
     def _probe_batches(self, hot: torch.Tensor, pool: torch.Tensor) -> list[torch.Tensor]:
         """``PROBE_WARMUP + PROBE_REPEATS`` batches of :meth:`_probe_rows` ids from ``pool``, each drawn anew with
         probability ~ hotness (uniform where ``pool`` holds no positive hotness), seeded per rank and draw, on the
-        device: what requests for those rows look like. A new draw per timed fetch: a batch fetched again would be
-        read from L2 (a probe of compressed rows can fit in it), which the rows' real requests are not."""
+        device: what requests for those rows look like. A new draw per timed fetch, as a trace's batches differ: a
+        batch fetched again would be timed from what L2 kept of it (a probe of compressed rows can fit there)."""
         gen = torch.Generator().manual_seed(9176 + self.rank)
         return [_weighted_sample(pool, hot, self._probe_rows(), gen).to(self.device)
                 for _ in range(PROBE_WARMUP + PROBE_REPEATS)]
