@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import math
 import os
 import sys
@@ -360,22 +359,20 @@ class MicroBatch:
 
 
 class MicroBatches:
-    """The sampling stage: micro-batches of (virtual) ranks ``vranks`` for every step of the epochs ``epochs`` (set
-    them before iterating), in (epoch, step, rank) order, ``cfg.sample_chunk`` of them sampled per call. Spans go to
+    """The sampling stage: micro-batches of (virtual) ranks ``vranks`` for every step of one epoch per iteration
+    (epoch 0, 1, ... in turn), in (step, rank) order, ``cfg.sample_chunk`` of them sampled per call. Spans go to
     ``timer`` as "sample" (CUDA events on the sampling stream when pipelined)."""
 
     def __init__(self, job: "Job", vranks: list[int], timer: StageTimer) -> None:
         self.job, self.vranks, self.timer = job, vranks, timer
-        self.epochs: list[int] = [0]
-
-    def per_epoch(self) -> int:
-        return self.job.steps_per_epoch() * len(self.vranks)
+        self.epoch = 0
 
     def __len__(self) -> int:
-        return self.per_epoch() * len(self.epochs)
+        return self.job.steps_per_epoch() * len(self.vranks)
 
     def __iter__(self) -> "Iterator[MicroBatch]":
-        return itertools.chain.from_iterable(self._sample(e) for e in self.epochs)
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self._sample(epoch)
 
     def _sample(self, epoch: int) -> "Iterator[MicroBatch]":
         job, dev = self.job, self.job.ranks.device
@@ -403,21 +400,20 @@ class _InTurn:
             yield self.fetch(mb)
 
 
+def _across_epochs(job: "Job") -> bool:
+    return job.cfg.pipelined and job.across_epochs
+
+
 def epochs_of(job: "Job", src: MicroBatches, loop: Any, timer: StageTimer) -> "Iterator[Iterator[MicroBatch]]":
     """Each epoch's micro-batches, in turn. Pipelined with ``job.across_epochs`` the loader runs once over every
-    epoch, so the next epoch's first micro-batches are sampled and fetched while this epoch's last steps train:
-    without it each epoch starts with an empty pipeline and the trainer waits for the first batch's sampling and
-    fetch. A micro-batch depends only on (seed, epoch, step, rank), so the batches and losses are the same."""
-    if job.cfg.pipelined and job.across_epochs:
-        src.epochs = list(range(job.cfg.epochs))
-        stream = batches_timed(loop, timer)
-        for _ in src.epochs:
-            yield itertools.islice(stream, src.per_epoch())
-        if next(stream, None) is not None:
-            raise AssertionError("the loader yielded more micro-batches than its epochs hold")
+    epoch (``make_loop``), so the next epoch's first micro-batches are sampled and fetched while this epoch's last
+    steps train: without it each epoch starts with an empty pipeline and the trainer waits for the first batch's
+    sampling and fetch. A micro-batch depends only on (seed, epoch, step, rank), so the batches and losses are the
+    same."""
+    if _across_epochs(job):
+        yield from gnn.epoch_slices(batches_timed(loop, timer), len(src), job.cfg.epochs)
         return
-    for epoch in range(job.cfg.epochs):
-        src.epochs = [epoch]
+    for _ in range(job.cfg.epochs):
         yield batches_timed(loop, timer)
 
 
@@ -438,7 +434,8 @@ def make_loop(job: "Job", vranks: list[int], cache_fetch: Callable[[torch.Tensor
 
     if not job.cfg.pipelined:
         return src, _InTurn(src, fetch)
-    return src, PipelinedLoader(src, fetch, device=job.ranks.device, prefetch=job.cfg.prefetch,
+    batches = gnn.AllEpochs(src, job.cfg.epochs) if _across_epochs(job) else src
+    return src, PipelinedLoader(batches, fetch, device=job.ranks.device, prefetch=job.cfg.prefetch,
                                 sample_ahead=job.cfg.sample_ahead, fetch_thread=not collective)
 
 
@@ -487,7 +484,7 @@ def train_ddp(job: Job, mode: str) -> EpochRuns:
     t0 = time.perf_counter()
     fetch, cache = make_fetch(job, mode)
     run = Run(mode, r, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined,
-              across_epochs=cfg.pipelined and job.across_epochs)
+              across_epochs=_across_epochs(job))
     model = new_model(job)
     model.use_rank(r, dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None) if job.ranks.distributed else model
@@ -539,7 +536,7 @@ def train_reference(job: Job) -> EpochRuns:
     t0 = time.perf_counter()
     fetch, cache = make_fetch(job, "reference")
     run = Run("reference", job.ranks.rank, setup_s=time.perf_counter() - t0, pipelined=cfg.pipelined,
-              across_epochs=cfg.pipelined and job.across_epochs)
+              across_epochs=_across_epochs(job))
     model = new_model(job)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     params = list(model.parameters())

@@ -28,7 +28,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -567,9 +567,10 @@ class _InTurn:
             yield self.fetch(s)
 
 
-class _AllEpochs:
+class AllEpochs:
     """``epochs`` epochs of a re-iterable batch source as ONE stream (the source iterated once per epoch, in turn),
-    so a pipelined loader over it samples and fetches the next epoch's first batches while this epoch trains."""
+    so a pipelined loader over it samples and fetches the next epoch's first batches while this epoch trains. Only
+    for sources whose batches depend on (seed, epoch, batch) alone, never on the thread that starts an epoch."""
 
     def __init__(self, batches: Any, epochs: int) -> None:
         self.batches, self.epochs = batches, epochs
@@ -580,6 +581,16 @@ class _AllEpochs:
     def __iter__(self) -> Iterator[Any]:
         for _ in range(self.epochs):
             yield from self.batches
+
+
+def epoch_slices(stream: Iterable[Any], per_epoch: int, epochs: int) -> Iterator[Iterator[Any]]:
+    """Each epoch's ``per_epoch`` batches, in turn, from ONE pass over ``stream`` (e.g. a pipelined loader over
+    :class:`AllEpochs`); after the last epoch the stream must be exhausted (it is then closed, threads and all)."""
+    it = iter(stream)
+    for _ in range(epochs):
+        yield itertools.islice(it, per_epoch)
+    if next(it, None) is not None:
+        raise IbpcacheError("the batch stream held more batches than its epochs")
 
 
 def _epochs(batches: Any, fetch: _Fetch, cfg: TrainConfig, device: torch.device) -> Any:
@@ -843,20 +854,18 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
         dgl.seed(cfg.seed)
         model, opt = new_model()
         train_batches = _batches(ds, g, cfg, device, sampler, train=True)
-        loop = _epochs(_AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
-        stream = iter(loop) if across else None
+        loop = _epochs(AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
+        epochs = (epoch_slices(loop, len(train_batches), cfg.epochs) if across
+                  else (loop for _ in range(cfg.epochs)))
         storage.reset_stats()
-        for epoch in range(cfg.epochs):
+        for epoch, batches in enumerate(epochs):
             np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
-            batches = itertools.islice(stream, len(train_batches)) if stream is not None else loop
             times, losses = _train_epoch(model, opt, batches, device, cfg, threads,
                                          verify=ds if epoch == 0 else None)
             result.epochs.append(times)
             result.losses.append(losses)
             if progress is not None:
                 progress(1)
-        if stream is not None and next(stream, None) is not None:
-            raise IbpcacheError("the training stream held more batches than its epochs")
         result.stats = storage.stats()
         test_batches = _batches(ds, g, cfg, device, sampler, train=False)
         result.accuracy, result.predictions_sha1 = _evaluate(model, _epochs(test_batches, fetch, cfg, device))
@@ -865,7 +874,7 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
                 np.random.seed((cfg.seed * 1000 + cfg.epochs) % 2**32)
                 stage_cache[cfg.sampler] = _stage_times(train_batches, fetch, new_model, device, cfg, threads)
             result.stages = dict(stage_cache[cfg.sampler])
-        del loop, stream, train_batches, test_batches
+        del loop, epochs, train_batches, test_batches
     return result
 
 
