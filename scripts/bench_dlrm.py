@@ -5,9 +5,9 @@ the points as they run, builds included; about 9 minutes of wall clock with star
 
     PYTHONPATH=$PWD:<fbgemm folder> python scripts/bench_dlrm.py --out docs/results/<date>-h100
 
-Grid: row sizes 128 B, 512 B, 2 KB (``--entry-bytes``) x weights fp32 and fp16, or bf16 (``--dtypes``) x cache 1% and 10%
-(``--cache-ratios``) x batch 1024, 4096, 8192 (``--batches``) x traces (``--traces``) x one id per table per sample
-(``--bags``). Tables: ``--tables`` (26) tables of ``--total-gb`` (1.0) GB of real trained values per row size and
+Grid: row sizes 128 B, 512 B, 2 KB (``--entry-bytes``) x weights fp32 and fp16, or bf16 (``--dtypes``) x cache 1%
+and 10% (``--cache-ratios``) x batch 1024, 4096, 8192 (``--batches``) x traces (``--traces``) x one id per table per
+sample (``--bags``). Tables: ``--tables`` (26) tables of ``--total-gb`` (1.0) GB of real trained values per row size and
 dtype: the MiniLM word-embedding table resampled, rows cut to the width (128 B fp32 = MiniLM[:, :32]; 2 KB = a MiniLM
 row + columns of another row; fp16 and bf16 rows = those values rounded).
 
@@ -22,7 +22,8 @@ Methods (one module over all tables each, so one lookup call per step):
                  ``EmbeddingLocation.MANAGED_CACHING`` with ``uvm_host_mapped=True`` (tables in pinned host memory,
                  an HBM cache of ``cache_load_factor`` = the cache ratio), LFU or LRU, the same weights precision
                  (``SparseType.FP16`` for fp16; for bf16 tables its fp16 tables, the same bytes per row: FBGEMM 1.6
-                 asserts ``cache_precision bf16 not supported``) and output precision; its UVM cache counters give its hit rate
+                 asserts ``cache_precision bf16 not supported``) and output precision; its UVM cache counters give
+                 its hit rate
                  (``1 - unique misses / requested ids``: it counts each distinct missed row once per step, so this
                  is an upper bound of its per-lookup hit rate); staged by ../shared/tools/stage-fbgemm
                  (FBGEMM's cached forward is not graph-safe: captured in a CUDA graph it replayed exactly on a stable
@@ -186,6 +187,12 @@ def load_colossal(folder: "str | None") -> tuple[type, Any]:
     return cached.CachedEmbeddingBag, mgr.EvictionStrategy
 
 
+def fbgemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision FBGEMM holds a table of ``dtype`` in: FBGEMM 1.6 asserts ``cache_precision bf16 not
+    supported``, so bf16 tables go in as fp16 (the same bytes per row)."""
+    return torch.float16 if dtype == torch.bfloat16 else dtype
+
+
 def build_fbgemm(name: str, table: torch.Tensor, tables: int, rows: int, ratio: float, device: torch.device) -> Any:
     """FBGEMM TBE with every table in host-mapped memory behind one HBM cache (TorchRec's UVM caching), weights and
     output in the table's precision, UVM cache statistics gathered."""
@@ -197,8 +204,7 @@ def build_fbgemm(name: str, table: torch.Tensor, tables: int, rows: int, ratio: 
     )
 
     alg = CacheAlgorithm.LFU if name.startswith("fbgemm_lfu") else CacheAlgorithm.LRU
-    if table.dtype == torch.bfloat16:  # FBGEMM 1.6 asserts "cache_precision bf16 not supported": fp16, same bytes
-        table = table.to(torch.float16)
+    table = table.to(fbgemm_dtype(table.dtype))
     precision = SparseType.FP16 if table.dtype == torch.float16 else SparseType.FP32
     dim = table.shape[1]
     emb = SplitTableBatchedEmbeddingBagsCodegen(
@@ -222,11 +228,10 @@ class Method:
         self.rows = table.shape[0] // tables
         self.dim = table.shape[1]
         self.cache_ratio = cache_ratio
-        self.values_dtype = table.dtype  # the precision of the rows it serves (FBGEMM: fp16 for bf16 tables)
+        self.values_dtype = table.dtype  # the precision of the rows it serves
         if name.startswith("fbgemm"):
             self.module = build_fbgemm(name, table, tables, self.rows, cache_ratio, device)
-            if table.dtype == torch.bfloat16:
-                self.values_dtype = torch.float16
+            self.values_dtype = fbgemm_dtype(table.dtype)
         elif name == "colossal":
             cls, strategy = colossal
             weight = table.clone() if train else table  # it writes evicted rows back into the tensor it is given
