@@ -26,8 +26,11 @@ CUDA_ONLY = ("hf_offloaded", "infinigen_cpu_gather")
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: Any, shared_data_dir: Path) -> dict:
     out = tmp_path_factory.mktemp("bench_llm_tiny")
+    from scripts.lib.llm_shapes import ORDER
+
     res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--quick",
-                          "--repeats", "2", "--cpu-threads", "1", "--harness", "fill,forward", "--out", str(out)],
+                          "--repeats", "2", "--cpu-threads", "1", "--harness", "fill,forward", "--out", str(out),
+                          "--methods", ",".join(ORDER)],  # the forced methods too
                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
                                                                            "IBPCACHE_SHARED": str(shared_data_dir)})
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
@@ -69,6 +72,13 @@ def test_schema_and_every_method(tiny_run: dict) -> None:
     assert tiny_run["meta"]["kv_fill"]["source_shape"][-1] == 64
 
 
+def test_forced_methods_run_only_when_asked() -> None:
+    from scripts.lib.llm_shapes import FORCED, METHODS, parse_args
+
+    assert FORCED and set(FORCED) <= set(METHODS)
+    assert not set(FORCED) & set(parse_args(["--shape", "tiny"]).methods.split(","))
+
+
 @pytest.mark.parametrize("harness", ["fill", "forward"])
 def test_dense_outputs_equal_the_resident_cache(tiny_run: dict, harness: str) -> None:
     p = _point(tiny_run, "dense", harness)
@@ -86,9 +96,12 @@ def test_dense_outputs_equal_the_resident_cache(tiny_run: dict, harness: str) ->
 @pytest.mark.parametrize("harness", ["fill", "forward"])
 def test_sparse_paths_agree(tiny_run: dict, harness: str) -> None:
     p = _point(tiny_run, "sparse", harness)
-    raw, ours = p["methods"]["ibpcache_raw"], p["methods"]["ibpcache"]
+    raw, ours, forced = p["methods"]["ibpcache_raw"], p["methods"]["ibpcache"], p["methods"]["ibpcache_exp"]
     assert p["verification"]["reference"] == "ibpcache_raw"
     assert ours["tokens_equal"] and ours["logits_equal"] and ours["selected_k_equal"]
+    assert forced["tokens_equal"] and forced["logits_equal"] and forced["selected_k_equal"]
+    assert {c["method"] for layer in forced["codecs"] for c in layer} == {"exponent"}  # used as named
+    assert "ibpcache_exp_over_ibpcache_raw" in p["targets"]
     assert raw["sparse_selection_active"] and ours["sparse_selection_active"]  # the hooks ran (transformers 5.24: cache=)
     assert 0 < ours["mean_selected_k"] <= 24  # --quick caps max_num_kv below the context: a real selection
     assert "warning" not in ours

@@ -163,10 +163,11 @@ class KVOffloadManager:
         prefill_inflight_bytes: device bytes of appended rows the worker may hold before :meth:`append` waits for
             it (backpressure); None: half the device memory free when the manager is created.
         scattered_reads: the stores will mostly be read by selections of a few hundred tokens per head (sparse
-            mode). With compression on the zero-copy path, each layer and side then keeps its codec only where the
-            store's own fetch of selected coded rows, timed against raw rows on this GPU once per process and
-            geometry (:func:`~ibpcache.cache.append_store.measure_scattered`), is faster at the layer's ratio; else
-            it stores raw rows (``stats()["codecs"]`` shows the costs compared).
+            mode). With compression and ``codec="auto"`` on the zero-copy path, each layer and side then keeps its
+            codec only where the store's own fetch of selected coded rows, timed against raw rows on this GPU once
+            per process and geometry (:func:`~ibpcache.cache.append_store.measure_scattered`), is faster at the
+            layer's ratio by :data:`~ibpcache.cache.plan_codecs.SCATTERED_MARGIN`; else it stores raw rows
+            (``stats()["codecs"]`` shows the costs compared). A named ``codec`` is used as named.
     """
 
     def __init__(
@@ -486,8 +487,13 @@ class KVOffloadManager:
         return choices
 
     def _measures_scattered(self) -> bool:
-        """Whether codecs are checked against the measured cost of scattered reads (sparse mode's GPU store)."""
-        return self.scattered_reads and self.transfer == "zero_copy" and self.device.type == "cuda"
+        """Whether codecs are checked against the measured cost of scattered reads (sparse mode's GPU store; only
+        with ``codec="auto"``: a codec the caller named is used as named)."""
+        return self.scattered_reads and self.codec_method == "auto" and self._zero_copy_gpu()
+
+    def _zero_copy_gpu(self) -> bool:
+        """Whether the stores are read zero-copy by GPU kernels (where a scattered fetch's cost can be timed)."""
+        return self.transfer == "zero_copy" and self.device.type == "cuda"
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
                into: "tuple[torch.Tensor, torch.Tensor] | None" = None, *, donate: bool = False) -> None:

@@ -152,7 +152,8 @@ class IBPOffloadedCache(Cache):
     sparse-mode hooks find the cache under either keyword those versions pass to decoder layers.
 
     Sparse mode also tells the manager its stores are read by scattered selections (``scattered_reads``): on CUDA
-    a layer and side is stored raw where the GPU measures a fetch of its selected coded rows slower than of raw rows.
+    a layer and side is stored raw unless the GPU measures a fetch of its selected coded rows faster than of raw
+    rows by a margin (``codec="auto"``; a named ``codec`` is used as named).
 
     Args:
         config: the model config (see above; a composite config's text decoder is used).

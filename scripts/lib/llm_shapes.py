@@ -27,7 +27,10 @@ Methods, one after another in the same process (each store freed, pinned memory 
   infinigen_cpu_gather  InfiniGen's transfer path: CPU gathers rows into pinned staging + one bulk copy
   ibpcache_raw          our manager, raw rows (dense: bulk DMA of the packed chunks; sparse: zero-copy gather)
   ibpcache              our manager, compressed rows (dense: bulk DMA of the packed chunks + GPU decode;
-                        sparse: zero-copy gather + decode); ``--dense-fetch zero_copy`` reads dense zero-copy too
+                        sparse: zero-copy gather + decode); ``--dense-fetch zero_copy`` reads dense zero-copy too.
+                        Sparse: the planner stores a layer raw unless its coded rows fetch faster (codec "auto")
+  ibpcache_exp          forced, not in the default list: ours with ``codec="exponent"`` (bf16/fp16), used as named
+                        (sparse: no raw fallback), so the planner's choice can be checked against it
 
 Dense mode: every method, lossless, so next-token logits must equal the reference's bit for bit (dynamic_gpu where
 it ran, else hf_offloaded, else infinigen_cpu_gather). Sparse mode (InfiniGen-style selection of
@@ -94,6 +97,7 @@ SHAPES: dict[str, dict] = {
 
 METHODS: dict[str, str] = {
     "ibpcache": "IBP manager, compressed rows: dense = DMA of packed chunks + GPU decode, sparse = zero-copy (ours)",
+    "ibpcache_exp": "IBP manager, exponent-coded rows as named (forced: sparse reads keep them; ours)",
     "ibpcache_raw": "IBP manager, raw rows: dense = DMA of packed chunks, sparse = zero-copy (ours, no compression)",
     "infinigen_cpu_gather": "InfiniGen transfer path: CPU index_select into pinned staging + one bulk copy",
     "hf_offloaded": "transformers DynamicCache(offloading=True): whole layers to the GPU and back every step",
@@ -101,9 +105,10 @@ METHODS: dict[str, str] = {
 }
 ORDER = list(METHODS)  # round-robin order; rounds alternate direction
 HARNESSES = ("fill", "forward")
-SPARSE_METHODS = ("ibpcache", "ibpcache_raw", "infinigen_cpu_gather")
+FORCED = ("ibpcache_exp",)  # run only when asked for (--methods)
+SPARSE_METHODS = ("ibpcache", "ibpcache_exp", "ibpcache_raw", "infinigen_cpu_gather")
 CUDA_ONLY = ("hf_offloaded", "infinigen_cpu_gather")
-PINNED_CLASS = {"ibpcache": "chunks", "ibpcache_raw": "chunks", "infinigen_cpu_gather": "layer",
+PINNED_CLASS = {"ibpcache": "chunks", "ibpcache_exp": "chunks", "ibpcache_raw": "chunks", "infinigen_cpu_gather": "layer",
                 "hf_offloaded": "layer", "dynamic_gpu": None}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 1e9
@@ -364,7 +369,7 @@ def make_cache(method: str, mode: str, model: Any, args: argparse.Namespace, res
     from ibpcache.loaders.kv import IBPOffloadedCache
 
     transfer, compress = {"infinigen_cpu_gather": ("cpu_gather", False), "ibpcache_raw": ("zero_copy", False),
-                          "ibpcache": ("zero_copy", True)}[method]
+                          "ibpcache": ("zero_copy", True), "ibpcache_exp": ("zero_copy", True)}[method]
     if args.device == "cpu":
         transfer = "host"  # the Numba host path stands in on machines without CUDA
     kw: dict = dict(compress=compress, transfer=transfer, reserve_tokens=reserve, sample_rows=args.sample_rows,
@@ -374,6 +379,8 @@ def make_cache(method: str, mode: str, model: Any, args: argparse.Namespace, res
         kw["prefill"] = args.prefill
     if compress:
         kw.update(ibp_kwargs(args))
+    if method == "ibpcache_exp":
+        kw["codec"] = "exponent"
     if mode == "sparse":
         kw.update(model=model, alpha=args.alpha, partial_ratio=args.partial_ratio, max_num_kv=args.max_num_kv)
         if args.no_graphs:
@@ -569,7 +576,7 @@ def gpu_need(method: str, mode: str, cfg: Any, batch: int, context: int, itemsiz
     chunks in flight (K and V, at most their raw size)."""
     layer = kv_layer_tensor_bytes(cfg, batch, context, itemsize)
     need = (raw_kv_bytes(cfg, batch, context, itemsize) if method == "dynamic_gpu" else 0) + 6 * layer + (3 << 30)
-    if method in ("ibpcache", "ibpcache_raw") and mode == "dense" and dense_fetch == "bulk":
+    if method in ("ibpcache", "ibpcache_exp", "ibpcache_raw") and mode == "dense" and dense_fetch == "bulk":
         need += 2 * 2 * layer
     return need
 
@@ -808,6 +815,9 @@ def targets(point: dict, args: argparse.Namespace) -> dict:
                                     "value": p["reduction"], "rounds": p["rounds"], "selection_active": active,
                                     "met": p["reduction"] >= 0.25 and p["rounds"] >= 3 and active,
                                     "met_every_round": all(r >= 0.25 for r in p["reduction_by_round"])}
+        p = pair("ibpcache_exp", "ibpcache_raw")
+        if p is not None:
+            out["ibpcache_exp_over_ibpcache_raw"] = p  # the forced codec: what the planner's raw fallback avoids
         p = pair("ibpcache", "ibpcache_raw")
         if p is not None:
             out["ibpcache_over_ibpcache_raw"] = p
@@ -888,7 +898,8 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--batches", default=None, help="comma list (default per shape)")
     p.add_argument("--contexts", default=None, help="tokens in the cache at the last decode step (comma list)")
     p.add_argument("--modes", default="dense,sparse")
-    p.add_argument("--methods", default=",".join(ORDER))
+    p.add_argument("--methods", default=",".join(m for m in ORDER if m not in FORCED),
+                   help=f"comma list of {', '.join(ORDER)} (default: all but the forced {', '.join(FORCED)})")
     p.add_argument("--decode-tokens", type=int, default=3, help="timed decode steps per run")
     p.add_argument("--warmup-tokens", type=int, default=2,
                    help="untimed decode steps first in every run (sparse: step 1 speculates eagerly, step 2 captures "

@@ -664,19 +664,27 @@ def test_cursor_bound_keeps_chunks_ahead_of_a_lagging_device() -> None:
 
 def test_scattered_cost_model_and_choice(chat_kv: Any) -> None:
     """The decision from measured costs (injected here): a coded row costs its stored bytes' transfer plus a decode
-    cost; raw wins ties; a layer compressing less than the measured rows pays more per byte saved."""
-    from ibpcache.cache.plan_codecs import (ScatteredCost, apply_scattered_cost, choose_row_codecs,
+    cost and must beat raw rows by the margin; raw wins ties; a layer compressing less than the measured rows pays
+    more per byte saved."""
+    from ibpcache.cache.plan_codecs import (SCATTERED_MARGIN, ScatteredCost, apply_scattered_cost, choose_row_codecs,
                                             prefer_raw_for_scattered)
 
+    assert 0 < SCATTERED_MARGIN < 0.5
     cost = ScatteredCost(raw_s=10e-9, coded_s=9e-9, coded_ratio=1.5, method="exponent")  # decode 2.33 ns, saves 3.33
-    assert prefer_raw_for_scattered(cost, 1.5) == (False, pytest.approx(9e-9))
-    assert prefer_raw_for_scattered(cost, 1.2)[0] is True  # 2.33 + 8.33 > 10: raw
-    assert prefer_raw_for_scattered(ScatteredCost(10e-9, 10e-9, 1.5, "exponent"), 1.5)[0] is True  # tie: raw
+    assert prefer_raw_for_scattered(cost, 1.5, margin=0.0) == (False, pytest.approx(9e-9))
+    assert prefer_raw_for_scattered(cost, 1.5, margin=0.15)[0] is True  # 9 ns is not 15% below 10: raw
+    assert prefer_raw_for_scattered(cost, 1.2, margin=0.0)[0] is True  # 2.33 + 8.33 > 10: raw
+    assert prefer_raw_for_scattered(ScatteredCost(10e-9, 10e-9, 1.5, "exponent"), 1.5, margin=0.0)[0] is True  # tie
+    fast = ScatteredCost(raw_s=10e-9, coded_s=6e-9, coded_ratio=2.0, method="exponent")  # decode 1 ns, saves 5
+    assert prefer_raw_for_scattered(fast, 2.0) == (False, pytest.approx(6e-9))  # 40% faster clears the margin
+    assert prefer_raw_for_scattered(fast, 2.0, margin=0.5)[0] is True
     k, _ = chat_kv("bf16", (0, 29))
     choice = choose_row_codecs([_rows(k[:1]).contiguous()], "auto")[0]
     assert choice.method == "exponent"
-    kept = apply_scattered_cost(choice, cost)
+    kept = apply_scattered_cost(choice, ScatteredCost(10e-9, 7e-9, 1.5, "exponent"))  # 30% faster at this ratio
     assert kept.codec is choice.codec and kept.scattered["chosen"] == "exponent"
+    assert kept.scattered["margin"] == SCATTERED_MARGIN
+    assert apply_scattered_cost(choice, cost).scattered["chosen"] == "raw"  # 10% faster: within the margin
     assert kept.as_dict()["scattered"]["ratio"] == pytest.approx(choice.sizes["raw"] / choice.sizes["exponent"])
     slow = apply_scattered_cost(choice, ScatteredCost(10e-9, 12e-9, 1.5, "exponent"))
     assert slow.method == "raw" and slow.codec.method == "raw" and slow.scattered["chosen"] == "raw"
@@ -698,7 +706,7 @@ def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monk
         return ScatteredCost(10e-9, 12e-9, 1.45, codec.method)  # decoding costs more than it saves
 
     monkeypatch.setattr(kv_manager, "scattered_cost", fake_cost)
-    monkeypatch.setattr(kv_manager.KVOffloadManager, "_measures_scattered", lambda self: self.scattered_reads)
+    monkeypatch.setattr(kv_manager.KVOffloadManager, "_zero_copy_gpu", lambda self: True)
     k, v = chat_kv("bf16")
     mgr = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu", scattered_reads=True)
     mgr.append(0, k[:, :, :300], v[:, :, :300])
@@ -713,6 +721,12 @@ def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monk
     dense = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu")
     dense.append(0, k[:, :, :300], v[:, :, :300])
     assert dense.stats()["codecs"][0][0]["method"] == "exponent" and len(asked) == 2  # dense reads: not asked
+    named = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu", scattered_reads=True,
+                                        codec="exponent")
+    named.append(0, k[:, :, :300], v[:, :, :300])
+    codecs = named.stats()["codecs"][0]
+    assert [c["method"] for c in codecs] == ["exponent"] * 2 and len(asked) == 2  # a named codec: used as named
+    assert all("scattered" not in c for c in codecs)
 
 
 @pytest.mark.gpu
@@ -732,8 +746,8 @@ def test_gpu_measured_scattered_cost_and_choice(chat_kv: Any) -> None:
     for c in st["codecs"][0]:
         info = c["scattered"]
         assert info["chosen"] == c["method"] in ("raw", "exponent")
-        assert info["chosen"] == ("raw" if info["coded_ns_per_row_predicted"] >= info["raw_ns_per_row"] else
-                                  info["coded"])
+        raw_wins = info["coded_ns_per_row_predicted"] >= info["raw_ns_per_row"] * (1 - info["margin"])
+        assert info["chosen"] == ("raw" if raw_wins else info["coded"])
     idx = torch.randint(0, 300, (2, 3, 50), device="cuda")
     got = mgr.fetch(0, idx)
     assert torch.equal(got[0].cpu().view(torch.int16),
