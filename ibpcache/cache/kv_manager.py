@@ -73,14 +73,20 @@ def _identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ..
 _SCATTERED_COSTS: "dict[tuple, ScatteredCost]" = {}
 
 
-def scattered_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int = 64 << 20) -> ScatteredCost:
-    """:func:`~ibpcache.cache.append_store.measure_scattered` once per process, GPU, row geometry, codec method and
-    power-of-two store size (what the cost depends on; the codec's own tables barely matter), measured with the first
-    layer's codec and sample that asks, on a store of ``store_bytes`` raw bytes (the layer's prompt size, up to
-    512 MiB: the reads then spread over as many pages as a real layer's)."""
+def _scattered_key(method: str, sample: torch.Tensor, rows_per_token: int, store_bytes: int) -> "tuple[tuple, int]":
+    """What a scattered read's cost depends on (GPU, row geometry, codec method, power-of-two store size: how far
+    reads spread changes what they cost), and the store size measured (the prompt's, up to 512 MiB)."""
     size = min(int(store_bytes), 512 << 20)
-    key = (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, codec.method, size.bit_length())
-    if key not in _SCATTERED_COSTS:  # per power-of-two store size too: how far reads spread changes what they cost
+    return (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, method, size.bit_length()), size
+
+
+def scattered_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int = 64 << 20) -> ScatteredCost:
+    """:func:`~ibpcache.cache.append_store.measure_scattered` once per process and :func:`_scattered_key` (the
+    codec's own tables barely matter), measured with the first codec and sample that ask, on a store of
+    ``store_bytes`` raw bytes (the layer's prompt size, up to 512 MiB: the reads then spread over as many pages as a
+    real layer's)."""
+    key, size = _scattered_key(codec.method, sample, rows_per_token, store_bytes)
+    if key not in _SCATTERED_COSTS:
         _SCATTERED_COSTS[key] = measure_scattered(codec, sample, rows_per_token, store_bytes=size)
     return _SCATTERED_COSTS[key]
 
@@ -486,6 +492,29 @@ class KVOffloadManager:
                        for c, x in zip(choices, samples)]
         return choices
 
+    def _calibrate_scattered(self, keys: torch.Tensor) -> None:
+        """Before a layer's prompt is stored: time scattered reads (:func:`scattered_cost`) of every codec the
+        planner may pick for these rows, with the device drained, unless this process already has them for this
+        geometry and size. The fits that follow (the prefill worker's, beside the model's prefill kernels) then find
+        them measured: timed there, they were 11-45x the idle cost (one 32k prefill on the H100: coded rows at 87.7
+        ns/row against 7.8 idle; on the H200 raw rows at 352.8), so the choice followed the noise. Costs the first
+        prompt of a geometry one device sync and the measurement (its pinned blocks go back to the pool, where the
+        store takes them)."""
+        if not self._measures_scattered():
+            return
+        b, h = keys.shape[0], keys.shape[1]
+        sample = self._rows(keys[:, :, : -(-self.sample_rows // (b * h))])  # the first tokens: any real rows do
+        prompt = max(2 * keys.numel() * keys.element_size(), 1 << 20)
+        methods = ["ibp"] + (["exponent"] if self.dtype in (torch.float16, torch.bfloat16) else [])
+        todo = [m for m in methods
+                if _scattered_key(m, sample, self.rows_per_token, prompt)[0] not in _SCATTERED_COSTS]
+        if not todo:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for method in todo:
+            scattered_cost(Codec.fit(sample, method=method), sample, self.rows_per_token, prompt)
+
     def _measures_scattered(self) -> bool:
         """Whether codecs are checked against the measured cost of scattered reads (sparse mode's GPU store; only
         with ``codec="auto"``: a codec the caller named is used as named)."""
@@ -518,6 +547,8 @@ class KVOffloadManager:
         # A prefetch not taken is stale after this append (take matches on the token count); retiring it orders
         # the current stream after its reads, so chunks this append changes are never read half-written.
         self._retire(st)
+        if st.kv is None and st.gather is None and st.job is None:
+            self._calibrate_scattered(keys)
         if self._is_async(st, 2 * keys.numel() * keys.element_size()):
             self._submit(layer, st, keys, values, into, donate)
             return

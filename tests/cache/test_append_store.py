@@ -694,8 +694,9 @@ def test_scattered_cost_model_and_choice(chat_kv: Any) -> None:
 
 
 def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monkeypatch: Any) -> None:
-    """A sparse-mode manager asks the measured cost per layer and side (faked here: the GPU measures it) and stores
-    raw rows where coded rows fetch slower; reads stay exact; stats() reports the comparison."""
+    """A sparse-mode manager measures every coded method before the first prompt is stored, asks the measured cost
+    per layer and side (faked here: the GPU measures it) and stores raw rows where coded rows fetch slower; reads
+    stay exact; stats() reports the comparison."""
     from ibpcache.cache import kv_manager
     from ibpcache.cache.plan_codecs import ScatteredCost
 
@@ -711,8 +712,10 @@ def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monk
     mgr = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu", scattered_reads=True)
     mgr.append(0, k[:, :, :300], v[:, :, :300])
     st = mgr.stats()
-    assert st["sparse_reads"] is True and len(asked) == 2 and asked[0][2] == 6
-    assert asked[0][3] == max(2 * 2 * 3 * 300 * 64 * 2, 1 << 20)  # a store of the prompt size (at least 1 MiB)
+    assert st["sparse_reads"] is True and len(asked) == 4 and asked[0][2] == 6
+    assert [a[0] for a in asked[:2]] == ["ibp", "exponent"]  # measured up front: every codec the fit may pick
+    assert asked[0][1] == (2 * 3 * 300, 64)  # the prompt's first tokens (all of them: fewer rows than sample_rows)
+    assert all(a[3] == max(2 * 2 * 3 * 300 * 64 * 2, 1 << 20) for a in asked)  # the prompt's size (>= 1 MiB)
     assert [c["method"] for c in st["codecs"][0]] == ["raw", "raw"] and st["ratio"] == 1.0
     assert all(c["scattered"]["chosen"] == "raw" and c["scattered"]["coded"] == "exponent" for c in st["codecs"][0])
     idx = torch.tensor([[[299, 0, 17]] * 3] * 2)
@@ -720,12 +723,12 @@ def test_manager_scattered_reads_store_raw_where_decode_costs(chat_kv: Any, monk
                        v.gather(2, idx[..., None].expand(-1, -1, -1, 64)).view(torch.int16))
     dense = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu")
     dense.append(0, k[:, :, :300], v[:, :, :300])
-    assert dense.stats()["codecs"][0][0]["method"] == "exponent" and len(asked) == 2  # dense reads: not asked
+    assert dense.stats()["codecs"][0][0]["method"] == "exponent" and len(asked) == 4  # dense reads: not asked
     named = kv_manager.KVOffloadManager(1, 3, 64, torch.bfloat16, batch_size=2, device="cpu", scattered_reads=True,
                                         codec="exponent")
     named.append(0, k[:, :, :300], v[:, :, :300])
     codecs = named.stats()["codecs"][0]
-    assert [c["method"] for c in codecs] == ["exponent"] * 2 and len(asked) == 2  # a named codec: used as named
+    assert [c["method"] for c in codecs] == ["exponent"] * 2 and len(asked) == 4  # a named codec: used as named
     assert all("scattered" not in c for c in codecs)
 
 
