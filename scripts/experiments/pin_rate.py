@@ -35,12 +35,11 @@ def _alloc_slabs(n: int, threads: int) -> "tuple[float, list[int]]":
 def _register_slabs(n: int, threads: int) -> "tuple[float, list]":
     import cupy
 
-    def one(_: int) -> tuple:
+    def one(_: int) -> "tuple[mmap.mmap, int]":
         m = mmap.mmap(-1, SLAB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
-        buf = (ctypes.c_char * SLAB).from_buffer(m)
-        ptr = ctypes.addressof(buf)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(m))  # no buffer object kept: the map can be closed later
         cupy.cuda.runtime.hostRegister(ptr, SLAB, 1 | 2)  # portable | mapped
-        return m, buf, ptr
+        return m, ptr
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
@@ -65,9 +64,8 @@ def main() -> None:
                           "gb_per_s": n * SLAB / 1e9 / dt, "free_s": time.perf_counter() - t0}), flush=True)
     for threads in (1, 2, 4, 8):
         dt, held = _register_slabs(n, threads)
-        for m, buf, ptr in held:
+        for m, ptr in held:
             cupy.cuda.runtime.hostUnregister(ptr)
-            del buf
             m.close()
         print(json.dumps({"how": "mmap+populate+cudaHostRegister", "threads": threads, "gb": n * SLAB / 2**30,
                           "gb_per_s": n * SLAB / 1e9 / dt}), flush=True)
