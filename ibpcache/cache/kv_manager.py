@@ -43,7 +43,7 @@ from .kv_slots import SlotLayout
 from .step_graphs import generator_kept
 from .plan_codecs import ROW_METHODS, RowCodecChoice, ScatteredCost, apply_scattered_cost, choose_row_codecs
 
-__all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES", "PREFILLS"]
+__all__ = ["KVOffloadManager", "KVStepGraph", "TRANSFERS", "DENSE_FETCHES", "PREFILLS", "pin_ahead", "host_blocks_for"]
 
 TRANSFERS = ("zero_copy", "cpu_gather", "host")
 """``zero_copy``: GPU reads packed pinned host rows through UVA and decodes them (ours). ``cpu_gather``: InfiniGen's
@@ -68,6 +68,41 @@ def _identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ..
     codec = Codec.raw(dtype, row_shape)
     assert codec.row_bytes == row_bytes, (codec.row_bytes, row_bytes)
     return codec
+
+
+def host_blocks_for(num_layers: int, rows_per_token: int, row_bytes: int, raw: int, compress: bool,
+                    host_chunk_bytes: int = 4 << 20, chunk: "int | None" = None) -> "tuple[int, int]":
+    """The pinned blocks (bytes each, count) that ``num_layers`` layers' zero-copy stores take for a prompt of
+    ``raw`` bytes (K + V, per layer): one chunk and its margin per block; per layer the raw size over a conservative
+    ratio (1.25 with compression: real KV codecs store >= 1.4x) plus one chunk. ``chunk``: the stores' chunk size
+    where their first prompt fixed it (else the size a prompt of ``raw`` bytes gets)."""
+    chunk = chunk or chunk_bytes_for(rows_per_token, row_bytes, None, host_chunk_bytes, raw)
+    ratio = 1.25 if compress else 1.0
+    return chunk + chunk_margin(row_bytes), num_layers * (-(-int(raw / ratio) // chunk) + 1)
+
+
+def pin_ahead(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, batch_size: int, tokens: int,
+              *, compress: bool = True, host_chunk_bytes: int = 4 << 20) -> int:
+    """Start pinning, on the pool's background thread, the host blocks that a prompt of ``tokens`` tokens for
+    ``batch_size`` sequences will take (:func:`host_blocks_for`); returns the bytes asked for (0 without CUDA).
+
+    Why: page-locking runs at ~2-2.5 GB/s and does not scale with threads (``scripts/experiments/pin_rate.py``), so
+    the first prefill of a process waits for it (a 32k x 4 Llama-8B prompt: 6-9 s). Called while the model loads,
+    the blocks are pinned before that prefill asks for them; they stay in the process's pool for later stores."""
+    for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                      ("batch_size", batch_size), ("tokens", tokens)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise InvalidArgumentError(f"{name}: expected a positive int, got {val!r}")
+    if dtype not in _KV_DTYPES:
+        raise InvalidTypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype!r}")
+    if not torch.cuda.is_available():
+        return 0
+    row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
+    rows_per_token = batch_size * num_kv_heads
+    block, count = host_blocks_for(num_layers, rows_per_token, row_bytes, 2 * tokens * rows_per_token * row_bytes,
+                                   compress, host_chunk_bytes)
+    host_pool().prepare(block, count)
+    return block * count
 
 
 _SCATTERED_COSTS: "dict[tuple, ScatteredCost]" = {}
@@ -419,16 +454,14 @@ class KVOffloadManager:
 
     def _pin_ahead(self, raw: int) -> None:
         """At layer 0's prompt (or prefill piece) of ``raw`` bytes (K + V): ask the pinned pool to have the blocks
-        every layer's will need (raw size / a conservative ratio) pinned by its background thread, while the model
+        every layer's will need (:func:`host_blocks_for`) pinned by its background thread, while the model
         computes. Under-estimating costs the worker a synchronous pin, never the caller."""
         if self.device.type != "cuda" or self.transfer != "zero_copy":
             return
         if self._pin_chunk is None:  # the stores' chunk size follows from their first append (all alike)
             self._pin_chunk = chunk_bytes_for(self.rows_per_token, self.row_bytes, None, self.host_chunk_bytes, raw)
-        chunk = self._pin_chunk
-        ratio = 1.25 if self.compress else 1.0
-        host_pool().prepare(chunk + chunk_margin(self.row_bytes),
-                            self.num_layers * (-(-int(raw / ratio) // chunk) + 1))
+        host_pool().prepare(*host_blocks_for(self.num_layers, self.rows_per_token, self.row_bytes, raw,
+                                             self.compress, self.host_chunk_bytes, self._pin_chunk))
 
     def _store(self, st: _LayerState, keys: torch.Tensor, values: torch.Tensor, slot0: int, t0: int) -> None:
         """Fit the layer's codecs if it has no store yet, then append (a large append syncs once, on this stream)."""

@@ -108,7 +108,8 @@ HARNESSES = ("fill", "forward")
 FORCED = ("ibpcache_exp",)  # run only when asked for (--methods)
 SPARSE_METHODS = ("ibpcache", "ibpcache_exp", "ibpcache_raw", "infinigen_cpu_gather")
 CUDA_ONLY = ("hf_offloaded", "infinigen_cpu_gather")
-PINNED_CLASS = {"ibpcache": "chunks", "ibpcache_exp": "chunks", "ibpcache_raw": "chunks", "infinigen_cpu_gather": "layer",
+PINNED_CLASS = {"ibpcache": "chunks", "ibpcache_exp": "chunks", "ibpcache_raw": "chunks",
+                "infinigen_cpu_gather": "layer",
                 "hf_offloaded": "layer", "dynamic_gpu": None}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 1e9
@@ -927,6 +928,9 @@ def parse_args(argv: list) -> argparse.Namespace:
                         "default) in the forward harness; context / none for both")
     p.add_argument("--prefill", default="auto", choices=("auto", "async", "sync"),
                    help="IBPOffloadedCache(prefill=...): who stores ours' prompts (auto: a worker on CUDA)")
+    p.add_argument("--pin-ahead", action="store_true",
+                   help="IBPOffloadedCache.pin_ahead(...) for the prompts before the model is built (else the first "
+                        "prefill of ours in the process waits for page-locking its blocks)")
     p.add_argument("--alpha", type=float, default=4.0)
     p.add_argument("--partial-ratio", type=float, default=0.2)
     p.add_argument("--max-num-kv", type=int, default=400)
@@ -1001,6 +1005,18 @@ def _meta_model(cfg: Any) -> Any:
         return AutoModelForCausalLM.from_config(cfg)
 
 
+def pin_ahead(args: argparse.Namespace, dtype: torch.dtype) -> int:
+    """``--pin-ahead``: ``IBPOffloadedCache.pin_ahead`` for every point's prompt (raw size: enough for every method of
+    ours), started before the model is built, as a server would while loading weights; bytes asked for."""
+    if not args.pin_ahead or args.device != "cuda":
+        return 0
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    cfg, steps = build_config(args.shape), args.warmup_tokens + args.decode_tokens
+    return sum(IBPOffloadedCache.pin_ahead(cfg, int(b), int(c) - steps, dtype, compress=False)
+               for b in args.batches.split(",") for c in args.contexts.split(","))
+
+
 def main(argv: "list | None" = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.plan:
@@ -1022,6 +1038,7 @@ def main(argv: "list | None" = None) -> None:
     max_host = args.max_host_gb * GB if args.max_host_gb else 0.9 * start_mem.get("MemAvailable", 1 << 40)
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
+    pinned_ahead = pin_ahead(args, dtype)
     t = time.perf_counter()
     model = build_model(args.shape, dtype, args.device, args.attn, args.seed)
     build_s = time.perf_counter() - t
@@ -1035,6 +1052,7 @@ def main(argv: "list | None" = None) -> None:
     meta = {"args": {k: (str(v) if v is not None else None) for k, v in vars(args).items()},
             "shape_label": SHAPES[args.shape]["label"], "config": cfg.to_dict() if hasattr(cfg, "to_dict") else {},
             "parameters": n_params, "model_build_s": build_s, "kv_fill": src.describe(), "methods": METHODS,
+            "pin_ahead_bytes": pinned_ahead,
             "attn_implementation": getattr(cfg, "_attn_implementation", args.attn),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

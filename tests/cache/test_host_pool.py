@@ -115,3 +115,44 @@ def test_bad_use_and_failed_pinning_raise_ibpcache_errors() -> None:
         pool.take(300)
     mem.fail = False
     assert pool.take(300)
+
+
+def test_pin_ahead_asks_the_pool_for_a_prompts_blocks_and_a_prefill_finds_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_manager.pin_ahead`` asks the process's pool for what the layers' stores will take (one chunk + margin per
+    block, raw / 1.25 per layer compressed, raw uncompressed, plus one chunk a layer), pinned in the background; the
+    blocks are then taken without a synchronous pin. Without CUDA it asks for nothing; bad arguments are refused."""
+    import torch
+
+    from ibpcache.cache import kv_manager
+    from ibpcache.cache.append_store import chunk_margin
+    from ibpcache.errors import InvalidArgumentError, InvalidTypeError
+
+    mem = _Memory()
+    pool = _pool(mem)
+    monkeypatch.setattr(kv_manager, "host_pool", lambda: pool)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # the Llama-8B shape: 32 layers, 8 KV heads of 128 bf16 values; 4 sequences of 32k tokens
+    block, count = kv_manager.host_blocks_for(32, 4 * 8, 256, 2 * 32768 * 4 * 8 * 256, True)
+    raw = 2 * 32768 * 4 * 8 * 256  # K + V bytes of one layer: 512 MiB
+    assert block == (4 << 20) + chunk_margin(256)  # the largest chunk: prompts this size fill many
+    assert count == 32 * (-(-int(raw / 1.25) // (4 << 20)) + 1)
+    assert kv_manager.host_blocks_for(32, 32, 256, raw, False)[1] == 32 * (raw // (4 << 20) + 1)
+    small = 2 * 100 * 2 * 3 * 128  # a short prompt's stores get smaller chunks
+    assert kv_manager.host_blocks_for(2, 6, 128, small, True)[0] < 4 << 20
+    got = kv_manager.pin_ahead(2, 3, 64, torch.bfloat16, batch_size=2, tokens=300)
+    b, n = kv_manager.host_blocks_for(2, 6, 128, 2 * 300 * 6 * 128, True)
+    assert got == b * n
+    deadline = time.perf_counter() + 5
+    while pool.stats()["free_bytes"] < b * n and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert pool.stats()["free_bytes"] >= b * n and "ibpcache-pin" in mem.threads
+    taken = [pool.take(b) for _ in range(n)]
+    assert len(set(taken)) == n and pool.stats()["sync_slab_allocs"] == 0
+    for bad in (dict(tokens=0), dict(batch_size=-1), dict(tokens=2.5), dict(batch_size=True)):
+        with pytest.raises(InvalidArgumentError):
+            kv_manager.pin_ahead(2, 3, 64, torch.bfloat16, **{"batch_size": 2, "tokens": 300, **bad})
+    with pytest.raises(InvalidTypeError):
+        kv_manager.pin_ahead(2, 3, 64, torch.int8, batch_size=2, tokens=300)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = len(mem.calls)
+    assert kv_manager.pin_ahead(2, 3, 64, torch.bfloat16, batch_size=2, tokens=300) == 0 and len(mem.calls) == calls

@@ -471,3 +471,61 @@ def test_bench_llm_shapes_both_harnesses_on_gpu(tmp_path: Any, shared_data_dir: 
             assert m["tokens_equal"] and m["logits_equal"], (p["harness"], p["mode"], name)
         if p["mode"] == "dense":
             assert p["verification"]["reference"] == "dynamic_gpu" and len(p["methods"]) == 5
+
+
+def test_pin_ahead_takes_the_models_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``IBPOffloadedCache.pin_ahead(config, ...)`` pins for the decoder's KV geometry (the engine's ``pin_ahead``
+    with the config's layers, KV heads, head dim) and refuses configs the cache refuses."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, LlamaConfig
+
+    from ibpcache.cache import kv_manager
+    from ibpcache.errors import UnsupportedModelError
+    from ibpcache.loaders.kv import IBPOffloadedCache
+
+    asked: list = []
+
+    class Pool:
+        def prepare(self, block: int, count: int) -> None:
+            asked.append((block, count))
+
+    monkeypatch.setattr(kv_manager, "host_pool", Pool)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = LlamaConfig(num_hidden_layers=3, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    got = IBPOffloadedCache.pin_ahead(cfg, batch_size=2, tokens=1000, dtype=torch.float16, compress=False)
+    want = kv_manager.host_blocks_for(3, 2 * 3, 64 * 2, 2 * 1000 * 2 * 3 * 64 * 2, False)
+    assert asked == [want] and got == want[0] * want[1]
+    with pytest.raises(UnsupportedModelError):
+        IBPOffloadedCache.pin_ahead(BertConfig(), batch_size=1, tokens=10)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_after_pin_ahead_pins_nothing() -> None:
+    """On the GPU: blocks pinned ahead for a prompt are the ones its stores take: the prefill adds no pinned bytes
+    and no synchronous slab allocation; the rows read back exactly."""
+    import time
+
+    from ibpcache.cache.host_pool import host_pool
+    from ibpcache.cache.kv_manager import KVOffloadManager, pin_ahead
+
+    b, h, n, d = 2, 4, 3000, 128
+    k = torch.randn(b, h, n, d, device="cuda").to(torch.bfloat16)
+    v = torch.randn(b, h, n, d, device="cuda").to(torch.bfloat16)
+    want = pin_ahead(3, h, d, torch.bfloat16, batch_size=b, tokens=n, compress=False)  # raw: an exact count
+    assert want > 0
+    deadline = time.perf_counter() + 30
+    while host_pool().stats()["pending_blocks"] and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    before = host_pool().stats()
+    assert before["free_bytes"] >= want
+    mgr = KVOffloadManager(3, h, d, torch.bfloat16, batch_size=b, device="cuda", compress=False)
+    for layer in range(3):
+        mgr.append(layer, k, v)
+    mgr.flush()
+    after = host_pool().stats()
+    assert after["pinned_bytes"] == before["pinned_bytes"]
+    assert after["sync_slab_allocs"] == before["sync_slab_allocs"]
+    got_k, got_v = mgr.fetch_all(2)
+    assert torch.equal(got_k.view(torch.int16), k.view(torch.int16))
+    assert torch.equal(got_v.view(torch.int16), v.view(torch.int16))
+    mgr.close()
