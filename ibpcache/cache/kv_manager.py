@@ -70,6 +70,15 @@ def _identity_codec(row_bytes: int, dtype: torch.dtype, row_shape: tuple[int, ..
     return codec
 
 
+def _check_geometry(dtype: object, **counts: object) -> None:
+    """Raise naming the first argument that is not a positive int, or a dtype the KV stores do not hold."""
+    for name, val in counts.items():
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise InvalidArgumentError(f"{name}: expected a positive int, got {val!r}")
+    if dtype not in _KV_DTYPES:
+        raise InvalidTypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype}")
+
+
 def host_blocks_for(num_layers: int, rows_per_token: int, row_bytes: int, raw: int, compress: bool,
                     host_chunk_bytes: int = 4 << 20, chunk: "int | None" = None) -> "tuple[int, int]":
     """The pinned blocks (bytes each, count) that ``num_layers`` layers' zero-copy stores take for a prompt of
@@ -89,12 +98,8 @@ def pin_ahead(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
     Why: page-locking runs at ~2-2.5 GB/s and does not scale with threads (``scripts/experiments/pin_rate.py``), so
     the first prefill of a process waits for it (a 32k x 4 Llama-8B prompt: 6-9 s). Called while the model loads,
     the blocks are pinned before that prefill asks for them; they stay in the process's pool for later stores."""
-    for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                      ("batch_size", batch_size), ("tokens", tokens)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise InvalidArgumentError(f"{name}: expected a positive int, got {val!r}")
-    if dtype not in _KV_DTYPES:
-        raise InvalidTypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype!r}")
+    _check_geometry(dtype, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    batch_size=batch_size, tokens=tokens)
     if not torch.cuda.is_available():
         return 0
     row_bytes = head_dim * torch.empty((), dtype=dtype).element_size()
@@ -235,12 +240,8 @@ class KVOffloadManager:
         prefill_inflight_bytes: "int | None" = None,
         scattered_reads: bool = False,
     ) -> None:
-        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                          ("batch_size", batch_size), ("sample_rows", sample_rows)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise InvalidArgumentError(f"{name}: expected a positive int, got {val!r}")
-        if dtype not in _KV_DTYPES:
-            raise InvalidTypeError(f"dtype: expected one of {_KV_DTYPES}, got {dtype}")
+        _check_geometry(dtype, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        batch_size=batch_size, sample_rows=sample_rows)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(device)
