@@ -719,10 +719,10 @@ def measure_scattered(codec: Any, sample: torch.Tensor, rows_per_token: int, *, 
     ``rows_per_token`` rows per token), so the reads miss caches and translation buffers as a real layer's do.
     Every round draws new random tokens (a decode step's selection is new each step, so repeating one would time
     what L2 and the translation buffers kept) and reads them from both stores, in alternating order. The fastest
-    round counts: this runs on the prefill worker while the model computes, and a round that shared the GPU with a
-    burst of prefill work times the burst (seen: raw rows at 352.8 ns/row beside a 32k prefill, 7-8 idle); the
-    margin of :func:`~ibpcache.cache.plan_codecs.prefer_raw_for_scattered` covers what a decode step adds. The
-    pinned blocks go back to the pool afterwards."""
+    round counts, so a round that shared the GPU with other work does not decide (the KV manager runs this with the
+    device drained: beside a 32k prefill it read raw rows at 352.8 ns/row, 7-8 idle); the margin of
+    :func:`~ibpcache.cache.plan_codecs.prefer_raw_for_scattered` covers what a decode step adds. The pinned blocks
+    go back to the pool afterwards."""
     dev = sample.device
     raw_codec = Codec.raw(sample.dtype, tuple(sample.shape[1:]))
     row_bytes = raw_codec.row_bytes

@@ -113,11 +113,12 @@ def pin_ahead(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
 _SCATTERED_COSTS: "dict[tuple, ScatteredCost]" = {}
 
 
-def _scattered_key(method: str, sample: torch.Tensor, rows_per_token: int, store_bytes: int) -> "tuple[tuple, int]":
-    """What a scattered read's cost depends on (GPU, row geometry, codec method, power-of-two store size: how far
-    reads spread changes what they cost), and the store size measured (the prompt's, up to 512 MiB)."""
+def _scattered_key(method: str, rows: torch.Tensor, rows_per_token: int, store_bytes: int) -> "tuple[tuple, int]":
+    """What a scattered read's cost depends on (GPU, dtype and row shape of ``rows`` [N, ...], N unused; codec
+    method; power-of-two store size: how far reads spread changes what they cost), and the store size measured (the
+    prompt's, up to 512 MiB)."""
     size = min(int(store_bytes), 512 << 20)
-    return (str(sample.device), sample.dtype, tuple(sample.shape[1:]), rows_per_token, method, size.bit_length()), size
+    return (str(rows.device), rows.dtype, tuple(rows.shape[1:]), rows_per_token, method, size.bit_length()), size
 
 
 def scattered_cost(codec: Any, sample: torch.Tensor, rows_per_token: int, store_bytes: int = 64 << 20) -> ScatteredCost:
@@ -536,14 +537,14 @@ class KVOffloadManager:
         store takes them)."""
         if not self._measures_scattered():
             return
-        b, h = keys.shape[0], keys.shape[1]
-        sample = self._rows(keys[:, :, : -(-self.sample_rows // (b * h))])  # the first tokens: any real rows do
         prompt = max(2 * keys.numel() * keys.element_size(), 1 << 20)
         methods = ["ibp"] + (["exponent"] if self.dtype in (torch.float16, torch.bfloat16) else [])
-        todo = [m for m in methods
-                if _scattered_key(m, sample, self.rows_per_token, prompt)[0] not in _SCATTERED_COSTS]
+        shape = keys[0, 0]  # [n, D]: the rows' device, dtype and shape, without a copy
+        todo = [m for m in methods if _scattered_key(m, shape, self.rows_per_token, prompt)[0] not in _SCATTERED_COSTS]
         if not todo:
             return
+        b, h = keys.shape[0], keys.shape[1]
+        sample = self._rows(keys[:, :, : -(-self.sample_rows // (b * h))])  # the first tokens: any real rows do
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for method in todo:

@@ -102,11 +102,11 @@ SCATTERED_MARGIN = 0.10
 """How much faster than raw rows an isolated fetch of coded rows must be for a sparse store to keep its codec.
 
 Why a margin: the measurement times the fetch alone, a decode step runs it beside the model's kernels, where the
-decode's extra work per row costs more. On the H200 (Llama-8B shape, 32k tokens, batch 4), the isolated fetch
-timed exponent rows ~5% faster than raw (``scripts/experiments/kv_scattered_probe.py``) while decode steps with
-them ran 1.06x the raw store's (docs/results/2026-11-26-h200-s28, the round not disturbed by other load): the
-isolated timing overstates the codec's edge by ~10%, and a sparse store's codec only saves host memory, never
-time, unless it clears that."""
+decode's extra work per row costs more. At the Llama-8B shape, 32k tokens, batch 4, the isolated fetch times
+exponent rows 5-10% faster than raw on an idle H100 (``scripts/experiments/kv_scattered_probe.py``,
+docs/results/2026-11-26-h100-s30), while decode steps with them ran 1.06x the raw store's on an H200
+(docs/results/2026-11-26-h200-s28, its round not disturbed by other load): the isolated timing can overstate the
+codec's edge by ~10%, and a sparse store's codec saves host memory, not time, unless it clears that."""
 
 
 def prefer_raw_for_scattered(cost: ScatteredCost, ratio: float,
