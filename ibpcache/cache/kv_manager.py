@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -545,10 +546,12 @@ class KVOffloadManager:
             return
         b, h = keys.shape[0], keys.shape[1]
         sample = self._rows(keys[:, :, : -(-self.sample_rows // (b * h))])  # the first tokens: any real rows do
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for method in todo:
-            scattered_cost(Codec.fit(sample, method=method), sample, self.rows_per_token, prompt)
+        cuda = self.device.type == "cuda"
+        with torch.cuda.device(self.device) if cuda else nullcontext():  # the stores' device, as on the worker
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            for method in todo:
+                scattered_cost(Codec.fit(sample, method=method), sample, self.rows_per_token, prompt)
 
     def _measures_scattered(self) -> bool:
         """Whether codecs are checked against the measured cost of scattered reads (sparse mode's GPU store; only
