@@ -106,6 +106,12 @@ METHODS: dict[str, str] = {
 ORDER = list(METHODS)  # round-robin order; rounds alternate direction
 HARNESSES = ("fill", "forward")
 FORCED = ("ibpcache_exp",)  # run only when asked for (--methods)
+IBP_CACHES = {  # the methods built as IBPOffloadedCache: their constructor options (the CPU runs use transfer="host")
+    "infinigen_cpu_gather": dict(transfer="cpu_gather", compress=False),
+    "ibpcache_raw": dict(transfer="zero_copy", compress=False),
+    "ibpcache": dict(transfer="zero_copy", compress=True),
+    "ibpcache_exp": dict(transfer="zero_copy", compress=True, codec="exponent"),
+}
 SPARSE_METHODS = ("ibpcache", "ibpcache_exp", "ibpcache_raw", "infinigen_cpu_gather")
 CUDA_ONLY = ("hf_offloaded", "infinigen_cpu_gather")
 PINNED_CLASS = {"ibpcache": "chunks", "ibpcache_exp": "chunks", "ibpcache_raw": "chunks",
@@ -369,8 +375,8 @@ def make_cache(method: str, mode: str, model: Any, args: argparse.Namespace, res
         return DynamicCache(config=model.config, offloading=True)
     from ibpcache.loaders.kv import IBPOffloadedCache
 
-    transfer, compress = {"infinigen_cpu_gather": ("cpu_gather", False), "ibpcache_raw": ("zero_copy", False),
-                          "ibpcache": ("zero_copy", True), "ibpcache_exp": ("zero_copy", True)}[method]
+    own = IBP_CACHES[method]
+    transfer, compress = own["transfer"], own["compress"]
     if args.device == "cpu":
         transfer = "host"  # the Numba host path stands in on machines without CUDA
     kw: dict = dict(compress=compress, transfer=transfer, reserve_tokens=reserve, sample_rows=args.sample_rows,
@@ -380,8 +386,8 @@ def make_cache(method: str, mode: str, model: Any, args: argparse.Namespace, res
         kw["prefill"] = args.prefill
     if compress:
         kw.update(ibp_kwargs(args))
-    if method == "ibpcache_exp":
-        kw["codec"] = "exponent"
+    if "codec" in own:  # a forced method's codec, over --codec
+        kw["codec"] = own["codec"]
     if mode == "sparse":
         kw.update(model=model, alpha=args.alpha, partial_ratio=args.partial_ratio, max_num_kv=args.max_num_kv)
         if args.no_graphs:
@@ -577,7 +583,7 @@ def gpu_need(method: str, mode: str, cfg: Any, batch: int, context: int, itemsiz
     chunks in flight (K and V, at most their raw size)."""
     layer = kv_layer_tensor_bytes(cfg, batch, context, itemsize)
     need = (raw_kv_bytes(cfg, batch, context, itemsize) if method == "dynamic_gpu" else 0) + 6 * layer + (3 << 30)
-    if method in ("ibpcache", "ibpcache_exp", "ibpcache_raw") and mode == "dense" and dense_fetch == "bulk":
+    if IBP_CACHES.get(method, {}).get("transfer") == "zero_copy" and mode == "dense" and dense_fetch == "bulk":
         need += 2 * 2 * layer
     return need
 
