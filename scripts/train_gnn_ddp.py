@@ -60,6 +60,7 @@ the node cache's code path with no peer rows, a control for peer traffic).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import math
 import os
@@ -87,6 +88,7 @@ from ibpcache.cache.partitioned import HOST, LOCAL, PEER, PartitionedFeatureCach
 from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight  # noqa: E402
 from ibpcache.loaders.sampling import NeighborSampler, batch_key  # noqa: E402
 from ibpcache.testing import add_out_argument, format_table, write_results  # noqa: E402
+from ibpcache.testing.stages import all_threads_profile, thread_summary  # noqa: E402
 
 CONF_DIR = ROOT / "configs"
 QUICK = ["dataset.n_nodes=20000", "dataset.avg_degree=10", "dataset.n_train=1024", "dataset.n_test=512",
@@ -265,6 +267,22 @@ class GradsReady:
             h.remove()
 
 
+@contextlib.contextmanager
+def host_profile(job: "Job", run: "Run") -> Iterator[None]:
+    """Epoch ``job.profile_epoch`` of ``run`` (counted from 0) under the profiler, every thread of this process
+    recorded: ``run.profile`` gets :func:`~ibpcache.testing.stages.thread_summary`'s per-thread host time, launches
+    and top ops, so a host-bound epoch shows which thread (trainer, sampler, fetch) spends it on what. The
+    profiler slows the host: that epoch's times are not comparable (``summarize`` skips it)."""
+    if job.profile_epoch is None or len(run.epochs) != job.profile_epoch:
+        yield
+        return
+    prof = all_threads_profile(job.ranks.device.type == "cuda")
+    with prof:
+        yield
+        _sync(job.ranks.device)
+    run.profile = {"epoch": job.profile_epoch, **thread_summary(prof.events())}
+
+
 def batches_timed(loop: Any, timer: StageTimer) -> "Iterator[MicroBatch]":
     """``loop``'s micro-batches; the time the training thread waits for each goes to ``wait_batch``."""
     it = iter(loop)
@@ -294,6 +312,7 @@ class Run:
     pipelined: bool = True
     across_epochs: bool = False
     verified: int = 0  # micro-batches whose features were checked against the source rows
+    profile: dict[str, Any] = field(default_factory=dict)  # host_profile's summary of the profiled epoch
 
 
 @dataclass
@@ -309,6 +328,8 @@ class Job:
     labels: torch.Tensor  # on the device
     node_replicate: "str | float" = "auto"  # the node cache's head: "auto" (measured costs) or a budget fraction
     across_epochs: bool = True  # pipelined: one loader run over every epoch (module docstring)
+    profile_epoch: "int | None" = None  # this epoch of every mode runs under torch.profiler (host_profile)
+    track_sources: bool = True  # the node cache counts local / peer / host reads per fetch (a few small ops)
 
     @property
     def world(self) -> int:
@@ -445,7 +466,8 @@ def make_fetch(job: Job, mode: str) -> tuple[Callable[[torch.Tensor], torch.Tens
     budget = int(job.budget * job.rows.n_rows * job.rows.row_bytes)
     if mode == "partitioned":
         cache = PartitionedFeatureCache(job.rows, hot, budget_bytes=budget, device=job.ranks.device,
-                                        group=job.ranks.cache_group, replicate=job.node_replicate)
+                                        group=job.ranks.cache_group, replicate=job.node_replicate,
+                                        track_sources=job.track_sources)
     else:  # lazy on CUDA as the node cache is: no host sync per fetch in any mode, so the fetch threads run alike
         lazy = {"validate": "lazy"} if job.ranks.device.type == "cuda" else {}
         cache = FeatureCache(job.rows, budget_bytes=budget, policy="static", hotness=hot, device=job.ranks.device,
@@ -500,23 +522,24 @@ def train_ddp(job: Job, mode: str) -> EpochRuns:
         _sync(dev)
         start = time.perf_counter()
         losses = []
-        for mb in batches:
-            _pin_threads(dev)
-            job.check(mb, run)
-            t0 = time.perf_counter()
-            a = timer.mark()
-            loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
-            f = timer.mark()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            b = timer.mark()
-            _pin_threads(dev)
-            opt.step()
-            c = timer.mark()
-            _add_step(timer, a, f, grads.take(), b, c)
-            timer.add_host("train_host", time.perf_counter() - t0)
-            losses.append(loss.detach())
-            in_flight.step_done()
+        with host_profile(job, run):
+            for mb in batches:
+                _pin_threads(dev)
+                job.check(mb, run)
+                t0 = time.perf_counter()
+                a = timer.mark()
+                loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
+                f = timer.mark()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                b = timer.mark()
+                _pin_threads(dev)
+                opt.step()
+                c = timer.mark()
+                _add_step(timer, a, f, grads.take(), b, c)
+                timer.add_host("train_host", time.perf_counter() - t0)
+                losses.append(loss.detach())
+                in_flight.step_done()
         run.losses[r] += torch.stack(losses).tolist() if losses else []
         _sync(dev)
         run.epochs.append({"epoch": time.perf_counter() - start, **timer.totals()})
@@ -552,31 +575,32 @@ def train_reference(job: Job) -> EpochRuns:
         start = time.perf_counter()
         losses: dict[int, list[torch.Tensor]] = {v: [] for v in range(w)}
         acc: list[torch.Tensor | None] = [None] * len(params)
-        for mb in batches:  # the W micro-batches of each global batch in rank order
-            _pin_threads(dev)
-            job.check(mb, run)
-            model.use_rank(mb.rank, dev)
-            t0 = time.perf_counter()
-            a = timer.mark()
-            loss = gnn.cross_entropy(model(mb.blocks, mb.x), job.labels[mb.seeds])
-            f = timer.mark()
-            for p in params:
-                p.grad = None
-            loss.backward()
-            for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
-                g = p.grad * (1.0 / w)
-                acc[i] = g if acc[i] is None else acc[i] + g
-            b = timer.mark()
-            if mb.rank == w - 1:
-                for p, g in zip(params, acc):
-                    p.grad = g
+        with host_profile(job, run):
+            for mb in batches:  # the W micro-batches of each global batch in rank order
                 _pin_threads(dev)
-                opt.step()
-                acc = [None] * len(params)
-            _add_step(timer, a, f, grads.take(), b, timer.mark())  # "allreduce": the 1/W sums here
-            timer.add_host("train_host", time.perf_counter() - t0)
-            losses[mb.rank].append(loss.detach())
-            in_flight.step_done()
+                job.check(mb, run)
+                model.use_rank(mb.rank, dev)
+                t0 = time.perf_counter()
+                a = timer.mark()
+                loss = gnn.cross_entropy(model(mb.blocks, mb.x), job.labels[mb.seeds])
+                f = timer.mark()
+                for p in params:
+                    p.grad = None
+                loss.backward()
+                for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
+                    g = p.grad * (1.0 / w)
+                    acc[i] = g if acc[i] is None else acc[i] + g
+                b = timer.mark()
+                if mb.rank == w - 1:
+                    for p, g in zip(params, acc):
+                        p.grad = g
+                    _pin_threads(dev)
+                    opt.step()
+                    acc = [None] * len(params)
+                _add_step(timer, a, f, grads.take(), b, timer.mark())  # "allreduce": the 1/W sums here
+                timer.add_host("train_host", time.perf_counter() - t0)
+                losses[mb.rank].append(loss.detach())
+                in_flight.step_done()
         for v in range(w):
             run.losses[v] += torch.stack(losses[v]).tolist() if losses[v] else []
         _sync(dev)
@@ -735,7 +759,9 @@ def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, An
     records = []
     ref = runs.get("reference", [None])[0]
     for mode, per_rank in runs.items():
-        timed = [e for e in (r.epochs[1:] or r.epochs for r in per_rank)]
+        # epoch 0 warms up; a profiled epoch runs slower (host_profile)
+        timed = [[e for i, e in enumerate(r.epochs) if i not in (0, r.profile.get("epoch"))] or r.epochs
+                 for r in per_rank]
         epoch_s = [float(np.mean([e["epoch"] for e in t])) for t in timed]
         stage_ranks = {k: [float(np.mean([e.get(k, 0.0) for e in t])) for t in timed] for k in STAGES}
         stages = {k: float(np.mean(v)) for k, v in stage_ranks.items()}
@@ -757,9 +783,12 @@ def summarize(runs: dict[str, list[Run]], world: int) -> tuple[list[dict[str, An
             "setup_s": max(r.setup_s for r in per_rank), "losses": [losses[v] for v in sorted(losses)],
             "cache": [r.cache for r in per_rank],
         }
+        if any(r.profile for r in per_rank):
+            rec["host_profile"] = [r.profile for r in per_rank]
         if mode == "partitioned":
             for key in ("local_hits", "peer_hits", "host_misses"):
-                rec[key] = sum(r.cache[key] for r in per_rank)
+                counts = [r.cache[key] for r in per_rank]  # None: the node cache did not track sources
+                rec[key] = None if None in counts else sum(counts)
             rec["peer_access"] = all(r.cache["peer_access"] for r in per_rank)
             rec["fallback_reason"] = next((r.cache["fallback_reason"] for r in per_rank if r.cache["fallback_reason"]),
                                           None)
@@ -862,6 +891,11 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this run (seconds; Python's default is 0.005): how long the "
                         "sampling and fetch threads may hold the GIL while the training thread waits for it")
+    p.add_argument("--profile-epoch", type=int, default=None,
+                   help="run this epoch (from 0) of every mode under torch.profiler, every thread recorded; records "
+                        "gain host_profile (per thread: host ms, ops, launches, top ops); that epoch is not timed")
+    p.add_argument("--no-track-sources", action="store_true",
+                   help="the node cache does not count local / peer / host reads (its few ops per fetch left out)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/bench_gnn.yaml, e.g. dataset.n_nodes=200000")
     args = p.parse_args(argv)
     if args.switch_interval is not None:
@@ -908,7 +942,8 @@ def main(argv: "list[str] | None" = None) -> int:
         sampler = BlockSampler(ds.src, ds.dst, ds.num_nodes, train_cfg.fanouts, ranks.device)
         job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device),
                   node_replicate=args.node_replicate if args.node_replicate == "auto" else float(args.node_replicate),
-                  across_epochs=not (args.epoch_by_epoch or args.interleave))
+                  across_epochs=not (args.epoch_by_epoch or args.interleave), profile_epoch=args.profile_epoch,
+                  track_sources=not args.no_track_sources)
         if ranks.rank == 0:
             print(f"train_gnn_ddp: {ds.name} {ds.num_nodes:,} nodes, {ds.num_edges:,} edges, {ds.row_bytes} B rows, "
                   f"store ratio {rows.ratio:.2f}x ({args.layout}); {ranks.world} ranks on {ranks.device.type}, "

@@ -96,3 +96,39 @@ def test_spans_come_from_raw_events_or_from_the_public_list() -> None:
         assert len(window) == 1 and window[0][3] > window[0][2] and not window[0][1]
         assert any(s[0] == "aten::randn" for s in spans)
     assert stage_busy(raw)["x"].windows == stage_busy(public)["x"].windows == 1
+
+
+def test_all_threads_profile_and_thread_summary_count_each_threads_ops() -> None:
+    """A thread started before the profile is recorded too (a loader's sampler and fetch threads are), its host
+    time and top ops apart from the starting thread's; nested ops are not counted twice in host_ms."""
+    import threading
+
+    from ibpcache.testing.stages import all_threads_profile, thread_summary
+
+    x = torch.randn(64, 64)
+    go, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        go.wait()
+        for _ in range(20):
+            torch.mm(x, x)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with all_threads_profile(cuda=False) as prof:
+        go.set()
+        for _ in range(30):
+            torch.add(x, x)
+        done.wait(30)
+    t.join()
+    s = thread_summary(prof.events())
+    tops = {tid: {op["name"]: op["count"] for op in th["top_ops"]} for tid, th in s["threads"].items()}
+    mine = [tid for tid, ops in tops.items() if ops.get("aten::add") == 30]
+    theirs = [tid for tid, ops in tops.items() if ops.get("aten::mm") == 20]
+    assert len(mine) == 1 and len(theirs) == 1 and mine != theirs
+    for th in s["threads"].values():
+        assert th["host_ms"] > 0 and th["launches"] == 0 and th["wait_ms"] == 0
+    assert s["threads"][theirs[0]]["ops"] == 20  # mm's nested calls are inside its one top-level op
+    counts = {op["name"]: op["count"] for op in s["top_ops"]}
+    assert counts["aten::mm"] == 20 and counts["aten::add"] == 30

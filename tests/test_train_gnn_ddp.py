@@ -38,7 +38,7 @@ def _torchrun(out: Path, port: int, *extra: str) -> dict[str, Any]:
     return json.loads((out / "train_gnn_ddp.json").read_text())
 
 
-def _check(doc: dict[str, Any], out: Path, peers: bool) -> None:
+def _check(doc: dict[str, Any], out: Path, peers: bool, tracked: bool = True) -> None:
     by = {r["mode"]: r for r in doc["records"]}
     assert set(by) == {"partitioned", "per_gpu", "reference"}
     ref = by["reference"]
@@ -56,6 +56,10 @@ def _check(doc: dict[str, Any], out: Path, peers: bool) -> None:
         assert len(r["allreduce_ms_per_rank"]) == r["processes"]
     part = by["partitioned"]
     one_gpu = ref["rows_cached_on_node"]
+    if not tracked:  # --no-track-sources: the node cache counts no sources, and the records say so with None
+        assert all(st[k] is None for st in part["cache"] for k in ("local_hits", "peer_hits", "host_misses"))
+        assert part["local_hits"] is None and part["hit_rate"] == pytest.approx(by["per_gpu"]["hit_rate"])
+        return
     for st in part["cache"]:
         assert st["local_hits"] + st["peer_hits"] + st["host_misses"] == st["requests"] > 0
     for pr in part["probe"]:
@@ -88,12 +92,15 @@ def _check(doc: dict[str, Any], out: Path, peers: bool) -> None:
     assert (out / "train_gnn_ddp.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("interleave", [False, True], ids=["modes in turn", "epochs interleaved"])
-def test_two_gloo_ranks_match_the_single_process_reference(tmp_path: Path, free_port: int, interleave: bool) -> None:
+@pytest.mark.parametrize("interleave,tracked", [(False, True), (True, True), (True, False)],
+                         ids=["modes in turn", "epochs interleaved", "sources not tracked"])
+def test_two_gloo_ranks_match_the_single_process_reference(tmp_path: Path, free_port: int, interleave: bool,
+                                                           tracked: bool) -> None:
     """Also with one epoch of each mode in turn (``--interleave``): every mode's caches, models and loaders live at
-    once, and the losses must not notice."""
-    doc = _torchrun(tmp_path, free_port, "--device", "cpu", *(["--interleave"] if interleave else []))
-    _check(doc, tmp_path, peers=False)
+    once, and the losses must not notice; nor when the node cache does not count where it read each row."""
+    doc = _torchrun(tmp_path, free_port, "--device", "cpu", *(["--interleave"] if interleave else []),
+                    *([] if tracked else ["--no-track-sources"]))
+    _check(doc, tmp_path, peers=False, tracked=tracked)
     assert doc["meta"]["summary"]["interleaved"] is interleave
     assert all(r["across_epochs"] is not interleave for r in doc["records"])
 
@@ -119,6 +126,21 @@ def test_reference_alone_without_torchrun_pipelined_or_not(tmp_path: Path) -> No
     by_epoch = _reference(tmp_path / "by_epoch", "--epoch-by-epoch")  # a new pipeline per epoch: the same batches
     assert by_epoch["pipelined"] is True and by_epoch["across_epochs"] is False
     assert by_epoch["losses"] == rec["losses"] and by_epoch["predictions_sha1"] == rec["predictions_sha1"]
+    assert "host_profile" not in rec
+
+
+def test_profiled_epoch_records_every_threads_host_time_and_keeps_the_losses(tmp_path: Path) -> None:
+    """``--profile-epoch 1``: the trainer's, the sampler's and the fetch thread's host time and top ops (three
+    threads: the pipelined loader's two and the trainer), the losses as without the profiler."""
+    plain = _reference(tmp_path / "plain")
+    rec = _reference(tmp_path / "profiled", "--profile-epoch", "1")
+    assert rec["losses"] == plain["losses"] and rec["predictions_sha1"] == plain["predictions_sha1"]
+    (prof,) = rec["host_profile"]
+    assert prof["epoch"] == 1 and len(prof["threads"]) >= 3
+    for t in prof["threads"].values():
+        assert t["host_ms"] > 0 and t["ops"] > 0 and t["top_ops"] and t["launches"] == 0  # CPU: no kernels
+    names = {op["name"] for op in prof["top_ops"]}
+    assert "aten::mm" in names or "aten::addmm" in names  # the model's layers ran inside the profiled epoch
 
 
 def test_sampler_draws_distinct_real_in_neighbours() -> None:

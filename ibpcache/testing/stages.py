@@ -26,7 +26,8 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["StageBusy", "StageProfile", "Span", "profile_spans", "stage_busy", "union_length"]
+__all__ = ["StageBusy", "StageProfile", "Span", "all_threads_profile", "profile_spans", "stage_busy", "thread_summary",
+           "union_length"]
 
 #: the prefix of a stage window's name in the profile (a ``record_function`` range)
 WINDOW_PREFIX = "ibpcache.stage:"
@@ -188,3 +189,58 @@ class StageProfile:
         if self._result is None:
             raise StateError("StageProfile.result: no finished profile (leave the with block first)")
         return self._result
+
+
+def all_threads_profile(cuda: bool) -> Any:
+    """A ``torch.profiler.profile`` (not yet entered) that records the ops of every thread of the process, not only
+    the thread that starts it: a pipeline's sampler and fetch threads compete with the training thread for the
+    host (and the GIL), and a profile of the trainer alone cannot show it. Where this torch lacks the option, the
+    other threads' CUDA runtime calls are still recorded (``cuda``: the device activity is, through CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return profile(activities=activities)
+    return profile(activities=activities, experimental_config=config)
+
+
+def _is_launch(name: str) -> bool:
+    return "LaunchKernel" in name or name.startswith("cuLaunch")
+
+
+def thread_summary(events: Iterable[Any], top: int = 15) -> dict[str, Any]:
+    """Where a profiled window's host time went, per thread, from a finished profile's ``events()``.
+
+    ``threads``: per thread id, ``host_ms`` (its top-level ops' total time: nested ops are not counted twice),
+    ``ops`` (top-level ops), ``launches`` (kernel launches), ``wait_ms`` (time in blocking CUDA calls: syncs and
+    blocking copies) and its ``top_ops`` by self time; ``top_ops``: every thread's ops by self host time, with counts.
+    Times in milliseconds; thread ids are the profiler's (tell the threads apart by their ops)."""
+    threads: dict[int, dict[str, Any]] = {}
+    own: dict[int, dict[str, list[float]]] = {}
+    every: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        t = threads.setdefault(int(e.thread), {"host_ms": 0.0, "ops": 0, "launches": 0, "wait_ms": 0.0})
+        if e.cpu_parent is None:
+            t["host_ms"] += e.cpu_time_total / 1e3
+            t["ops"] += 1
+        if _is_launch(e.name):
+            t["launches"] += 1
+        if _is_wait(e.name):
+            t["wait_ms"] += e.cpu_time_total / 1e3
+        for table in (own.setdefault(int(e.thread), {}), every):
+            c = table.setdefault(e.name, [0.0, 0.0])
+            c[0] += 1
+            c[1] += e.self_cpu_time_total / 1e3
+
+    def ranked(table: dict[str, list[float]]) -> list[dict[str, Any]]:
+        rows = sorted(table.items(), key=lambda kv: -kv[1][1])[:top]
+        return [{"name": n, "count": int(c), "self_ms": round(ms, 3)} for n, (c, ms) in rows]
+
+    for tid, t in threads.items():
+        t["top_ops"] = ranked(own[tid])[:5]
+    return {"threads": {str(k): v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]["host_ms"])},
+            "top_ops": ranked(every)}
