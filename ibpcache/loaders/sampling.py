@@ -362,19 +362,30 @@ class NeighborSampler:
     def _floyd(self, deg: torch.Tensor, node_keys: torch.Tensor, k: int) -> torch.Tensor:
         """A uniform k-subset of ``[0, deg)`` per row with ``deg > k`` (Floyd: for ``hi = deg-k .. deg-1`` take
         ``t ~ U[0, hi]``, or ``hi`` when ``t`` is taken already), sorted ascending; rows with ``deg <= k`` get values
-        the caller ignores. All k draws are hashed at once; only the dedup step runs per draw."""
+        the caller ignores. All k draws are hashed at once.
+
+        The sequential "taken already?" test is resolved in ``ceil(log2 k)`` rounds of whole-tensor ops instead of
+        k - 1 dependent steps (the sampler's host cost: each step was a few kernel launches, per hop and batch).
+        Draw j is taken (step j keeps ``hi_j``) iff an earlier draw equals it, or it equals the ``hi_i`` an earlier
+        step i kept, i.e. iff ``dup_j or (t_j == hi_i for i < j and taken_i)``: a chain through at most one earlier
+        step, which pointer jumping follows. The subsets are exactly those of the step-by-step loop."""
         dev = self.device
         steps = torch.arange(k, device=dev)
         salt = (steps * _GOLDEN) & _M32
         draws = mix32((node_keys.unsqueeze(1) + salt) & _M32)
-        hi = (deg - k).unsqueeze(1) + steps  # [n, k]
+        low = (deg - k).unsqueeze(1)
+        hi = low + steps  # [n, k]
         t = _rand_below(draws, hi + 1)
-        chosen = torch.empty_like(t)
-        chosen[:, 0] = t[:, 0]
-        for j in range(1, k):
-            taken = (chosen[:, :j] == t[:, j:j + 1]).any(1)
-            chosen[:, j] = torch.where(taken, hi[:, j], t[:, j])
-        return chosen.sort(dim=1).values
+        earlier = torch.ones(k, k, dtype=torch.bool, device=dev).tril(-1)  # [j, i]: i < j
+        taken = ((t.unsqueeze(2) == t.unsqueeze(1)) & earlier).any(2)  # an earlier draw equals t_j
+        ptr = t - low  # t_j == hi_i for i = ptr_j, if 0 <= ptr_j < j
+        follow = (ptr >= 0) & (ptr < steps)
+        ptr = torch.where(follow, ptr, 0)
+        for _ in range(max(k - 1, 0).bit_length()):  # taken_j |= follow_j & taken_ptr_j, the chain halved each round
+            taken = taken | (follow & taken.gather(1, ptr))
+            follow = follow & follow.gather(1, ptr)
+            ptr = ptr.gather(1, ptr)
+        return torch.where(taken, hi, t).sort(dim=1).values
 
     def _relabel(self, nodes: torch.Tensor, bid: torch.Tensor, ptr: torch.Tensor, count: torch.Tensor,
                  nbr: torch.Tensor, e_bid: torch.Tensor, n_batch: int

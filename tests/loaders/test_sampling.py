@@ -234,3 +234,55 @@ def test_gpu_sampling_reads_the_gpu_back_twice_per_hop_and_once_per_call(cora: A
     with pytest.raises(InvalidArgumentError, match="distinct"):
         gpu.sample(torch.tensor([4, 4], device="cuda"), 0)
     assert _same(gpu.sample(batches[0], 9), _sampler(cora, [10, 25], frontier=frontier).sample(batches[0].cpu(), 9))
+
+
+def _floyd_step_by_step(deg: torch.Tensor, node_keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Floyd's algorithm as written, one draw after the other (the reference for the sampler's vectorized one)."""
+    from ibpcache.loaders.sampling import _GOLDEN, _M32, _rand_below, mix32
+
+    steps = torch.arange(k)
+    draws = mix32((node_keys.unsqueeze(1) + ((steps * _GOLDEN) & _M32)) & _M32)
+    hi = (deg - k).unsqueeze(1) + steps
+    t = _rand_below(draws, hi + 1)
+    rows = []
+    for r in range(t.shape[0]):
+        taken: list[int] = []
+        for j in range(k):
+            tj = int(t[r, j])
+            taken.append(int(hi[r, j]) if tj in taken else tj)
+        rows.append(sorted(taken))
+    return torch.tensor(rows, dtype=torch.int64).reshape(t.shape)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.integers(1, 60), st.integers(0, 2**32 - 1)), min_size=1,
+                                    max_size=12))
+def test_floyd_subsets_equal_the_step_by_step_algorithm(k: int, rows: list[tuple[int, int]]) -> None:
+    """Degrees just above k (many collisions, long "taken already" chains) and far above it: the same subsets,
+    distinct, inside [0, deg)."""
+    from ibpcache.loaders.sampling import NeighborSampler
+
+    s = NeighborSampler(torch.tensor([0]), torch.tensor([1]), 2, [k])
+    deg = torch.tensor([k + extra for extra, _ in rows], dtype=torch.int64)
+    keys = torch.tensor([key for _, key in rows], dtype=torch.int64)
+    got = s._floyd(deg, keys, k)
+    assert torch.equal(got, _floyd_step_by_step(deg, keys, k))
+    assert bool((got[:, 1:] > got[:, :-1]).all()) and bool((got < deg.unsqueeze(1)).all()) and bool((got >= 0).all())
+
+
+def test_floyd_ops_grow_with_log_k_not_k() -> None:
+    """The draws' dedup takes O(log k) tensor ops (each a kernel launch on a GPU), not one dependent step per draw:
+    going from k = 8 to k = 64 adds at most three pointer-jumping rounds of a few ops each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ibpcache.loaders.sampling import NeighborSampler
+
+    def ops(k: int) -> int:
+        s = NeighborSampler(torch.tensor([0]), torch.tensor([1]), 2, [k])
+        deg = torch.full((100,), 3 * k, dtype=torch.int64)
+        keys = torch.arange(100, dtype=torch.int64)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            s._floyd(deg, keys, k)
+        return sum(1 for e in prof.events() if e.cpu_parent is None)
+
+    assert ops(64) - ops(8) <= 3 * 8, (ops(8), ops(64))
