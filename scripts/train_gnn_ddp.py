@@ -28,7 +28,9 @@ collective, so every mode may fetch from the loader's thread. The loader runs on
 epoch's first micro-batches are sampled and fetched while this epoch's last steps train (``--epoch-by-epoch``: a new
 loader run per epoch, each starting with an empty pipeline). ``--interleave`` runs one epoch of each mode in turn
 (per-epoch loaders, so no mode's loader runs ahead while another trains) instead of the modes one after the other:
-on a host whose speed drifts between runs, every mode then meets the same moments.
+on a host whose speed drifts between runs, every mode then meets the same moments. ``--profile-epoch N`` records
+every thread's host time, kernel launches and top ops in epoch N of each mode and rank (``host_profile`` in the
+records): where a host-bound epoch goes (the trainer, the autograd thread, the sampler, the fetch thread).
 
 What matches what. Batches, neighbour samples and dropout masks depend only on (seed, epoch, step, rank): samples
 are hashed from that key (ibpcache's ``NeighborSampler``: the same on any device and in any chunk of micro-batches)
