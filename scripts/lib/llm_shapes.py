@@ -112,10 +112,9 @@ IBP_CACHES = {  # the methods built as IBPOffloadedCache: their constructor opti
     "ibpcache": dict(transfer="zero_copy", compress=True),
     "ibpcache_exp": dict(transfer="zero_copy", compress=True, codec="exponent"),
 }
-SPARSE_METHODS = ("ibpcache", "ibpcache_exp", "ibpcache_raw", "infinigen_cpu_gather")
+SPARSE_METHODS = tuple(IBP_CACHES)  # sparse attention needs the selection hooks only IBPOffloadedCache has
 CUDA_ONLY = ("hf_offloaded", "infinigen_cpu_gather")
-PINNED_CLASS = {"ibpcache": "chunks", "ibpcache_exp": "chunks", "ibpcache_raw": "chunks",
-                "infinigen_cpu_gather": "layer",
+PINNED_CLASS = {**{m: "chunks" if own["transfer"] == "zero_copy" else "layer" for m, own in IBP_CACHES.items()},
                 "hf_offloaded": "layer", "dynamic_gpu": None}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 1e9
