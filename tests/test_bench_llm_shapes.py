@@ -30,6 +30,7 @@ def tiny_run(tmp_path_factory: Any, shared_data_dir: Path) -> dict:
 
     res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--quick",
                           "--repeats", "2", "--cpu-threads", "1", "--harness", "fill,forward", "--out", str(out),
+                          "--profile-steps", "2",
                           "--methods", ",".join(ORDER)],  # the forced methods too
                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
                                                                            "IBPCACHE_SHARED": str(shared_data_dir)})
@@ -70,6 +71,20 @@ def test_schema_and_every_method(tiny_run: dict) -> None:
     assert {(r["harness"], r["mode"], r["method"]) for r in recs} == {(p["harness"], p["mode"], m)
                                                                       for p in tiny_run["points"] for m in p["methods"]}
     assert tiny_run["meta"]["kv_fill"]["source_shape"][-1] == 64
+
+
+def test_profiled_steps_say_where_a_step_went_without_changing_the_timed_ones(tiny_run: dict) -> None:
+    for p in tiny_run["points"]:
+        for name, m in p["methods"].items():
+            if "skipped" in m:
+                continue
+            prof = m["decode_profile"]  # the last round's extra steps, after the timed ones
+            assert prof["steps"] == 2 and prof["wall_ms"] > 0, name
+            assert prof["kernel_ms"] == 0.0 and prof["top_device_ms"] == []  # the CPU run has no device activity
+            threads = prof["threads"]["threads"]
+            assert threads and sum(t["ops"] for t in threads.values()) > 0
+            assert any(op["name"].startswith("aten::") for op in prof["threads"]["top_ops"])
+            assert len(m["steps_ms_per_round"][-1]) == p["decode_tokens"]  # the profiled steps are not timed
 
 
 def test_forced_methods_run_only_when_asked() -> None:

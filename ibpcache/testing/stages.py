@@ -147,21 +147,26 @@ class StageProfile:
     around each stage's work (the window syncs the device before it closes, so the stage's GPU work lies inside
     it); :meth:`result` gives :class:`StageBusy` per stage. Without CUDA only host windows are recorded.
 
-    For a measurement pass of its own, never a timed run: the profiler slows the host.
+    For a measurement pass of its own, never a timed run: the profiler slows the host. ``all_threads``: record the
+    ops of every thread (:func:`all_threads_profile`), not only the caller's. After the block, ``finished`` is the
+    profile and ``spans`` its spans (:func:`profile_spans`), for other summaries of the same run.
     """
 
-    def __init__(self, device: "str | torch.device") -> None:
+    def __init__(self, device: "str | torch.device", all_threads: bool = False) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        self._all_threads = all_threads
         self._prof: Any = None
         self._result: "dict[str, StageBusy] | None" = None
+        self.finished: Any = None
+        self.spans: list[Span] = []
 
     def __enter__(self) -> "StageProfile":
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
         self._sync()
-        self._prof = profile(activities=activities)
+        self._prof = all_threads_profile(self._cuda) if self._all_threads else profile(activities=activities)
         self._prof.__enter__()
         return self
 
@@ -170,7 +175,8 @@ class StageProfile:
         prof, self._prof = self._prof, None
         prof.__exit__(*exc)
         if exc[0] is None:
-            self._result = stage_busy(profile_spans(prof))
+            self.finished, self.spans = prof, profile_spans(prof)
+            self._result = stage_busy(self.spans)
 
     def _sync(self) -> None:
         if self._cuda:

@@ -14,7 +14,7 @@ sequences x 8 KV heads, 32768 tokens, 400 selected per (sequence, head), head di
 Prints one JSON line per (layers, selection): raw and coded ns per row (median of ``--repeats`` timed fetches,
 CUDA events), and coded / raw.
 
-    PYTHONPATH=$PWD python scripts/experiments/kv_scattered_spread.py --layers 1,8
+    PYTHONPATH=$PWD python scripts/experiments/kv_scattered_spread.py --layers 1,8,32
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build(codec: Codec, x: torch.Tensor, dev: torch.device) -> AppendStore:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", default="1,8", help="comma list of store counts per codec")
+    p.add_argument("--layers", default="1,8,32", help="comma list of store counts per codec (32: a decode step's)")
     p.add_argument("--selections", default="independent,shared,clustered")
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args()

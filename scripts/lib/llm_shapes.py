@@ -349,6 +349,7 @@ class RunOut:
     pinned: str = ""
     run_s: float = 0.0
     pool: dict = field(default_factory=dict)  # ibpcache's pinned pool during the run: bytes pinned, pin seconds
+    profile: "dict | None" = None  # profile_decode of the steps after the timed ones (--profile-steps)
 
 
 def ibp_kwargs(args: argparse.Namespace) -> dict:
@@ -480,9 +481,19 @@ def _forward_kwargs(model: Any) -> dict:
             "cache_position": "cache_position" in params}
 
 
+def _step_kwargs(fk: dict, cache: Any, b: int, position: int, device: str) -> dict:
+    """Keyword arguments of one decode forward of ``b`` sequences at ``position``."""
+    pos = torch.full((b, 1), position, dtype=torch.long, device=device)
+    kw = {fk["cache_key"]: cache, "position_ids": pos, "use_cache": True, "logits_to_keep": 1}
+    if fk["cache_position"]:
+        kw["cache_position"] = pos[0]
+    return kw
+
+
 def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int, warmup: int, keep_logits: bool,
-           device: str) -> RunOut:
-    """``steps`` greedy decode steps after ``filled`` cached tokens; the first ``warmup`` are not timed."""
+           device: str, profile_steps: int = 0) -> RunOut:
+    """``steps`` greedy decode steps after ``filled`` cached tokens; the first ``warmup`` are not timed.
+    ``profile_steps``: that many more steps after them, profiled (:func:`profile_decode`; not timed, not verified)."""
     fk = _forward_kwargs(model)
     cuda = device == "cuda"
     out = RunOut(logits=[] if keep_logits else None)
@@ -490,11 +501,7 @@ def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int,
     toks, digest = [], 0.0
     with torch.no_grad():
         for s in range(steps):
-            b = tok.shape[0]
-            pos = torch.full((b, 1), filled + s, dtype=torch.long, device=device)
-            kw = {fk["cache_key"]: cache, "position_ids": pos, "use_cache": True, "logits_to_keep": 1}
-            if fk["cache_position"]:
-                kw["cache_position"] = pos[0]
+            kw = _step_kwargs(fk, cache, tok.shape[0], filled + s, device)
             if cuda:
                 ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
@@ -516,7 +523,39 @@ def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int,
                 out.logits.append(lg)
     out.tokens = torch.cat(toks, dim=1)
     out.digest = digest
+    if profile_steps > 0:
+        out.profile = profile_decode(model, cache, tok, filled + steps, profile_steps, device)
     return out
+
+
+def profile_decode(model: Any, cache: Any, tok: torch.Tensor, position: int, steps: int, device: str) -> dict:
+    """Where ``steps`` decode steps' time goes: each step runs in a stage window of a profile that records every
+    thread (a cache's workers compete with the model's launches for the host), so a step that is host-bound (the
+    device idle between launches) reads apart from one the device bounds (kernels back to back), and the kernels
+    that take the device's time are named.
+
+    Per step (milliseconds, means): ``wall_ms`` (the window, a device sync at its end), ``kernel_ms``/``copy_ms``
+    (union of kernels, of copies), ``host_wait_ms`` (the host in blocking CUDA calls); ``top_device_ms``: device
+    time per step by kernel; ``threads``: :func:`ibpcache.testing.stages.thread_summary` (host time, launches per thread)."""
+    from collections import Counter
+
+    from ibpcache.testing.stages import WINDOW_PREFIX, StageProfile, thread_summary
+
+    fk = _forward_kwargs(model)
+    with torch.no_grad(), StageProfile(device, all_threads=True) as prof:
+        for s in range(steps):
+            with prof.stage("decode"):
+                logits = model(input_ids=tok, **_step_kwargs(fk, cache, tok.shape[0], position + s, device))
+                tok = logits.logits[:, -1].argmax(dim=-1, keepdim=True)
+    busy = prof.result()["decode"]
+    kernels: Counter = Counter()
+    for name, on_device, start, end, _activity in prof.spans:
+        if on_device and not name.startswith(WINDOW_PREFIX):
+            kernels[name[:120]] += (end - start) / 1e3 / steps
+    return {"steps": steps, "wall_ms": busy.wall_ms / steps, "kernel_ms": busy.kernel_ms / steps,
+            "copy_ms": busy.copy_ms / steps, "host_wait_ms": busy.wait_ms / steps,
+            "top_device_ms": [{"name": n, "ms_per_step": round(ms, 3)} for n, ms in kernels.most_common(12)],
+            "threads": thread_summary(prof.finished.events(), top=10)}
 
 
 def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, itemsize: int,
@@ -631,7 +670,7 @@ class Deadline:
 
 def run_method(method: str, mode: str, model: Any, src: KvSource, batch: int, context: int,
                args: argparse.Namespace, keep_logits: bool, first: torch.Tensor, steps: int,
-               harness: str = "fill") -> RunOut:
+               harness: str = "fill", profile_steps: int = 0) -> RunOut:
     filled = context - steps
     pool0 = ibpcache_pool_stats()
     cache = make_cache(method, mode, model, args, reserve_tokens(args, harness, context))
@@ -652,7 +691,7 @@ def run_method(method: str, mode: str, model: Any, src: KvSource, batch: int, co
                 torch.cuda.synchronize()
             fill_s = prefill_s = time.perf_counter() - t0
         host_after_fill = host_snapshot()
-        out = decode(model, cache, first, filled, steps, args.warmup_tokens, keep_logits, args.device)
+        out = decode(model, cache, first, filled, steps, args.warmup_tokens, keep_logits, args.device, profile_steps)
         if harness == "forward":  # verification covers the prefill's token and logits too (step 0)
             out.tokens = torch.cat((first.cpu(), out.tokens), dim=1)
             if out.logits is not None:
@@ -730,6 +769,9 @@ def summarize_point(point: dict, runs: dict, skipped: dict, args: argparse.Names
                 repeat_outputs_identical=len({round(r.digest, 6) for r in done}) == 1
                 and all(torch.equal(r.tokens, done[0].tokens) for r in done),
                 host=done[-1].host, **done[-1].stats)
+            profiled = [r.profile for r in done if r.profile is not None]
+            if profiled:
+                rec["decode_profile"] = profiled[-1]
             if rec.get("raw_bytes") and rec.get("ratio"):
                 rec["host_bytes_over_raw_div_ratio"] = (rec.get("host_bytes") or 0) * rec["ratio"] / rec["raw_bytes"]
             if rec.get("host_slack_allowed_bytes") is not None:  # ours: the free part of one chunk per layer
@@ -907,6 +949,9 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(m for m in ORDER if m not in FORCED),
                    help=f"comma list of {', '.join(ORDER)} (default: all but the forced {', '.join(FORCED)})")
     p.add_argument("--decode-tokens", type=int, default=3, help="timed decode steps per run")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="in the last round, this many more decode steps per method run under the profiler (not "
+                        "timed): host vs device time per step, kernels, threads (JSON: decode_profile)")
     p.add_argument("--warmup-tokens", type=int, default=2,
                    help="untimed decode steps first in every run (sparse: step 1 speculates eagerly, step 2 captures "
                         "the CUDA graphs of a k seen twice)")
@@ -1196,7 +1241,7 @@ def main(argv: "list | None" = None) -> None:
                 t0 = time.perf_counter()
                 try:
                     out = run_method(method, mode, model, src, batch, context, args, keep, first, steps,
-                                     harness)
+                                     harness, args.profile_steps if rnd == args.repeats - 1 else 0)
                     out.pinned = pinned
                     out.run_s = time.perf_counter() - t0
                     deadline.learn((harness, method), fill_gb, out.fill_s, steps, step_gb,
@@ -1212,6 +1257,12 @@ def main(argv: "list | None" = None) -> None:
                           f"system used {h.get('system_used_gb', 0):.1f} GB, pinned pool "
                           f"{h.get('pinned_pool_gb', 0):.1f} GB; run {time.perf_counter() - t0:.1f} s",
                           flush=True)
+                    if out.profile is not None:
+                        pr = out.profile
+                        print(f"    profiled {pr['steps']} steps: wall {pr['wall_ms']:.1f} ms/step, kernels "
+                              f"{pr['kernel_ms']:.1f}, copies {pr['copy_ms']:.1f}; top: " + ", ".join(
+                                  f"{k['name'][:40]} {k['ms_per_step']:.2f}" for k in pr["top_device_ms"][:4]),
+                              flush=True)
                 except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
                     msg = f"{type(exc).__name__}: {exc}"[:500]
                     runs.setdefault(method, []).append(msg)
