@@ -186,6 +186,7 @@ class HostPool:
             with self._cond:
                 if not self._work:
                     self._thread = None
+                    self._cond.notify_all()  # drain() waits for this
                     return
                 block = self._work[0]
                 size = self._sizes[block]
@@ -212,6 +213,19 @@ class HostPool:
                 self._register(slab)
                 self.background_bytes += slab.nbytes
                 self._cond.notify_all()
+
+    def drain(self, timeout: "float | None" = None) -> bool:
+        """Wait until the background thread has pinned every block :meth:`prepare` asked for (or stopped on an
+        error); False if ``timeout`` seconds passed first. For a caller that must know the pool's size is settled
+        (a measurement, a test), never needed before :meth:`take`, which waits for the blocks it needs itself."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with self._cond:
+            while self._work or any(s.pending for s in self._sizes.values()):
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
 
     # -- release and reporting --------------------------------------------------------------------------------
     def trim(self) -> int:

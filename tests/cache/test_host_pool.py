@@ -79,6 +79,22 @@ def test_prepare_pins_ahead_on_a_background_thread_and_take_waits_for_it() -> No
     assert len(mem.calls) == n_calls
 
 
+def test_drain_waits_until_every_prepared_block_is_pinned() -> None:
+    mem = _Memory(delay=0.05)
+    pool = _pool(mem)
+    assert pool.drain(timeout=0)  # nothing asked: settled at once
+    pool.prepare(4096, 100)
+    pool.prepare(8192, 40)
+    assert not pool.drain(timeout=0.01)  # slabs of 0.05 s each still to come
+    assert pool.drain(timeout=10)
+    st = pool.stats()
+    assert st["pending_blocks"] == 0 and st["free_bytes"] >= 100 * 4096 + 40 * 8192
+    assert st["background_bytes"] == st["pinned_bytes"]
+    n_calls = len(mem.calls)
+    time.sleep(0.2)
+    assert len(mem.calls) == n_calls  # nothing was left to pin after drain returned
+
+
 def test_trim_frees_whole_free_slabs_only() -> None:
     mem = _Memory()
     pool = _pool(mem)
