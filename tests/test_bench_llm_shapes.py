@@ -30,7 +30,7 @@ def tiny_run(tmp_path_factory: Any, shared_data_dir: Path) -> dict:
 
     res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "tiny", "--device", "cpu", "--quick",
                           "--repeats", "2", "--cpu-threads", "1", "--harness", "fill,forward", "--out", str(out),
-                          "--profile-steps", "2",
+                          "--profile-steps", "2", "--paired", "ibpcache,ibpcache_raw",
                           "--methods", ",".join(ORDER)],  # the forced methods too
                          capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
                                                                            "IBPCACHE_SHARED": str(shared_data_dir)})
@@ -85,6 +85,33 @@ def test_profiled_steps_say_where_a_step_went_without_changing_the_timed_ones(ti
             assert threads and sum(t["ops"] for t in threads.values()) > 0
             assert any(op["name"].startswith("aten::") for op in prof["threads"]["top_ops"])
             assert len(m["steps_ms_per_round"][-1]) == p["decode_tokens"]  # the profiled steps are not timed
+
+
+def test_paired_steps_alternate_both_caches_and_agree(tiny_run: dict) -> None:
+    for p in tiny_run["points"]:
+        pr = p["paired"]
+        assert pr["methods"] == ["ibpcache", "ibpcache_raw"] and pr["tokens_equal"]
+        assert [r["built_first"] for r in pr["rounds"]] == ["ibpcache", "ibpcache_raw"]  # two rounds, order swapped
+        for r in pr["rounds"]:
+            assert set(r["ms"]) == {"ibpcache", "ibpcache_raw"}
+            assert all(len(x) == p["decode_tokens"] and min(x) > 0 for x in r["ms"].values())
+            if p["harness"] == "forward":
+                assert set(r["prefill_s"]) == {"ibpcache", "ibpcache_raw"}
+        assert pr["steps"] == 2 * p["decode_tokens"]
+        assert pr["ratio_p10"] <= pr["ratio_step_median"] <= pr["ratio_p90"]
+        t = p["targets"]["compression_target_paired"]
+        assert t["value"] == pr["ratio_step_median"] and t["met"] == (t["value"] <= 1.0)
+
+
+def test_paired_summary_ratios_are_per_step() -> None:
+    from scripts.lib.llm_shapes import paired_summary
+
+    rounds = [{"ms": {"a": [10.0, 20.0, 40.0], "b": [20.0, 20.0, 20.0]}, "tokens_equal": True},
+              {"ms": {"a": [30.0], "b": [10.0]}, "tokens_equal": False}]
+    s = paired_summary(rounds, "a", "b")
+    assert s["steps"] == 4 and s["ratio_step_median"] == 1.5  # ratios 0.5, 1, 2, 3
+    assert s["ratio_by_round"] == [1.0, 3.0] and s["ratio_of_medians"] == 25.0 / 20.0
+    assert s["ms_per_token"] == {"a": 25.0, "b": 20.0} and not s["tokens_equal"]
 
 
 def test_forced_methods_run_only_when_asked() -> None:

@@ -32,6 +32,12 @@ Methods, one after another in the same process (each store freed, pinned memory 
   ibpcache_exp          forced, not in the default list: ours with ``codec="exponent"`` (bf16/fp16), used as named
                         (sparse: no raw fallback), so the planner's choice can be checked against it
 
+``--paired A,B`` (e.g. ``ibpcache,ibpcache_raw``): after a point's rounds, both caches are filled and decoded in
+turn, one step of each, so the two are timed in the same host state (the plain loop's steps are host-bound: the
+device runs ~20 of 36-75 ms per Llama-8B sparse step); per-step ratios go to ``point['paired']``.
+``--profile-steps N``: in the last round, N more steps per method under an all-threads profile (not timed): host
+vs device time per step, the kernels, each thread's launches (``decode_profile``).
+
 Dense mode: every method, lossless, so next-token logits must equal the reference's bit for bit (dynamic_gpu where
 it ran, else hf_offloaded, else infinigen_cpu_gather). Sparse mode (InfiniGen-style selection of
 ``IBPOffloadedCache(mode="sparse")``): infinigen_cpu_gather, ibpcache_raw and ibpcache, which must agree exactly.
@@ -558,6 +564,84 @@ def profile_decode(model: Any, cache: Any, tok: torch.Tensor, position: int, ste
             "threads": thread_summary(prof.finished.events(), top=10)}
 
 
+def paired_decode(model: Any, caches: list, firsts: list, filled: int, steps: int, warmup: int,
+                  device: str) -> "tuple[list, list]":
+    """Greedy decode steps of several caches, one step of each in turn (the order reversed every step), each timed
+    alone (a device sync before it; CUDA events around it). Why: the plain loop's steps are bound by the host's
+    launch rate, which drifts by up to 2x over seconds on a shared machine (docs/results/2026-11-26-h200-s32), so
+    two methods timed one after another compare host states, not caches; steps taken in turn see the same one.
+    Returns (per cache the timed steps' ms, per cache its tokens [B, steps])."""
+    fk = _forward_kwargs(model)
+    cuda = device == "cuda"
+    toks = list(firsts)
+    ms: list = [[] for _ in caches]
+    seen: list = [[] for _ in caches]
+    with torch.no_grad():
+        for s in range(steps):
+            for i in (range(len(caches)) if s % 2 == 0 else reversed(range(len(caches)))):
+                kw = _step_kwargs(fk, caches[i], toks[i].shape[0], filled + s, device)
+                if cuda:
+                    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    ev0.record()
+                t0 = time.perf_counter()
+                toks[i] = model(input_ids=toks[i], **kw).logits[:, -1].argmax(dim=-1, keepdim=True)
+                if cuda:
+                    ev1.record()
+                    torch.cuda.synchronize()
+                if s >= warmup:
+                    ms[i].append(ev0.elapsed_time(ev1) if cuda else (time.perf_counter() - t0) * 1e3)
+                seen[i].append(toks[i].cpu())
+    return ms, [torch.cat(t, dim=1) for t in seen]
+
+
+def run_paired(methods: list, mode: str, model: Any, src: KvSource, batch: int, context: int,
+               args: argparse.Namespace, first: torch.Tensor, steps: int, harness: str) -> dict:
+    """Both methods' caches filled (forward: the same prompt's prefill through each), then their decode steps taken
+    in turn (:func:`paired_decode`); per-step ratios of the first method's time over the second's."""
+    filled = context - steps
+    caches: list = []
+    firsts: list = []
+    prefill: dict = {}
+    try:
+        for method in methods:
+            cache = make_cache(method, mode, model, args, reserve_tokens(args, harness, context))
+            caches.append(cache)
+            if harness == "forward":
+                ids = prompt_ids(model.config.vocab_size, batch, filled, args.seed, args.device)
+                tok, _logits, prefill_s, _stored_s = prefill_forward(model, cache, ids, args.device)
+                prefill[method] = prefill_s
+                firsts.append(tok)
+            else:
+                fill_cache(cache, method, mode, model, src, batch, filled, args)
+                if hasattr(cache, "flush"):
+                    cache.flush()
+                firsts.append(first)
+        ms, tokens = paired_decode(model, caches, firsts, filled, steps, args.warmup_tokens, args.device)
+    finally:
+        for cache in caches:
+            if hasattr(cache, "close"):
+                cache.close()
+        caches.clear()
+        free_everything(args.device)
+    return {"built_first": methods[0], "ms": dict(zip(methods, ms)), "prefill_s": prefill,
+            "tokens_equal": all(torch.equal(t, tokens[0]) for t in tokens)}
+
+
+def paired_summary(rounds: list, a: str, b: str) -> dict:
+    """``a`` over ``b`` from :func:`run_paired` rounds: the median and spread of the per-step ratios (steps taken
+    in turn), the ratio of the median steps, per round and over all."""
+    ratios = [x / y for r in rounds for x, y in zip(r["ms"][a], r["ms"][b])]
+    steps_a = [x for r in rounds for x in r["ms"][a]]
+    steps_b = [y for r in rounds for y in r["ms"][b]]
+    return {"methods": [a, b], "rounds": rounds, "steps": len(ratios),
+            "ms_per_token": {a: _median(steps_a), b: _median(steps_b)},
+            "ratio_step_median": _median(ratios), "ratio_p10": _pct(ratios, 0.1), "ratio_p90": _pct(ratios, 0.9),
+            "ratio_of_medians": _median(steps_a) / _median(steps_b) if steps_b else None,
+            "ratio_by_round": [_median([x / y for x, y in zip(r["ms"][a], r["ms"][b])]) for r in rounds],
+            "tokens_equal": all(r["tokens_equal"] for r in rounds)}
+
+
 def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, itemsize: int,
                 count_bytes: bool = False) -> dict:
     """Store size and traffic of a method's cache after its decode steps."""
@@ -872,6 +956,13 @@ def targets(point: dict, args: argparse.Namespace) -> dict:
             out["sparse_compression_target"] = {"want": "ibpcache ms/token <= 1.0 x ibpcache_raw", "value": p["ratio"],
                                                 "met": p["ratio"] <= 1.0,
                                                 "met_every_round": all(r <= 1.0 for r in p["ratio_by_round"])}
+    pr = point.get("paired")
+    if pr and pr.get("methods") == ["ibpcache", "ibpcache_raw"] and "ratio_step_median" in pr:
+        bound = 1.0
+        out["compression_target_paired"] = {
+            "want": f"ibpcache <= {bound} x ibpcache_raw, decode steps taken in turn (median per-step ratio)",
+            "value": pr["ratio_step_median"], "met": pr["ratio_step_median"] <= bound and pr["tokens_equal"],
+            "met_every_round": all(r <= bound for r in pr["ratio_by_round"]), "steps": pr["steps"]}
     ours = m.get("ibpcache", {})
     if ours.get("host_bytes_over_raw_div_ratio") is not None:
         allowed = ours.get("host_slack_allowed_bytes")
@@ -949,6 +1040,10 @@ def parse_args(argv: list) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(m for m in ORDER if m not in FORCED),
                    help=f"comma list of {', '.join(ORDER)} (default: all but the forced {', '.join(FORCED)})")
     p.add_argument("--decode-tokens", type=int, default=3, help="timed decode steps per run")
+    p.add_argument("--paired", default=None, metavar="A,B",
+                   help="after each point's rounds, also decode A's and B's caches in turn, step by step (same host "
+                        "state: the plain loop is host-bound), --paired-rounds times; JSON: point['paired']")
+    p.add_argument("--paired-rounds", type=int, default=2)
     p.add_argument("--profile-steps", type=int, default=0,
                    help="in the last round, this many more decode steps per method run under the profiler (not "
                         "timed): host vs device time per step, kernels, threads (JSON: decode_profile)")
@@ -1046,6 +1141,40 @@ def plan(args: argparse.Namespace) -> list:
                              "host_gb_est": host / GB, "gpu_gb_est": gpu / GB, "runs": args.repeats,
                              "skip": why})
     return rows
+
+
+def run_pairs(point: dict, model: Any, src: KvSource, batch: int, context: int, args: argparse.Namespace,
+              first: torch.Tensor, steps: int, harness: str, mode: str) -> None:
+    """``--paired A,B`` at one point: ``--paired-rounds`` rounds of :func:`run_paired` (which cache is built first
+    alternates), summarized into ``point['paired']`` (:func:`paired_summary`), or the reason it did not run."""
+    a, b = args.paired.split(",")
+    if mode == "sparse" and not {a, b} <= set(SPARSE_METHODS):
+        point["paired"] = {"methods": [a, b], "skipped": "not both sparse methods"}
+        return
+    itemsize = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    need = sum(host_estimate(m, model.config, batch, context, itemsize, reserved=reserve_tokens(args, harness, context)
+                             > 0) for m in (a, b))
+    if need > 0.9 * _meminfo().get("MemAvailable", 1 << 50):
+        point["paired"] = {"methods": [a, b], "skipped": f"host memory: both stores need ~{need / GB:.1f} GB"}
+        return
+    rounds = []
+    for r in range(args.paired_rounds):
+        order = [a, b] if r % 2 == 0 else [b, a]
+        try:
+            rounds.append(run_paired(order, mode, model, src, batch, context, args, first, steps, harness))
+        except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+            point["paired_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"  [{harness} b{batch} ctx{context} {mode}] paired {a},{b}: ERROR {point['paired_error']}",
+                  flush=True)
+            free_everything(args.device)
+            break
+    if rounds:
+        point["paired"] = paired_summary(rounds, a, b)
+        pr = point["paired"]
+        print(f"  [{harness} b{batch} ctx{context} {mode}] paired {a} / {b}: per-step ratio median "
+              f"{pr['ratio_step_median']:.3f} (p10 {pr['ratio_p10']:.3f}, p90 {pr['ratio_p90']:.3f}; by round "
+              + ", ".join(f"{x:.3f}" for x in pr["ratio_by_round"]) + f"), {pr['ms_per_token'][a]:.1f} vs "
+              f"{pr['ms_per_token'][b]:.1f} ms/token, tokens equal {pr['tokens_equal']}", flush=True)
 
 
 def _meta_model(cfg: Any) -> Any:
@@ -1270,6 +1399,8 @@ def main(argv: "list | None" = None) -> None:
                     free_everything(args.device)
                 summarize_point(point, runs, skipped, args)
                 save()
+        if args.paired:
+            run_pairs(point, model, src, batch, context, args, first, steps, harness, mode)
         summarize_point(point, runs, skipped, args)
         save()
     bar.close()
@@ -1279,7 +1410,8 @@ def main(argv: "list | None" = None) -> None:
             "skipped"]
     print(format_table(flat_records(points), cols))
     for p in points:
-        for key in ("dense_target", "sparse_target", "sparse_compression_target", "host_target",
+        for key in ("dense_target", "sparse_target", "sparse_compression_target", "compression_target_paired",
+                    "host_target",
                     "prefill_ibpcache_over_ibpcache_raw", "prefill_ibpcache_over_hf_offloaded"):
             if key in p.get("targets", {}):
                 t = p["targets"][key]
