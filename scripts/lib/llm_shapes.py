@@ -356,6 +356,7 @@ class RunOut:
     run_s: float = 0.0
     pool: dict = field(default_factory=dict)  # ibpcache's pinned pool during the run: bytes pinned, pin seconds
     profile: "dict | None" = None  # profile_decode of the steps after the timed ones (--profile-steps)
+    decode_unix: tuple = ()  # wall-clock start and end of the decode steps (to line runs up with system samples)
 
 
 def ibp_kwargs(args: argparse.Namespace) -> dict:
@@ -505,6 +506,7 @@ def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int,
     out = RunOut(logits=[] if keep_logits else None)
     tok = first
     toks, digest = [], 0.0
+    started = time.time()
     with torch.no_grad():
         for s in range(steps):
             kw = _step_kwargs(fk, cache, tok.shape[0], filled + s, device)
@@ -529,6 +531,7 @@ def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int,
                 out.logits.append(lg)
     out.tokens = torch.cat(toks, dim=1)
     out.digest = digest
+    out.decode_unix = (started, time.time())
     if profile_steps > 0:
         out.profile = profile_decode(model, cache, tok, filled + steps, profile_steps, device)
     return out
@@ -570,12 +573,13 @@ def paired_decode(model: Any, caches: list, firsts: list, filled: int, steps: in
     alone (a device sync before it; CUDA events around it). Why: the plain loop's steps are bound by the host's
     launch rate, which drifts by up to 2x over seconds on a shared machine (docs/results/2026-11-26-h200-s32), so
     two methods timed one after another compare host states, not caches; steps taken in turn see the same one.
-    Returns (per cache the timed steps' ms, per cache its tokens [B, steps])."""
+    Returns (per cache the timed steps' ms, per cache its tokens [B, steps], wall-clock start and end)."""
     fk = _forward_kwargs(model)
     cuda = device == "cuda"
     toks = list(firsts)
     ms: list = [[] for _ in caches]
     seen: list = [[] for _ in caches]
+    started = time.time()
     with torch.no_grad():
         for s in range(steps):
             for i in (range(len(caches)) if s % 2 == 0 else reversed(range(len(caches)))):
@@ -592,7 +596,7 @@ def paired_decode(model: Any, caches: list, firsts: list, filled: int, steps: in
                 if s >= warmup:
                     ms[i].append(ev0.elapsed_time(ev1) if cuda else (time.perf_counter() - t0) * 1e3)
                 seen[i].append(toks[i].cpu())
-    return ms, [torch.cat(t, dim=1) for t in seen]
+    return ms, [torch.cat(t, dim=1) for t in seen], (started, time.time())
 
 
 def run_paired(methods: list, mode: str, model: Any, src: KvSource, batch: int, context: int,
@@ -617,14 +621,14 @@ def run_paired(methods: list, mode: str, model: Any, src: KvSource, batch: int, 
                 if hasattr(cache, "flush"):
                     cache.flush()
                 firsts.append(first)
-        ms, tokens = paired_decode(model, caches, firsts, filled, steps, args.warmup_tokens, args.device)
+        ms, tokens, span = paired_decode(model, caches, firsts, filled, steps, args.warmup_tokens, args.device)
     finally:
         for cache in caches:
             if hasattr(cache, "close"):
                 cache.close()
         caches.clear()
         free_everything(args.device)
-    return {"built_first": methods[0], "ms": dict(zip(methods, ms)), "prefill_s": prefill,
+    return {"built_first": methods[0], "ms": dict(zip(methods, ms)), "prefill_s": prefill, "decode_unix": span,
             "tokens_equal": all(torch.equal(t, tokens[0]) for t in tokens)}
 
 
@@ -847,7 +851,7 @@ def summarize_point(point: dict, runs: dict, skipped: dict, args: argparse.Names
                 fill_s_per_round=[r.fill_s for r in done], run_s_per_round=[r.run_s for r in done],
                 prefill_s=_median([r.prefill_s for r in done]), prefill_s_per_round=[r.prefill_s for r in done],
                 prefill_stored_s=_median([r.fill_s for r in done]),
-                host_pool_per_round=[r.pool for r in done],
+                host_pool_per_round=[r.pool for r in done], decode_unix_per_round=[r.decode_unix for r in done],
                 pinned_pool_per_round=[r.pinned for r in done],
                 fill_checksum=done[0].fill_checksum,
                 repeat_outputs_identical=len({round(r.digest, 6) for r in done}) == 1
