@@ -1,6 +1,8 @@
-"""Experiment: why did exponent-coded sparse KV rows decode 1.69x slower than raw rows at the Llama-8B shape, batch 4,
-32k context (docs/results/2026-11-26-h100-s31), when the planner's probe (``append_store.measure_scattered``) had
-timed them 13.5% faster on the same machine?
+"""Experiment: do exponent-coded sparse KV rows read slower than raw rows once reads spread like a decode step's?
+(Asked when a 32k x 4 Llama-8B run decoded coded rows at 1.69x raw, docs/results/2026-11-26-h100-s31, against an idle
+probe that timed them 13.5% faster. Answer, docs/results/2026-11-26-h200-s32: no, 0.90-0.93x raw at every spread and
+selection; that run's gap was the machine's state drifting between runs: `bench_llm.py --paired` measures both in
+turn.)
 
 The probe differs from a decode step in two ways tested here, on the 32k x 4 geometry (32 rows per token: 4
 sequences x 8 KV heads, 32768 tokens, 400 selected per (sequence, head), head dim 128, bf16 rows of real SmolLM2 K):
