@@ -906,7 +906,7 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path), "--tables", "3", "--rows-per-table",
            "400", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05,0.2", "--bags", "1,3", "--iters",
-           "3", "--warmup", "1", "--budget-s", "5", "--drift-period", "3"]
+           "3", "--warmup", "1", "--budget-s", "5", "--drift-period", "3", "--paired", "ibpcache:ibpcache_raw"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     payload = json.loads((tmp_path / "bench_dlrm.json").read_text())
@@ -928,6 +928,30 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
                           {"ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged"})
     assert payload["meta"]["targets"]["lines"]
     assert (tmp_path / "bench_dlrm.png").exists()
+    paired = payload["paired"]  # both modules stepped in turn at every point, outputs verified
+    assert {(r["trace"], r["dtype"], r["bag"], r["batch"], r["cache_ratio"]) for r in paired} == {
+        (p["trace"], p["dtype"], p["bag"], p["batch"], p["cache_ratio"]) for p in points}
+    for r in paired:
+        assert r["status"] == "ok" and r["verified"] and r["pair"] == ["ibpcache", "ibpcache_raw"]
+        assert set(r["methods"]) == {"ibpcache", "ibpcache_raw"} and r["steps"] >= 1
+        assert all(m["median_ms"] > 0 and 0 <= m["hit_rate"] <= 1 for m in r["methods"].values())
+        assert r["speedup_p10"] <= r["speedup_step_median"] <= r["speedup_p90"]
+    judged = [x for x in payload["meta"]["targets"]["lines"] if "steps in turn with ibpcache_raw" in x]
+    assert len(judged) == len(paired)
+
+
+def test_bench_dlrm_judges_paired_windows_like_the_sequential_ones() -> None:
+    from scripts.bench_dlrm import check_targets
+
+    base = {"trace": "zipf-stable", "dtype": "fp32", "row_bytes": 512, "batch": 4096, "cache_ratio": 0.1, "status": "ok"}
+    paired = [{**base, "pair": ["ibpcache", "fbgemm_lfu"], "speedup_step_median": 2.1},  # needs 2x here: met
+              {**base, "batch": 1024, "pair": ["ibpcache", "fbgemm_lru"], "speedup_step_median": 1.4},  # 1.5x: missed
+              {**base, "pair": ["ibpcache", "ibpcache_raw"], "speedup_step_median": 0.97},  # a forced setting: 0.95x
+              {**base, "pair": ["ibpcache_raw", "ibpcache"], "speedup_step_median": 0.5},  # not ours first: not judged
+              {**base, "pair": ["ibpcache", "fbgemm_lfu"], "status": "error"}]
+    t = check_targets([], paired)
+    assert len(t["missed"]) == 1 and "fbgemm_lru: 1.400x (target 1.5x)" in t["missed"][0]
+    assert sum("steps in turn" in x for x in t["lines"]) == 3
 
 
 def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
