@@ -62,7 +62,8 @@ per-step ratio (``speedup_step_median``: the second's step time over the first's
 
 Writes bench_dlrm.json (``{"points": [{"trace", "dtype", "row_bytes", "batch", "cache_ratio", "bag", "mode",
 "methods": {name: {"M_lookups_per_s", "hit_rate", "oracle_hit_rate", "runs", ...}}}], "paired": [{..., "pair",
-"speedup_step_median", "methods": {name: {"median_ms", "hit_rate", ...}}}]}``) and bench_dlrm.png under --out. ``--quick`` (with ``--device cpu``: a CPU smoke run of our methods) shrinks everything.
+"speedup_step_median", "methods": {name: {"median_ms", "hit_rate", ...}}}]}``) and bench_dlrm.png under --out.
+``--quick`` (with ``--device cpu``: a CPU smoke run of our methods) shrinks everything.
 """
 
 from __future__ import annotations
@@ -471,7 +472,8 @@ def paired_window(pair: "tuple[Method, Method]", trace: Trace, table_dev: torch.
     per = {}
     for m, t, bf, af in zip(pair, times, before, after):
         med = float(np.median(t))
-        per[m.name] = {"median_ms": med, "M_lookups_per_s": lookups / (med * 1e-3) / 1e6, **_counter_fields(bf, af, len(t))}
+        per[m.name] = {"median_ms": med, "M_lookups_per_s": lookups / (med * 1e-3) / 1e6,
+                       **_counter_fields(bf, af, len(t))}
     speedup = np.asarray([b / a for a, b in zip(*times)])
     return {"status": "ok", "steps": len(speedup), "methods": per, "verified": ok,
             "speedup_step_median": float(np.median(speedup)), "speedup_p10": float(np.percentile(speedup, 10)),
@@ -504,10 +506,10 @@ def run_pairs(pairs: list[tuple[str, str]], table: torch.Tensor, table_dev: torc
                         rec.update(status="error", error=f"{type(exc).__name__}: {exc}")
                     first = False
                     out.append(rec)
+                    nan = float("nan")
                     print(f"  {trace_name} {base['dtype']} {base['row_bytes']} B cache {ratio:g} bag {bag} batch "
-                          f"{batch} paired {a} vs {b}: {b}'s step / {a}'s {rec.get('speedup_step_median', float('nan')):.3f} "
-                          f"(p10 {rec.get('speedup_p10', float('nan')):.3f}, p90 {rec.get('speedup_p90', float('nan')):.3f})",
-                          flush=True)
+                          f"{batch} paired {a} vs {b}: {b}'s step / {a}'s {rec.get('speedup_step_median', nan):.3f} "
+                          f"(p10 {rec.get('speedup_p10', nan):.3f}, p90 {rec.get('speedup_p90', nan):.3f})", flush=True)
         del pair
         free_memory()
     return out

@@ -545,7 +545,8 @@ def profile_decode(model: Any, cache: Any, tok: torch.Tensor, position: int, ste
 
     Per step (milliseconds, means): ``wall_ms`` (the window, a device sync at its end), ``kernel_ms``/``copy_ms``
     (union of kernels, of copies), ``host_wait_ms`` (the host in blocking CUDA calls); ``top_device_ms``: device
-    time per step by kernel; ``threads``: :func:`ibpcache.testing.stages.thread_summary` (host time, launches per thread)."""
+    time per step by kernel; ``threads``: :func:`ibpcache.testing.stages.thread_summary` (host time, launches per
+    thread)."""
     from collections import Counter
 
     from ibpcache.testing.stages import WINDOW_PREFIX, StageProfile, thread_summary

@@ -943,7 +943,8 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
 def test_bench_dlrm_judges_paired_windows_like_the_sequential_ones() -> None:
     from scripts.bench_dlrm import check_targets
 
-    base = {"trace": "zipf-stable", "dtype": "fp32", "row_bytes": 512, "batch": 4096, "cache_ratio": 0.1, "status": "ok"}
+    base = {"trace": "zipf-stable", "dtype": "fp32", "row_bytes": 512, "batch": 4096, "cache_ratio": 0.1,
+            "status": "ok"}
     paired = [{**base, "pair": ["ibpcache", "fbgemm_lfu"], "speedup_step_median": 2.1},  # needs 2x here: met
               {**base, "batch": 1024, "pair": ["ibpcache", "fbgemm_lru"], "speedup_step_median": 1.4},  # 1.5x: missed
               {**base, "pair": ["ibpcache", "ibpcache_raw"], "speedup_step_median": 0.97},  # a forced setting: 0.95x
