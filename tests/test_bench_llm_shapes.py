@@ -91,6 +91,8 @@ def test_paired_steps_alternate_both_caches_and_agree(tiny_run: dict) -> None:
     for p in tiny_run["points"]:
         pr = p["paired"]
         assert pr["methods"] == ["ibpcache", "ibpcache_raw"] and pr["tokens_equal"]
+        assert pr["tokens_equal_runs"] is True  # each paired decode reproduces its own round-robin run's tokens
+        assert all("_tokens" not in r for r in pr["rounds"])
         assert [r["built_first"] for r in pr["rounds"]] == ["ibpcache", "ibpcache_raw"]  # two rounds, order swapped
         for r in pr["rounds"]:
             assert set(r["ms"]) == {"ibpcache", "ibpcache_raw"}
@@ -103,15 +105,26 @@ def test_paired_steps_alternate_both_caches_and_agree(tiny_run: dict) -> None:
         assert t["value"] == pr["ratio_step_median"] and t["met"] == (t["value"] <= 1.0)
 
 
+def test_paired_tokens_are_checked_against_the_round_robin_runs() -> None:
+    from scripts.lib.llm_shapes import RunOut, same_tokens_as_runs
+
+    run = RunOut(tokens=torch.tensor([[7, 1, 2, 3]]))  # forward harness: the prefill's token first
+    assert same_tokens_as_runs({"a": torch.tensor([[1, 2, 3]])}, {"a": ["error", run]}, "forward") is True
+    assert same_tokens_as_runs({"a": torch.tensor([[1, 2, 4]])}, {"a": [run]}, "forward") is False
+    assert same_tokens_as_runs({"a": torch.tensor([[7, 1, 2, 3]])}, {"a": [run]}, "fill") is True
+    assert same_tokens_as_runs({"a": torch.tensor([[1, 2, 3]])}, {"b": [run]}, "forward") is None
+
+
 def test_paired_summary_ratios_are_per_step() -> None:
     from scripts.lib.llm_shapes import paired_summary
 
-    rounds = [{"ms": {"a": [10.0, 20.0, 40.0], "b": [20.0, 20.0, 20.0]}, "tokens_equal": True},
-              {"ms": {"a": [30.0], "b": [10.0]}, "tokens_equal": False}]
+    rounds = [{"ms": {"a": [10.0, 20.0, 40.0], "b": [20.0, 20.0, 20.0]}, "tokens_equal": True,
+               "tokens_equal_runs": True},
+              {"ms": {"a": [30.0], "b": [10.0]}, "tokens_equal": False, "tokens_equal_runs": None}]
     s = paired_summary(rounds, "a", "b")
     assert s["steps"] == 4 and s["ratio_step_median"] == 1.5  # ratios 0.5, 1, 2, 3
     assert s["ratio_by_round"] == [1.0, 3.0] and s["ratio_of_medians"] == 25.0 / 20.0
-    assert s["ms_per_token"] == {"a": 25.0, "b": 20.0} and not s["tokens_equal"]
+    assert s["ms_per_token"] == {"a": 25.0, "b": 20.0} and not s["tokens_equal"] and s["tokens_equal_runs"] is None
 
 
 def test_forced_methods_run_only_when_asked() -> None:

@@ -630,7 +630,21 @@ def run_paired(methods: list, mode: str, model: Any, src: KvSource, batch: int, 
         caches.clear()
         free_everything(args.device)
     return {"built_first": methods[0], "ms": dict(zip(methods, ms)), "prefill_s": prefill, "decode_unix": span,
-            "tokens_equal": all(torch.equal(t, tokens[0]) for t in tokens)}
+            "tokens_equal": all(torch.equal(t, tokens[0]) for t in tokens), "_tokens": dict(zip(methods, tokens))}
+
+
+def same_tokens_as_runs(tokens: dict, runs: dict, harness: str) -> "bool | None":
+    """Whether each method's paired decode produced the tokens of its own round-robin run (verified against the
+    point's reference there); None where a method has no such run. The forward harness's runs also hold the
+    prefill's token, first."""
+    verdicts = []
+    for method, got in tokens.items():
+        ref = next((r for r in runs.get(method, []) if isinstance(r, RunOut)), None)
+        if ref is None or ref.tokens is None:
+            return None
+        want = ref.tokens[:, 1:] if harness == "forward" else ref.tokens
+        verdicts.append(torch.equal(got, want))
+    return all(verdicts)
 
 
 def paired_summary(rounds: list, a: str, b: str) -> dict:
@@ -644,7 +658,9 @@ def paired_summary(rounds: list, a: str, b: str) -> dict:
             "ratio_step_median": _median(ratios), "ratio_p10": _pct(ratios, 0.1), "ratio_p90": _pct(ratios, 0.9),
             "ratio_of_medians": _median(steps_a) / _median(steps_b) if steps_b else None,
             "ratio_by_round": [_median([x / y for x, y in zip(r["ms"][a], r["ms"][b])]) for r in rounds],
-            "tokens_equal": all(r["tokens_equal"] for r in rounds)}
+            "tokens_equal": all(r["tokens_equal"] for r in rounds),
+            "tokens_equal_runs": (None if any(r.get("tokens_equal_runs") is None for r in rounds)
+                                  else all(r["tokens_equal_runs"] for r in rounds))}
 
 
 def cache_stats(cache: Any, method: str, cfg: Any, batch: int, tokens: int, itemsize: int,
@@ -966,7 +982,8 @@ def targets(point: dict, args: argparse.Namespace) -> dict:
         bound = 1.0
         out["compression_target_paired"] = {
             "want": f"ibpcache <= {bound} x ibpcache_raw, decode steps taken in turn (median per-step ratio)",
-            "value": pr["ratio_step_median"], "met": pr["ratio_step_median"] <= bound and pr["tokens_equal"],
+            "value": pr["ratio_step_median"],
+            "met": pr["ratio_step_median"] <= bound and pr["tokens_equal"] and pr["tokens_equal_runs"] is not False,
             "met_every_round": all(r <= bound for r in pr["ratio_by_round"]), "steps": pr["steps"]}
     ours = m.get("ibpcache", {})
     if ours.get("host_bytes_over_raw_div_ratio") is not None:
@@ -1149,9 +1166,10 @@ def plan(args: argparse.Namespace) -> list:
 
 
 def run_pairs(point: dict, model: Any, src: KvSource, batch: int, context: int, args: argparse.Namespace,
-              first: torch.Tensor, steps: int, harness: str, mode: str) -> None:
+              first: torch.Tensor, steps: int, harness: str, mode: str, runs: "dict | None" = None) -> None:
     """``--paired A,B`` at one point: ``--paired-rounds`` rounds of :func:`run_paired` (which cache is built first
-    alternates), summarized into ``point['paired']`` (:func:`paired_summary`), or the reason it did not run."""
+    alternates), summarized into ``point['paired']`` (:func:`paired_summary`), or the reason it did not run.
+    ``runs``: the point's round-robin runs, whose tokens each paired decode must reproduce."""
     a, b = args.paired.split(",")
     if mode == "sparse" and not {a, b} <= set(SPARSE_METHODS):
         point["paired"] = {"methods": [a, b], "skipped": "not both sparse methods"}
@@ -1166,7 +1184,9 @@ def run_pairs(point: dict, model: Any, src: KvSource, batch: int, context: int, 
     for r in range(args.paired_rounds):
         order = [a, b] if r % 2 == 0 else [b, a]
         try:
-            rounds.append(run_paired(order, mode, model, src, batch, context, args, first, steps, harness))
+            rnd = run_paired(order, mode, model, src, batch, context, args, first, steps, harness)
+            rnd["tokens_equal_runs"] = same_tokens_as_runs(rnd.pop("_tokens"), runs or {}, harness)
+            rounds.append(rnd)
         except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
             point["paired_error"] = f"{type(exc).__name__}: {exc}"[:500]
             print(f"  [{harness} b{batch} ctx{context} {mode}] paired {a},{b}: ERROR {point['paired_error']}",
@@ -1179,7 +1199,8 @@ def run_pairs(point: dict, model: Any, src: KvSource, batch: int, context: int, 
         print(f"  [{harness} b{batch} ctx{context} {mode}] paired {a} / {b}: per-step ratio median "
               f"{pr['ratio_step_median']:.3f} (p10 {pr['ratio_p10']:.3f}, p90 {pr['ratio_p90']:.3f}; by round "
               + ", ".join(f"{x:.3f}" for x in pr["ratio_by_round"]) + f"), {pr['ms_per_token'][a]:.1f} vs "
-              f"{pr['ms_per_token'][b]:.1f} ms/token, tokens equal {pr['tokens_equal']}", flush=True)
+              f"{pr['ms_per_token'][b]:.1f} ms/token, tokens equal {pr['tokens_equal']} (to the round-robin runs': "
+              f"{pr['tokens_equal_runs']})", flush=True)
 
 
 def _meta_model(cfg: Any) -> Any:
@@ -1405,7 +1426,7 @@ def main(argv: "list | None" = None) -> None:
                 summarize_point(point, runs, skipped, args)
                 save()
         if args.paired:
-            run_pairs(point, model, src, batch, context, args, first, steps, harness, mode)
+            run_pairs(point, model, src, batch, context, args, first, steps, harness, mode, runs)
         summarize_point(point, runs, skipped, args)
         save()
     bar.close()
