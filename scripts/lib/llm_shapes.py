@@ -497,6 +497,22 @@ def _step_kwargs(fk: dict, cache: Any, b: int, position: int, device: str) -> di
     return kw
 
 
+def _timed_step(model: Any, tok: torch.Tensor, kw: dict, cuda: bool) -> "tuple[torch.Tensor, float, float]":
+    """One greedy decode forward, alone on the device (synced before and after): (its last logits [B, V], CUDA-event
+    ms (wall ms without CUDA), wall ms)."""
+    if cuda:
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        ev0.record()
+    t0 = time.perf_counter()
+    logits = model(input_ids=tok, **kw).logits[:, -1]
+    if cuda:
+        ev1.record()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    return logits, (ev0.elapsed_time(ev1) if cuda else wall), wall
+
+
 def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int, warmup: int, keep_logits: bool,
            device: str, profile_steps: int = 0) -> RunOut:
     """``steps`` greedy decode steps after ``filled`` cached tokens; the first ``warmup`` are not timed.
@@ -509,21 +525,11 @@ def decode(model: Any, cache: Any, first: torch.Tensor, filled: int, steps: int,
     started = time.time()
     with torch.no_grad():
         for s in range(steps):
-            kw = _step_kwargs(fk, cache, tok.shape[0], filled + s, device)
-            if cuda:
-                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                ev0.record()
-            t0 = time.perf_counter()
-            logits = model(input_ids=tok, **kw).logits[:, -1]
+            logits, ms, wall = _timed_step(model, tok, _step_kwargs(fk, cache, tok.shape[0], filled + s, device), cuda)
             tok = logits.argmax(dim=-1, keepdim=True)
-            if cuda:
-                ev1.record()
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) * 1e3
             if s >= warmup:
                 out.wall_ms.append(wall)
-                out.step_ms.append(ev0.elapsed_time(ev1) if cuda else wall)
+                out.step_ms.append(ms)
             toks.append(tok.cpu())
             lg = logits.cpu()
             digest += float(lg.double().sum())
@@ -585,17 +591,10 @@ def paired_decode(model: Any, caches: list, firsts: list, filled: int, steps: in
         for s in range(steps):
             for i in (range(len(caches)) if s % 2 == 0 else reversed(range(len(caches)))):
                 kw = _step_kwargs(fk, caches[i], toks[i].shape[0], filled + s, device)
-                if cuda:
-                    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    ev0.record()
-                t0 = time.perf_counter()
-                toks[i] = model(input_ids=toks[i], **kw).logits[:, -1].argmax(dim=-1, keepdim=True)
-                if cuda:
-                    ev1.record()
-                    torch.cuda.synchronize()
+                logits, step_ms, _wall = _timed_step(model, toks[i], kw, cuda)
+                toks[i] = logits.argmax(dim=-1, keepdim=True)
                 if s >= warmup:
-                    ms[i].append(ev0.elapsed_time(ev1) if cuda else (time.perf_counter() - t0) * 1e3)
+                    ms[i].append(step_ms)
                 seen[i].append(toks[i].cpu())
     return ms, [torch.cat(t, dim=1) for t in seen], (started, time.time())
 
@@ -612,16 +611,11 @@ def run_paired(methods: list, mode: str, model: Any, src: KvSource, batch: int, 
         for method in methods:
             cache = make_cache(method, mode, model, args, reserve_tokens(args, harness, context))
             caches.append(cache)
+            tok, _logits, prefill_s, _stored_s, _sum = fill_for(cache, method, mode, model, src, batch, filled, args,
+                                                                harness, first)
             if harness == "forward":
-                ids = prompt_ids(model.config.vocab_size, batch, filled, args.seed, args.device)
-                tok, _logits, prefill_s, _stored_s = prefill_forward(model, cache, ids, args.device)
                 prefill[method] = prefill_s
-                firsts.append(tok)
-            else:
-                fill_cache(cache, method, mode, model, src, batch, filled, args)
-                if hasattr(cache, "flush"):
-                    cache.flush()
-                firsts.append(first)
+            firsts.append(tok)
         ms, tokens, span = paired_decode(model, caches, firsts, filled, steps, args.warmup_tokens, args.device)
     finally:
         for cache in caches:
@@ -773,6 +767,28 @@ class Deadline:
         return None
 
 
+def fill_for(cache: Any, method: str, mode: str, model: Any, src: KvSource, batch: int, filled: int,
+             args: argparse.Namespace, harness: str, first: torch.Tensor
+             ) -> "tuple[torch.Tensor, torch.Tensor | None, float, float, float]":
+    """A cache's ``filled`` prompt tokens: the forward harness's prefill (its first token and logits), or the fill
+    harness's direct fill (``first`` given). Returns (first token, prefill logits or None, seconds to the first
+    token, seconds until every row is stored, checksum of what went in)."""
+    if harness == "forward":
+        ids = prompt_ids(model.config.vocab_size, batch, filled, args.seed, args.device)
+        tok, logits, prefill_s, fill_s = prefill_forward(model, cache, ids, args.device)
+        return tok, logits, prefill_s, fill_s, float(ids.sum())
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    checksum = fill_cache(cache, method, mode, model, src, batch, filled, args)
+    if hasattr(cache, "flush"):
+        cache.flush()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    fill_s = time.perf_counter() - t0
+    return first, None, fill_s, fill_s, checksum
+
+
 def run_method(method: str, mode: str, model: Any, src: KvSource, batch: int, context: int,
                args: argparse.Namespace, keep_logits: bool, first: torch.Tensor, steps: int,
                harness: str = "fill", profile_steps: int = 0) -> RunOut:
@@ -780,21 +796,8 @@ def run_method(method: str, mode: str, model: Any, src: KvSource, batch: int, co
     pool0 = ibpcache_pool_stats()
     cache = make_cache(method, mode, model, args, reserve_tokens(args, harness, context))
     try:
-        prefill_logits = None
-        if harness == "forward":
-            ids = prompt_ids(model.config.vocab_size, batch, filled, args.seed, args.device)
-            first, prefill_logits, prefill_s, fill_s = prefill_forward(model, cache, ids, args.device)
-            checksum = float(ids.sum())
-        else:
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            checksum = fill_cache(cache, method, mode, model, src, batch, filled, args)
-            if hasattr(cache, "flush"):
-                cache.flush()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            fill_s = prefill_s = time.perf_counter() - t0
+        first, prefill_logits, prefill_s, fill_s, checksum = fill_for(cache, method, mode, model, src, batch, filled,
+                                                                      args, harness, first)
         host_after_fill = host_snapshot()
         out = decode(model, cache, first, filled, steps, args.warmup_tokens, keep_logits, args.device, profile_steps)
         if harness == "forward":  # verification covers the prefill's token and logits too (step 0)
