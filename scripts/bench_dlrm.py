@@ -23,9 +23,11 @@ Methods (one module over all tables each, so one lookup call per step):
                  an HBM cache of ``cache_load_factor`` = the cache ratio), LFU or LRU, the same weights precision
                  (``SparseType.FP16`` for fp16; for bf16 tables its fp16 tables, the same bytes per row: FBGEMM 1.6
                  asserts ``cache_precision bf16 not supported``) and output precision; its UVM cache counters give
-                 its hit rate
+                 LRU's hit rate
                  (``1 - unique misses / requested ids``: it counts each distinct missed row once per step, so this
-                 is an upper bound of its per-lookup hit rate); staged by ../shared/tools/stage-fbgemm
+                 is an upper bound of its per-lookup hit rate); LFU's lookups count nothing (FBGEMM gathers the
+                 stats in its LRU path only): no hit rate, ``hit_rate_note`` says why; staged by
+                 ../shared/tools/stage-fbgemm
                  (FBGEMM's cached forward is not graph-safe: captured in a CUDA graph it replayed exactly on a stable
                  trace but faulted with an illegal address once the hot set drifted, on an H200, 2026-11-26; so it
                  runs eagerly, as TorchRec runs it)
@@ -379,6 +381,11 @@ def _counter_fields(before: dict[str, Any], after: dict[str, Any], steps: int) -
     res: dict[str, Any] = {}
     if "requests" in after:
         d = {k: after[k] - before.get(k, 0.0) for k in after if isinstance(after[k], float)}
+        if steps > 0 and d["requests"] == 0.0:
+            # FBGEMM 1.6 gathers its UVM cache stats in the LRU lookup only (its LFU populate takes no stats
+            # tensor): a counter that did not move is no hit rate of 0.
+            res["hit_rate_note"] = "not counted: the cache's counters did not move during the timed steps"
+            return res
         res["hit_rate"] = d["hits"] / max(d["requests"], 1.0)
         if "unique_misses" in d:
             res["unique_hit_rate"] = 1.0 - d["unique_misses"] / max(d["unique"], 1.0)

@@ -1420,3 +1420,16 @@ def test_table_batched_bags_over_a_node_cache(tmp_path) -> None:
                                                      for t in range(3)], 1))
     finally:
         dist.destroy_process_group()
+
+
+def test_bench_dlrm_counters_that_did_not_move_give_no_hit_rate() -> None:
+    """FBGEMM's LFU cache counts nothing (its populate takes no stats tensor): that must read as no hit rate, not 0."""
+    from scripts.bench_dlrm import _counter_fields
+
+    zero = {"requests": 0.0, "hits": 0.0, "unique": 0.0, "unique_misses": 0.0}
+    res = _counter_fields(zero, dict(zero), steps=100)
+    assert "hit_rate" not in res and "did not move" in res["hit_rate_note"]
+    moved = {"requests": 400.0, "hits": 300.0, "unique": 200.0, "unique_misses": 50.0}
+    res = _counter_fields(zero, moved, steps=100)
+    assert res["hit_rate"] == 0.75 and res["unique_hit_rate"] == 0.75
+    assert _counter_fields(zero, dict(zero), steps=0)["hit_rate"] == 0.0  # no steps timed: nothing to say either way
