@@ -76,6 +76,10 @@ def test_repeats_reverse_the_order_keep_the_losses_and_judge_medians(tmp_path: P
     mine = {r["repeat"]: r["speedup_vs_raw"] for r in doc["records"] if r["mode"] == "ibp_cm"}
     assert check["measured_runs"] == [mine[0], mine[1], mine[2]]
     assert check["measured"] == sorted(mine.values())[1] and check["met"] == (check["measured"] >= 1.0)
+    med = doc["meta"]["targets_pipelined"]["minilm_su"]["vs_raw_median_epochs"]
+    epochs = {m: sorted(r["epoch_ms"] for r in doc["records"] if r["mode"] == m)[1] for m in ("raw", "ibp_cm")}
+    assert med["per_variant"] == {"torch pipelined": epochs["raw"] / epochs["ibp_cm"]}
+    assert med["measured"] == epochs["raw"] / epochs["ibp_cm"] and med["met"] == (med["measured"] >= 1.0)
     slowest = doc["meta"]["targets_pipelined"]["minilm_su"]["torch"]["epoch_vs_slowest_stage"]
     assert slowest["at_most"] and slowest["met"] == (slowest["measured"] <= slowest["target"])
 
