@@ -9,6 +9,7 @@ captured in a CUDA graph and replayed with new ids copied in, timed like (1), ou
 kernels per step and their summed device time. Prints one JSON line per configuration.
 
     PYTHONPATH=$PWD:<fbgemm> python scripts/experiments/dlrm_step_overhead.py [--batches 1024,8192] [--ratios 0.01,0.1]
+        [--entry-bytes 512] [--dtype fp32|fp16]
 """
 
 from __future__ import annotations
@@ -141,15 +142,18 @@ def main() -> None:
     p.add_argument("--methods", default="ibpcache,ibpcache_raw,fbgemm_lru,fbgemm_lfu")
     p.add_argument("--entry-bytes", type=int, default=512)
     p.add_argument("--tables", type=int, default=26)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="weights precision (FBGEMM's too)")
     args = p.parse_args()
+    dtype = torch.float16 if args.dtype == "fp16" else torch.float32
     rows = int(1e9 // args.entry_bytes // args.tables)
-    table = datasets.resample_rows(bd.real_rows(args.entry_bytes), rows * args.tables, seed=args.entry_bytes)
+    table = datasets.resample_rows(bd.real_rows(args.entry_bytes, dtype), rows * args.tables, seed=args.entry_bytes)
     table_dev = table.cuda()
     for ratio in [float(x) for x in args.ratios.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
             for name in args.methods.split(","):
                 try:
-                    print(json.dumps(run(name, table, table_dev, rows, ratio, batch, args.tables)), flush=True)
+                    res = run(name, table, table_dev, rows, ratio, batch, args.tables)
+                    print(json.dumps({"entry_bytes": args.entry_bytes, "dtype": args.dtype, **res}), flush=True)
                 except Exception as exc:  # a baseline that cannot load reports why and the rest go on
                     print(json.dumps({"method": name, "ratio": ratio, "batch": batch,
                                       "error": f"{type(exc).__name__}: {exc}"}), flush=True)
