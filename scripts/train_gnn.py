@@ -206,17 +206,19 @@ def _add_vs_raw_of_medians(records: list[dict[str, Any]], targets: dict[str, Any
             continue
         mine = [r for r in records if r["dataset"] == name]
         ratios = {}
-        for sampler, pipelined in dict.fromkeys((r["sampler"], r["pipelined"]) for r in mine):
-            def median_epoch(mode: str) -> "float | None":
-                ms = [r["epoch_ms"] for r in mine
-                      if r["mode"] == mode and r["sampler"] == sampler and r["pipelined"] == pipelined]
-                return statistics.median(ms) if ms else None
-
-            raw, cm = median_epoch("raw"), median_epoch("ibp_cm")
+        for variant in dict.fromkeys((r["sampler"], r["pipelined"]) for r in mine):
+            raw, cm = _median_epoch(mine, "raw", variant), _median_epoch(mine, "ibp_cm", variant)
             if raw is not None and cm:
-                ratios[f"{sampler}{' pipelined' if pipelined else ''}"] = raw / cm
+                ratios[f"{variant[0]}{' pipelined' if variant[1] else ''}"] = raw / cm
         check = _check(goals["vs_raw"], min(ratios.values()) if ratios else None)
         targets[name]["vs_raw_median_epochs"] = {**check, "per_variant": ratios}
+
+
+def _median_epoch(records: list[dict[str, Any]], mode: str, variant: tuple[str, bool]) -> "float | None":
+    """The median epoch (ms) over the repeats of ``mode`` with ``variant`` = (sampler, pipelined); None if it did not
+    run."""
+    ms = [r["epoch_ms"] for r in records if r["mode"] == mode and (r["sampler"], r["pipelined"]) == variant]
+    return statistics.median(ms) if ms else None
 
 
 def _targets_pipelined(records: list[dict[str, Any]]) -> dict[str, Any]:
