@@ -99,3 +99,43 @@ def test_median_merge_judges_each_check_on_the_median_in_its_direction() -> None
     assert out["ms"] == 20.0 and out["ok"] is False and out["by"] == "host"
     assert _median_merge([_check(1.0, None), _check(1.0, None)])["met"] is False
     assert _median_merge(reps[:1]) is reps[0]
+
+
+def test_interleaved_modes_give_the_losses_they_give_one_after_the_other(tmp_path: Path) -> None:
+    """``interleave=true``: one epoch of each mode in turn; every run's losses, predictions and order of records are
+    those of the serial run (the per-epoch seeding holds), and the runs use per-epoch loaders."""
+    overrides = ["datasets=[minilm_su]", "dataset.n_nodes=3000", "dataset.avg_degree=8", "dataset.n_train=128",
+                 "dataset.n_test=64", "dataset.batch_size=64", "cache.modes=[raw,ibp_cm]", "epochs=3",
+                 "model.hidden=16", "samplers=[torch]", "pipeline=[false,true]", "device=cpu", "progress=false"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    docs = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gnn.py"), "--out", str(out),
+                              *overrides, f"interleave={flag}"], env=env, capture_output=True, text=True,
+                             timeout=900, cwd=ROOT)
+        assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+        docs[flag] = json.loads((out / "train_gnn.json").read_text())
+    serial, mixed = docs["false"]["records"], docs["true"]["records"]
+    key = [(r["mode"], r["pipelined"]) for r in serial]
+    assert key == [(r["mode"], r["pipelined"]) for r in mixed] == [(m, p) for m in ("raw", "ibp_cm")
+                                                                      for p in (False, True)]
+    for a, b in zip(serial, mixed):
+        assert a["run"]["losses"] == b["run"]["losses"] and len(b["run"]["losses"]) == 3
+        assert a["run"]["predictions_sha1"] == b["run"]["predictions_sha1"]
+        assert b["identical_losses"] and not b["run"]["across_epochs"]
+    assert docs["true"]["meta"]["datasets"]["minilm_su"]["interleave"] is True
+
+
+def test_interleave_refuses_dgls_in_process_sampler() -> None:
+    pytest.importorskip("dgl")
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from examples.gnn import pipeline as gnn
+    from ibpcache.errors import ConfigError
+
+    ds = gnn.load_gnn_dataset("cora_su", n_nodes=500, avg_degree=4, n_train=64, n_test=32)
+    cfg = gnn.TrainConfig(epochs=1, hidden=8, batch_size=32, num_workers=0, sampler="dgl")
+    with pytest.raises(ConfigError, match="worker processes"):
+        gnn.compare_modes(ds, ["raw"], cfg, device=torch.device("cpu"), interleave=True)
