@@ -1108,7 +1108,7 @@ def main() -> None:
     errors = [r for r in records + paired if r.get("status") == "error"]
     if bad or errors:
         raise SystemExit(f"{len(bad)} of our points produced wrong outputs, {len(errors)} failed: "
-                         f"{[(r['method'], r.get('error')) for r in errors][:3]}")
+                         f"{[(r.get('method') or r.get('pair'), r.get('error')) for r in errors][:3]}")
 
 
 if __name__ == "__main__":
