@@ -857,11 +857,10 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
 
 def _run_epochs(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainConfig, *, device: torch.device,
                 sampler: "NeighborSampler | None", stage_cache: dict[str, dict[str, float]],
-                progress: "Callable[[int], None] | None", threads: "int | None" = None) -> RunEpochs:
+                progress: "Callable[[int], None] | None") -> RunEpochs:
     """One run (the caller holds :func:`deterministic_cuda`): train ``cfg.epochs`` epochs, yielding after each, then
     evaluate and time the stages. Every random draw is seeded here or per epoch, so runs interleaved epoch by epoch
-    give the losses they give alone. ``threads``: the CPU intra-op thread count every step runs with (default: the
-    count now); interleaved runs pass the one read before any of them started (see :func:`_pin_cpu_threads`)."""
+    give the losses they give alone."""
     dgl = import_dgl()
     fetch = _Fetch(storage)
     where = str(sampler.device) if cfg.sampler == "torch" and sampler is not None else "cpu"
@@ -871,7 +870,7 @@ def _run_epochs(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: Trai
     across = cfg.pipelined and cfg.across_epochs and cfg.sampler == "torch"
     result = RunResult(mode.value, mode.label, sampler=cfg.sampler, sampler_device=where, pipelined=cfg.pipelined,
                        across_epochs=across)
-    threads = torch.get_num_threads() if threads is None else threads
+    threads = torch.get_num_threads()
     in_dim = int(np.prod(ds.row_shape))
 
     def new_model() -> tuple[GraphSAGE, torch.optim.Optimizer]:
@@ -1010,7 +1009,6 @@ def _interleaved(ds: GnnDataset, g: Any, modes: list[FetchMode], cfgs: list[Trai
             raise ConfigError("interleaved modes need DGL's sampler in worker processes (num_workers > 0): "
                               "sampling in this process draws from DGL's one global generator, which the "
                               "interleaved runs would share")
-    threads = torch.get_num_threads()  # before any run: the CPU decoder may reset the count of the thread it runs on
     built = {m: _build_storage(ds, g, m, device=device, budget=budget, policy=policy, codec=codec) for m in modes}
     stage_caches: dict[FetchMode, dict[str, dict[str, float]]] = {m: {} for m in modes}
     done: dict[tuple[FetchMode, int], RunResult] = {}
@@ -1018,7 +1016,7 @@ def _interleaved(ds: GnnDataset, g: Any, modes: list[FetchMode], cfgs: list[Trai
         cfg = replace(cfg, across_epochs=False)
         with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
             runs = {m: _run_epochs(ds, g, built[m][0], m, cfg, device=device, sampler=sampler,
-                                   stage_cache=stage_caches[m], threads=threads,
+                                   stage_cache=stage_caches[m],
                                    progress=progress(f"{m.label} {variant_label(cfg)}") if progress else None)
                     for m in modes}
             while runs:
