@@ -349,7 +349,7 @@ class TrainConfig:
     pipelined: bool = True  # sampling, feature fetch and training overlapped (PipelinedLoader) or in turn
     sample_ahead: int = 2  # sampled batches waiting for the fetch stage
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
-    across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_epochs)
+    across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_one)
 
 
 @dataclass
