@@ -32,8 +32,7 @@ after the options is an override::
 ``repeats=N`` runs every configuration N times in one process, the modes' order reversed every other time, so a
 host whose speed drifts shifts every mode alike; records gain ``"repeat"``, losses must equal across repeats too,
 and each target is judged on the median over the repeats (``measured_runs`` lists every repeat's value); MiniLM-SU's
-"never slower than raw" also on each mode's median epoch (``vs_raw_median_epochs``). ``interleave=true`` runs the
-modes one epoch each in turn (each epoch with its own loader), so drift within a repeat shifts them alike too.
+"never slower than raw" also on each mode's median epoch (``vs_raw_median_epochs``).
 """
 
 from __future__ import annotations
@@ -101,7 +100,7 @@ def _run_dataset(name: str, overrides: list[str]) -> tuple[list[dict[str, Any]],
     info = {**ds.describe(), "load_s": load_s, "device": str(device), "batch_size": train_cfg.batch_size,
             "epochs": train_cfg.epochs, "budget": cfg.cache.budget, "modes": list(cfg.cache.modes),
             "variants": variants, "num_workers": train_cfg.num_workers, "sample_chunk": train_cfg.sample_chunk,
-            "prefetch": train_cfg.prefetch, "repeats": repeats, "interleave": bool(cfg.interleave)}
+            "prefetch": train_cfg.prefetch, "repeats": repeats}
     print(f"\n== {name}: {info['nodes']:,} nodes, {info['edges']:,} edges, {info['feature_bytes'] / 1e9:.3f} GB "
           f"of features ({info['row_bytes']} B rows), {info['train_nodes']:,} training seeds in batches of "
           f"{train_cfg.batch_size}, {train_cfg.epochs} epochs, budget {cfg.cache.budget}, device {device} "
@@ -120,8 +119,7 @@ def _run_dataset(name: str, overrides: list[str]) -> tuple[list[dict[str, Any]],
         for k in range(repeats):
             order = modes if k % 2 == 0 else modes[::-1]
             recs = gnn.compare_modes(ds, order, train_cfg, device=device, budget=cfg.cache.budget,
-                                     policy=str(cfg.cache.policy), progress=progress, variants=variants,
-                                     interleave=bool(cfg.interleave))
+                                     policy=str(cfg.cache.policy), progress=progress, variants=variants)
             records += [{**r, "repeat": k} for r in recs]
     finally:
         bar.close()

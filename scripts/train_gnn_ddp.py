@@ -614,6 +614,15 @@ def train_reference(job: Job) -> EpochRuns:
     return run
 
 
+def finish(epochs: EpochRuns) -> Run:
+    """Run a mode's remaining epochs; its Run."""
+    while True:
+        try:
+            next(epochs)
+        except StopIteration as done:
+            return done.value
+
+
 def run_modes(job: Job, modes: list[str], interleave: bool) -> dict[str, list[Run]]:
     """Every mode's Runs (all ranks'), the modes one after the other, or with ``interleave`` one epoch of each in
     turn (the reference on rank 0 while the other ranks wait). Interleaved, every mode meets the machine at the same
@@ -641,7 +650,7 @@ def run_modes(job: Job, modes: list[str], interleave: bool) -> dict[str, list[Ru
     else:
         for mode in modes:
             gen = start(mode)
-            mine[mode] = gnn.finish(gen) if gen is not None else None
+            mine[mode] = finish(gen) if gen is not None else None
             if mode == "reference":
                 ranks.barrier()
             if ranks.rank == 0:

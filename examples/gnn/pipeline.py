@@ -28,7 +28,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -810,7 +810,13 @@ def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence
     mode = FetchMode.from_str(mode)
     for cfg in cfgs:
         _check_config(cfg)
-    storage, setup_s = _build_storage(ds, g, mode, device=device, budget=budget, policy=policy, codec=codec)
+    t0 = time.perf_counter()
+    storage = make_storage(ds.features, mode, device=device, budget=budget, policy=policy, codec=codec,
+                           hotness=_degree_scores(g) if mode.uses_cache and policy == "static" else None,
+                           name=ds.name)
+    attach(g, {"feat": storage})
+    _sync(device)
+    setup_s = time.perf_counter() - t0
     if torch_sampler is None and any(c.sampler == "torch" for c in cfgs):
         torch_sampler = build_torch_sampler(ds, cfgs[0], device)
     stage_cache: dict[str, dict[str, float]] = {}
@@ -822,45 +828,9 @@ def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence
     return results
 
 
-def _build_storage(ds: GnnDataset, g: Any, mode: FetchMode, *, device: torch.device, budget: float | int,
-                   policy: str, codec: Any) -> tuple[Any, float]:
-    """A mode's feature storage, attached to ``g``, and the seconds it took to build."""
-    t0 = time.perf_counter()
-    storage = make_storage(ds.features, mode, device=device, budget=budget, policy=policy, codec=codec,
-                           hotness=_degree_scores(g) if mode.uses_cache and policy == "static" else None,
-                           name=ds.name)
-    attach(g, {"feat": storage})
-    _sync(device)
-    return storage, time.perf_counter() - t0
-
-
-RunEpochs = Generator[None, None, RunResult]
-"""A run's training: it yields after each epoch and returns its RunResult (evaluated, stage pass done)."""
-
-
-def finish(epochs: "Generator[None, None, Any]") -> Any:
-    """Run a generator of epochs (:data:`RunEpochs`) to its end; what it returns."""
-    while True:
-        try:
-            next(epochs)
-        except StopIteration as done:
-            return done.value
-
-
 def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainConfig, *, device: torch.device,
              sampler: "NeighborSampler | None", stage_cache: dict[str, dict[str, float]],
              progress: "Callable[[int], None] | None") -> RunResult:
-    with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
-        return finish(_run_epochs(ds, g, storage, mode, cfg, device=device, sampler=sampler,
-                                  stage_cache=stage_cache, progress=progress))
-
-
-def _run_epochs(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainConfig, *, device: torch.device,
-                sampler: "NeighborSampler | None", stage_cache: dict[str, dict[str, float]],
-                progress: "Callable[[int], None] | None") -> RunEpochs:
-    """One run (the caller holds :func:`deterministic_cuda`): train ``cfg.epochs`` epochs, yielding after each, then
-    evaluate and time the stages. Every random draw is seeded here or per epoch, so runs interleaved epoch by epoch
-    give the losses they give alone."""
     dgl = import_dgl()
     fetch = _Fetch(storage)
     where = str(sampler.device) if cfg.sampler == "torch" and sampler is not None else "cpu"
@@ -879,32 +849,32 @@ def _run_epochs(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: Trai
         model = model.to(device)
         return model, torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
-    torch.manual_seed(cfg.seed)
-    dgl.seed(cfg.seed)
-    model, opt = new_model()
-    train_batches = _batches(ds, g, cfg, device, sampler, train=True)
-    loop = _epochs(AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
-    epochs = (epoch_slices(loop, len(train_batches), cfg.epochs) if across
-              else (loop for _ in range(cfg.epochs)))
-    storage.reset_stats()
-    for epoch, batches in enumerate(epochs):
-        np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
-        times, losses = _train_epoch(model, opt, batches, device, cfg, threads,
-                                     verify=ds if epoch == 0 else None)
-        result.epochs.append(times)
-        result.losses.append(losses)
-        if progress is not None:
-            progress(1)
-        yield
-    result.stats = storage.stats()
-    test_batches = _batches(ds, g, cfg, device, sampler, train=False)
-    result.accuracy, result.predictions_sha1 = _evaluate(model, _epochs(test_batches, fetch, cfg, device))
-    if cfg.stage_batches != 0:
-        if cfg.sampler not in stage_cache:
-            np.random.seed((cfg.seed * 1000 + cfg.epochs) % 2**32)
-            stage_cache[cfg.sampler] = _stage_times(train_batches, fetch, new_model, device, cfg, threads)
-        result.stages = dict(stage_cache[cfg.sampler])
-    del loop, epochs, train_batches, test_batches
+    with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
+        torch.manual_seed(cfg.seed)
+        dgl.seed(cfg.seed)
+        model, opt = new_model()
+        train_batches = _batches(ds, g, cfg, device, sampler, train=True)
+        loop = _epochs(AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
+        epochs = (epoch_slices(loop, len(train_batches), cfg.epochs) if across
+                  else (loop for _ in range(cfg.epochs)))
+        storage.reset_stats()
+        for epoch, batches in enumerate(epochs):
+            np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
+            times, losses = _train_epoch(model, opt, batches, device, cfg, threads,
+                                         verify=ds if epoch == 0 else None)
+            result.epochs.append(times)
+            result.losses.append(losses)
+            if progress is not None:
+                progress(1)
+        result.stats = storage.stats()
+        test_batches = _batches(ds, g, cfg, device, sampler, train=False)
+        result.accuracy, result.predictions_sha1 = _evaluate(model, _epochs(test_batches, fetch, cfg, device))
+        if cfg.stage_batches != 0:
+            if cfg.sampler not in stage_cache:
+                np.random.seed((cfg.seed * 1000 + cfg.epochs) % 2**32)
+                stage_cache[cfg.sampler] = _stage_times(train_batches, fetch, new_model, device, cfg, threads)
+            result.stages = dict(stage_cache[cfg.sampler])
+        del loop, epochs, train_batches, test_batches
     return result
 
 
@@ -959,8 +929,7 @@ def variant_label(cfg: TrainConfig) -> str:
 def compare_modes(ds: GnnDataset, modes: Sequence["str | FetchMode"], cfg: TrainConfig, *, device: torch.device,
                   budget: float | int = 0.01, policy: str = "static",
                   progress: Callable[[str], Callable[[int], None]] | None = None,
-                  variants: "Sequence[tuple[str, bool]] | None" = None,
-                  interleave: bool = False) -> list[dict[str, Any]]:
+                  variants: "Sequence[tuple[str, bool]] | None" = None) -> list[dict[str, Any]]:
     """Train once per mode and variant (``(sampler, pipelined)``; default: ``cfg``'s) on one graph with the same
     seeds; one record per run.
 
@@ -968,7 +937,6 @@ def compare_modes(ds: GnnDataset, modes: Sequence["str | FetchMode"], cfg: Train
     each time); one torch sampler serves every mode. Records carry the mean epoch (epochs 2..N), the stage times,
     accuracy, cache numbers, speedups (:func:`_records`) and whether losses and test predictions equal those of the
     first run with the same sampler, bit for bit. ``progress(label)`` returns the per-epoch callback for a run.
-    ``interleave``: the modes run one epoch each in turn (:func:`_interleaved`), not one after the other.
     """
     modes = [FetchMode.from_str(m) for m in modes]
     cfgs = [replace(cfg, sampler=s, pipelined=bool(p)) for s, p in (variants or [(cfg.sampler, cfg.pipelined)])]
@@ -982,10 +950,6 @@ def compare_modes(ds: GnnDataset, modes: Sequence["str | FetchMode"], cfg: Train
         codec = fit_codec(ds.features, device)
         fit_s = time.perf_counter() - t0
     sampler = build_torch_sampler(ds, cfgs[0], device) if any(c.sampler == "torch" for c in cfgs) else None
-    if interleave:
-        results = _interleaved(ds, g, modes, cfgs, device=device, budget=budget, policy=policy, codec=codec,
-                               sampler=sampler, progress=progress)
-        return _records(ds, results, fit_s)
     results = []
     for m in modes:
         results += run_variants(ds, g, m, cfgs, device=device, budget=budget, policy=policy, codec=codec,
@@ -994,42 +958,6 @@ def compare_modes(ds: GnnDataset, modes: Sequence["str | FetchMode"], cfg: Train
                                 if progress is not None else None)
         _release_memory()  # the previous mode's cache (GPU slab, pinned host store) goes before the next
     return _records(ds, results, fit_s)
-
-
-def _interleaved(ds: GnnDataset, g: Any, modes: list[FetchMode], cfgs: list[TrainConfig], *, device: torch.device,
-                 budget: float | int, policy: str, codec: Any, sampler: "NeighborSampler | None",
-                 progress: "Callable[[str], Callable[[int], None]] | None") -> list[RunResult]:
-    """Every mode's storage built first, then per variant one epoch of each mode in turn, so a host whose speed
-    drifts over seconds shifts every mode alike instead of deciding their ratio; results in :func:`compare_modes`'s
-    order (mode by mode). Each epoch gets its own loader (``across_epochs`` off): a loader running over every epoch
-    would sample ahead during the other modes' epochs. Storages live side by side, so host memory holds every
-    mode's store at once."""
-    for c in cfgs:
-        if c.sampler == "dgl" and c.num_workers == 0:
-            raise ConfigError("interleaved modes need DGL's sampler in worker processes (num_workers > 0): "
-                              "sampling in this process draws from DGL's one global generator, which the "
-                              "interleaved runs would share")
-    built = {m: _build_storage(ds, g, m, device=device, budget=budget, policy=policy, codec=codec) for m in modes}
-    stage_caches: dict[FetchMode, dict[str, dict[str, float]]] = {m: {} for m in modes}
-    done: dict[tuple[FetchMode, int], RunResult] = {}
-    for v, cfg in enumerate(cfgs):
-        cfg = replace(cfg, across_epochs=False)
-        with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
-            runs = {m: _run_epochs(ds, g, built[m][0], m, cfg, device=device, sampler=sampler,
-                                   stage_cache=stage_caches[m],
-                                   progress=progress(f"{m.label} {variant_label(cfg)}") if progress else None)
-                    for m in modes}
-            while runs:
-                for m in list(runs):
-                    try:
-                        next(runs[m])
-                    except StopIteration as end:
-                        end.value.setup_seconds = built[m][1]
-                        done[(m, v)] = end.value
-                        del runs[m]
-    del built
-    _release_memory()
-    return [done[(m, v)] for m in modes for v in range(len(cfgs))]
 
 
 def fit_codec(features: torch.Tensor, device: torch.device, max_rows: int = _FIT_ROWS, seed: int = 0) -> Any:
