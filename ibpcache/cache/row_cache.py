@@ -53,6 +53,7 @@ from ..kernels.admit import (ADMIT_FORCE, ADMIT_POLICY, N_STATS, N_WS, STAT_ADMI
 from ..kernels.hashmap import IndexArgs
 from ..kernels.lookup import (SLOT_TABLE_INDEX, BagLayout, ElemType, LookupErrors, PoolOp, RowSource, fill_rows,
                               lookup_pool, pool_supported)
+from .admission import SETTLED_ADMIT_EVERY, AdmissionPace
 from .host_store import HostStore
 from .ordering import StreamOrder
 from .plan_layout import slot_form, slot_option
@@ -229,13 +230,13 @@ class CachedRowManager:
         watch_unattached(self)
 
     def fused_lookup(self, stage_bytes: int = STAGE_BYTES, compress_cache: "bool | str" = True,
-                     graphs: bool = True) -> "FusedLookup":
+                     graphs: bool = True, settled_admit_every: int = SETTLED_ADMIT_EVERY) -> "FusedLookup":
         """The fused inference lookup over this cache and its host store (built on first use, once: two lookups
         over one manager would each keep their own per-slot lengths of the same slots)."""
         if self.fused is None:
             with self._fused_lock:
                 if self.fused is None:
-                    self.fused = FusedLookup(self, stage_bytes, compress_cache, graphs)
+                    self.fused = FusedLookup(self, stage_bytes, compress_cache, graphs, settled_admit_every)
         return self.fused
 
     # -- setup ------------------------------------------------------------------------------------
@@ -783,6 +784,10 @@ class FusedLookup:
     3. ``kernels/lookup.cu`` (index mode ``SLOT_TABLE``) decodes slot, staged and host rows and pools them into the
        output; then the staged rows leave the slot table.
 
+    Once the cache is full and its hit rate has settled (:class:`~ibpcache.cache.admission.AdmissionPace`), only
+    every ``settled_admit_every``-th lookup runs step 2 in full; the others only count requests, hits and use
+    stamps, and read their misses zero-copy (steps whose way stages misses, and prefetched batches, always run it).
+
     :meth:`prefetch` runs step 2 for a coming batch on the manager's side stream (TorchRec's pipeline: the next
     batch's rows are read while the current step computes); its lookup then counts nothing twice. Rows of batches
     prefetched but not yet looked up are never evicted. Hit rates count rows resident when a lookup starts.
@@ -791,7 +796,7 @@ class FusedLookup:
     """
 
     def __init__(self, mgr: "CachedRowManager", stage_bytes: int = STAGE_BYTES, compress_cache: "bool | str" = True,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, settled_admit_every: int = SETTLED_ADMIT_EVERY) -> None:
         if stage_bytes < 0:
             raise InvalidArgumentError(f"stage_bytes must be >= 0, got {stage_bytes}")
         self.mgr = mgr
@@ -811,6 +816,7 @@ class FusedLookup:
             self.scal = torch.zeros(2, dtype=torch.int64, device=dev)  # [step stamp, first protected step] of a pass
             self._ws = {"lookup": _Workspace(dev), "prefetch": _Workspace(dev)}
         self.recent = RecentCounters()
+        self.pace = AdmissionPace(settled_admit_every, dev)
         self.calls = 0
         self.prefetches = 0
         self._passes = 0  # admission passes so far (the device's step stamp, unless a captured lookup was replayed)
@@ -869,6 +875,7 @@ class FusedLookup:
         fresh = mgr.form != "stored"
         if fresh:
             mgr.use_stored(self._slots_for)
+            self.pace.reset()
             self._full = False
             self._form_gen += 1
         # sized for the step whatever way the planner picks this time: the planner alternates staged and unstaged
@@ -981,6 +988,18 @@ class FusedLookup:
             self.mgr.policy.counted(n)  # the halving is host-timed: a captured lookup's replays do not age the sketch
         return perm
 
+    def _count_only(self, keys: torch.Tensor, in_order: bool) -> Optional[torch.Tensor]:
+        """A step without the admission pass: requests, hits and the use stamps of resident rows counted (the hit
+        rate and LRU order stay those of every step), nothing admitted, nothing staged; the keys sorted only where
+        the lookup takes the bags in row order (returns the permutation then)."""
+        a = self._args("lookup", False)
+        if not in_order:
+            self.kern.count(keys, a, False, True)
+            return None
+        s, perm = _sorted_rows(keys, self.mgr.num_embeddings)
+        self.kern.count(s, a, False, True)
+        return perm
+
     def _fill(self, a: AdmitArgs, n: int, role: str) -> None:
         """The admission's copy list into slots and staging rows: stored bytes as they are, or decoded ones."""
         if not self.decoded:
@@ -1047,14 +1066,22 @@ class FusedLookup:
             torch.cuda.current_stream(mgr.device).wait_event(self._done)  # it reads is freed before it has run
         if capturing or (self._pending and self._pending[0][1] != n):  # not the batch that was prefetched
             self._pending.clear()
-        ran = self._replayed(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout)
+        # a step whose way stages misses needs the pass (it places them); a prefetched batch's pass only places the
+        # rows already admitted; a caller's capture would freeze the decision into every replay
+        admit = capturing or bool(self._pending) or _ways_of(kind)[way][1] or self.pace.admit()
+        ran = self._replayed(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout, admit)
         if ran not in ("replayed", "captured"):
             prefetched = bool(self._pending)
             if prefetched:
                 self._pending.popleft()
-            self._step(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout, prefetched)
-        if ran in ("first", "failed", "captured"):
-            timed = False  # ways compare as they will run from now on: replayed, never eager or a capture's host time
+            self._step(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout, prefetched,
+                       admit=admit)
+        if not capturing:
+            self.pace.observe(self.adm_stats, self._full, n)
+        if ran in ("first", "failed", "captured") or not admit:
+            # ways compare as they will run from now on: replayed, never eager or a capture's host time; and on the
+            # steps that run the pass (the others are alike whatever the way)
+            timed = False
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -1063,7 +1090,7 @@ class FusedLookup:
 
     def _replayed(self, kind: str, way: int, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,
                   n_bags: int, include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor,
-                  layout: Any) -> str:
+                  layout: Any, admit: bool) -> str:
         """Run the step from its CUDA graph: "replayed", or "captured" (captured on the key's second sight, then
         replayed). Else the caller runs it eagerly: "first" (a key's first sight), "failed" (the capture failed:
         graphs are off from now on), or "eager" (no graphs here, or inside a
@@ -1081,7 +1108,7 @@ class FusedLookup:
         back = self._passes + 1 - later[0][0] if later else 0
         lay = None if layout is None else (layout.n_tables, layout.per_table, layout.sample_major,
                                            _ptr_of(layout.table_base), _ptr_of(layout.table_rows))
-        key = (kind, way, tuple(ids.shape), ids.dtype, _shape_of(offsets), bag_size, n_bags, include_last, mode,
+        key = (kind, way, admit, tuple(ids.shape), ids.dtype, _shape_of(offsets), bag_size, n_bags, include_last, mode,
                _shape_of(psw), tuple(out.shape), out.dtype, lay, self._gen, self._full, prefetched, back,
                _ptr_of(st.ids), _ptr_of(st.sketch), _ptr_of(st.prio))
         passes, pending = self._passes, deque(self._pending)
@@ -1091,7 +1118,7 @@ class FusedLookup:
                 self._pending.popleft()
             try:  # the lookup writes each replay's own output (its address read from out_ref): nothing to copy out
                 self._step(kind, way, static[0], static[1], bag_size, n_bags, include_last, mode, static[2],
-                           out_, layout, prefetched, out_ref)
+                           out_, layout, prefetched, out_ref, admit)
             finally:  # the host's view of passes and prefetches is settled below, once, for the step that ran
                 self._passes, self._pending = passes, deque(pending)
 
@@ -1103,16 +1130,17 @@ class FusedLookup:
         self._passes = passes + 1
         if prefetched:
             self._pending.popleft()
-        elif self.mgr.policy.sketch is not None:
+        elif admit and self.mgr.policy.sketch is not None:
             self.mgr.policy.counted(ids.numel())
         self.recent.push(self.adm_stats)
         return "captured" if graphs.captures != captures else "replayed"
 
     def _step(self, kind: str, way: int, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,
               n_bags: int, include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor,
-              layout: Any, prefetched: bool, out_ref: Optional[torch.Tensor] = None) -> None:
-        """One lookup step as the device runs it: admission pass, the pooled lookup, staged rows released.
-        ``out_ref`` (a CUDA-graph capture): the lookup writes where it points when it runs, ``out`` is the shape."""
+              layout: Any, prefetched: bool, out_ref: Optional[torch.Tensor] = None, admit: bool = True) -> None:
+        """One lookup step as the device runs it: admission pass (or, where ``admit`` is False, only the counts of
+        requests, hits and use stamps), the pooled lookup, staged rows released. ``out_ref`` (a CUDA-graph capture):
+        the lookup writes where it points when it runs, ``out`` is the shape."""
         mgr = self.mgr
         n = ids.numel()
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
@@ -1120,8 +1148,12 @@ class FusedLookup:
         self._enter(n, stage, "lookup")
         self._next_pass()
         keys = self.keys(ids, offsets, bag_size, include_last, layout)
-        perm = self._pass(keys, "lookup", count_sketch=not prefetched, count_stats=True, stage=stage)
-        order = perm if in_order and kind == "single" else None
+        in_order = in_order and kind == "single"
+        if admit:
+            perm = self._pass(keys, "lookup", count_sketch=not prefetched, count_stats=True, stage=stage)
+        else:
+            perm = self._count_only(keys, in_order)
+        order = perm if in_order else None
         if self.cuda:
             op = {"sum": PoolOp.SUM, "mean": PoolOp.MEAN, "max": PoolOp.MAX}[mode]
             out_u8 = out.view(torch.uint8).reshape(-1, mgr.store.row_bytes)
@@ -1129,7 +1161,8 @@ class FusedLookup:
                         self._src, self._tables, self.counters, self.errors.ptr, None, layout, None, order, out_ref)
         else:
             self._lookup_cpu(ids, keys, offsets, bag_size, n_bags, include_last, mode, psw, out, layout)
-        self.kern.unstage(self._args("lookup", stage))
+        if admit:  # a step without the pass staged nothing (the counter still holds the last pass's staged rows)
+            self.kern.unstage(self._args("lookup", stage))
         if not capturing:
             self.recent.push(self.adm_stats)
 
@@ -1237,6 +1270,7 @@ class FusedLookup:
                 "fused_cache_rows_raw": self.mgr.base_slots,
                 "fused_staging_bytes": self.stage_buf.numel() if self.stage_buf is not None else 0,
                 "fused_calls": self.calls, "fused_prefetches": self.prefetches, "fused_plan": self.planner.plan(),
+                "fused_admission": self.pace.stats(),
                 **({f"fused_{k}": v for k, v in self.graphs.stats().items()} if self.graphs is not None else {}),
                 "sketch_halvings": self.mgr.policy.sketch.halvings if self.mgr.policy.sketch is not None else 0}
 

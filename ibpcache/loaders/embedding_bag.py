@@ -68,6 +68,7 @@ from torch import nn
 from .._validation import check_fraction, resolve_device
 from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, StateError, UnsupportedError
+from ..cache.admission import SETTLED_ADMIT_EVERY
 from ..cache.host_store import FitOptions, HostStore, Transfer
 from ..cache.plan_layout import slot_option
 from ..cache.policy import EvictionStrategy
@@ -225,11 +226,14 @@ class _CachedBagBase(nn.Module):
         stage_bytes: int = STAGE_BYTES,
         compress_cache: "bool | str" = "auto",
         cuda_graphs: bool = True,
+        settled_admit_every: int = SETTLED_ADMIT_EVERY,
     ) -> None:
         if validate not in ("eager", "lazy"):
             raise InvalidArgumentError(f"validate must be 'eager' or 'lazy', got {validate!r}")
         if not isinstance(stage_bytes, int) or isinstance(stage_bytes, bool) or stage_bytes < 0:
             raise InvalidArgumentError(f"stage_bytes must be an int >= 0, got {stage_bytes!r}")
+        if not isinstance(settled_admit_every, int) or isinstance(settled_admit_every, bool) or settled_admit_every < 1:
+            raise InvalidArgumentError(f"settled_admit_every must be an int >= 1, got {settled_admit_every!r}")
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise InvalidArgumentError(f"num_embeddings: expected a positive int, got {num_embeddings!r}")
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
@@ -287,6 +291,7 @@ class _CachedBagBase(nn.Module):
         self.stage_bytes = int(stage_bytes)
         self.compress_cache = compress_cache
         self.cuda_graphs = bool(cuda_graphs)
+        self.settled_admit_every = settled_admit_every
         # an explicitly chosen host-side path is honoured for every read; with "auto" the planner's choice serves
         # cache fills (training, prefetch, refresh) and fused inference lookups read misses zero-copy, sync-free
         self.fused_inference = (bool(fused_inference) and self.device.type == "cuda" and padding_idx is None
@@ -412,7 +417,8 @@ class _CachedBagBase(nn.Module):
             self._raise_pending()
         mgr = self.cache_weight_mgr
         with mgr.order.exclusive():
-            fused = mgr.fused_lookup(self.stage_bytes, self.compress_cache, self.cuda_graphs)
+            fused = mgr.fused_lookup(self.stage_bytes, self.compress_cache, self.cuda_graphs,
+                                     self.settled_admit_every)
             fused.pool(ids.reshape(-1), offs, bag_size, n_bags, self.include_last_offset, self.mode, psw, out, layout)
 
     # -- prefetch -----------------------------------------------------------------------------------
@@ -449,7 +455,8 @@ class _CachedBagBase(nn.Module):
         if self.fused_inference and self.cache_op and self.max_norm is None and inference \
                 and self._no_training_pending():
             flat, offs, bag_size, _, layout = self._fused_inputs(ids.contiguous(), offs)
-            fused = self.cache_weight_mgr.fused_lookup(self.stage_bytes, self.compress_cache, self.cuda_graphs)
+            fused = self.cache_weight_mgr.fused_lookup(self.stage_bytes, self.compress_cache, self.cuda_graphs,
+                                                        self.settled_admit_every)
             fused.prefetch(flat.reshape(-1), offs, bag_size, self.include_last_offset, layout)
             return
         if self._backward_pending:
@@ -601,7 +608,11 @@ class CachedEmbeddingBag(_CachedBagBase):
     row per ``row_bytes`` slot, as many as training holds, hits read at copy speed; "auto", the default: the host
     layout planner's choice, ``stats()['fused_slot_form']`` and its reason),
     ``cuda_graphs`` (a fused inference step of a batch shape seen before replays from a CUDA graph: one launch
-    instead of ~40, the host time that bounds small batches; ``ibpcache.cache.step_graphs``).
+    instead of ~40, the host time that bounds small batches; ``ibpcache.cache.step_graphs``),
+    ``settled_admit_every`` (once the inference cache is full and its hit rate has settled, one fused lookup in this
+    many runs the admission pass, the others read misses without changing the cache: the pass is a third or more of
+    a large step's device time; a hit-rate drop puts every step back to admitting; 1: every step admits;
+    ``stats()['fused_admission']``; ``ibpcache.cache.admission``).
     """
 
     def __init__(
@@ -635,6 +646,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         stage_bytes: int = STAGE_BYTES,
         compress_cache: "bool | str" = "auto",
         cuda_graphs: bool = True,
+        settled_admit_every: int = SETTLED_ADMIT_EVERY,
     ) -> None:
         super().__init__()
         self.buffer_size = buffer_size
@@ -642,7 +654,7 @@ class CachedEmbeddingBag(_CachedBagBase):
         self._setup(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
                     _weight, mode, include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio,
                     evict_strategy, compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference,
-                    validate, stage_bytes, compress_cache, cuda_graphs)
+                    validate, stage_bytes, compress_cache, cuda_graphs, settled_admit_every)
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None,
@@ -741,6 +753,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         stage_bytes: int = STAGE_BYTES,
         compress_cache: "bool | str" = "auto",
         cuda_graphs: bool = True,
+        settled_admit_every: int = SETTLED_ADMIT_EVERY,
     ) -> None:
         super().__init__()
         sizes = [int(n) for n in num_embeddings_per_table]
@@ -764,7 +777,7 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
         self._setup(sum(sizes), embedding_dim, None, max_norm, norm_type, scale_grad_by_freq, sparse, _weight, mode,
                     include_last_offset, dtype, device, cache_ratio, ids_freq_mapping, warmup_ratio, evict_strategy,
                     compress, threshold, chunk_bytes, refit_threshold, fetch, fused_inference, validate, stage_bytes,
-                    compress_cache, cuda_graphs)
+                    compress_cache, cuda_graphs, settled_admit_every)
         starts = torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0)
         self.register_buffer("table_offsets", starts.to(self.device), persistent=False)
         self.register_buffer("table_sizes", torch.tensor(sizes, dtype=torch.int64, device=self.device),

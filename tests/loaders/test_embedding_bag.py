@@ -1432,3 +1432,48 @@ def test_bench_dlrm_counters_that_did_not_move_give_no_hit_rate() -> None:
     moved = {"requests": 400.0, "hits": 300.0, "unique": 200.0, "unique_misses": 50.0}
     res = _counter_fields(zero, moved, steps=100)
     assert res["hit_rate"] == 0.75 and res["unique_hit_rate"] == 0.75
+
+
+def test_settled_admit_every_must_be_a_positive_int(table: torch.Tensor) -> None:
+    from ibpcache.errors import InvalidArgumentError
+    from ibpcache.loaders.embedding_bag import CachedEmbeddingBag
+
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="settled_admit_every"):
+            CachedEmbeddingBag(table.shape[0], table.shape[1], _weight=table, settled_admit_every=bad)
+
+
+@pytest.mark.gpu
+def test_settled_steps_skip_admission_exactly_without_syncs_and_replay(minilm: torch.Tensor) -> None:
+    """Once the cache is full and its hit rate flat, most fused steps skip the admission pass
+    (``settled_admit_every``): outputs stay bit-exact, no step syncs, and both kinds of step replay from CUDA graphs."""
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+
+    tables = _tables(minilm[:300, :128].contiguous())
+    m = TableBatchedCachedEmbeddingBag(SIZES, 128, _weight=tables, mode="sum", cache_ratio=0.05, device="cuda",
+                                       settled_admit_every=3).eval()
+    fused = m.cache_weight_mgr.fused_lookup(m.stage_bytes, m.compress_cache, m.cuda_graphs, m.settled_admit_every)
+    fused.planner.fix("single", "sorted")  # an unstaged way: the settled steps may skip the pass
+    fused.pace.window, fused.pace.span, fused.pace.min_requests = 2, 2, 0  # settle within this short run
+    refs = [reference(t, "cuda", mode="sum") for t in tables]
+    gen = torch.Generator().manual_seed(17)
+    batches = []
+    for _ in range(90):
+        single = torch.stack([torch.randint(0, n, (48,), generator=gen) for n in SIZES], 1).cuda()
+        batches.append((single, torch.cat([r(single[:, t:t + 1]) for t, r in enumerate(refs)], 1)))
+    with torch.no_grad():
+        m(batches[0][0])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = [m(inp) for inp, _ in batches]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for step, (out, (_, want)) in enumerate(zip(outs, batches)):
+        assert_bitwise(out, want, f"step {step}")
+    st = m.stats()
+    pace = st["fused_admission"]
+    assert pace["settles"] >= 1 and pace["skipped_steps"] >= 20, pace
+    assert st["fused_graph_error"] is None and st["fused_graph_replays"] >= 60
+    assert st["fused_lookups"] == 91 * 48 * len(SIZES)  # skipped steps still count their requests
+    m.check_errors()
