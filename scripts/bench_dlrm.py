@@ -43,6 +43,8 @@ Methods (one module over all tables each, so one lookup call per step):
   ibpcache_exp   exponent-coded host rows (``compress="exponent"``) with decoded slots: misses cross PCIe compressed,
                  hits read raw (issue 26, item 3)
   ibpcache_eager  every step run eagerly (``cuda_graphs=False``): what the default's CUDA-graph replays save
+  ibpcache_admit1  every step runs the admission pass (``settled_admit_every=1``): what the settled cache's skipped
+                 passes save, and what they cost in hit rate
   colossal, torch  Colossal-AI 0.5 CachedEmbeddingBag, GPU-resident torch.nn.EmbeddingBag (--train)
 
 For every point and method: the steady-state hit rate over the timed steps (``hit_rate``) and the static top-k
@@ -90,13 +92,14 @@ from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 from ibpcache.testing.timing import add_out_argument, format_table, write_results
 
 METHODS = ("fbgemm_lfu", "fbgemm_lru", "colossal", "torch", "ibpcache", "ibpcache_ibp", "ibpcache_raw",
-           "ibpcache_unstaged", "ibpcache_decoded", "ibpcache_stored", "ibpcache_exp", "ibpcache_eager")
+           "ibpcache_unstaged", "ibpcache_decoded", "ibpcache_stored", "ibpcache_exp", "ibpcache_eager",
+           "ibpcache_admit1")
 OURS = {"ibpcache": dict(), "ibpcache_ibp": dict(compress=True), "ibpcache_raw": dict(compress=False),
         "ibpcache_unstaged": dict(stage_bytes=0), "ibpcache_decoded": dict(compress_cache=False),
         "ibpcache_stored": dict(compress_cache=True), "ibpcache_exp": dict(compress="exponent", compress_cache=False),
-        "ibpcache_eager": dict(cuda_graphs=False)}
+        "ibpcache_eager": dict(cuda_graphs=False), "ibpcache_admit1": dict(settled_admit_every=1)}
 FORCED = ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged", "ibpcache_decoded", "ibpcache_stored", "ibpcache_exp",
-          "ibpcache_eager")
+          "ibpcache_eager", "ibpcache_admit1")
 """Ours with one setting forced: run only for ``--forced-dtypes`` and ``--forced-traces``."""
 TRACES = ("zipf-stable", "zipf-drift", "zipf")
 ORDER = ("zipf-stable", "zipf", "zipf-drift")
@@ -330,7 +333,8 @@ class Method:
                     "admitted": float(st["fused_admitted"]), "staged": float(st["fused_staged"]),
                     "host_ratio": st["host_ratio"], "plan": st.get("fused_plan"),
                     "host_layout": st.get("host_layout"), "slots": st.get("fused_cache_slots"),
-                    "slot_bytes": st.get("fused_slot_bytes"), "slot_form": st.get("fused_slot_form")}
+                    "slot_bytes": st.get("fused_slot_bytes"), "slot_form": st.get("fused_slot_form"),
+                    "admission": st.get("fused_admission")}
         return {"requests": float(st["hits"] + st["misses"]), "hits": float(st["hits"]), "host_ratio": st["host_ratio"]}
 
 
@@ -394,7 +398,7 @@ def _counter_fields(before: dict[str, Any], after: dict[str, Any], steps: int) -
             res["transfer_ratio"] = d["raw_host_bytes"] / max(d["host_bytes"], 1.0)
             res["admitted_per_step"] = d["admitted"] / max(steps, 1)
             res["staged_per_step"] = d["staged"] / max(steps, 1)
-        for key in ("host_ratio", "plan", "host_layout", "slots", "slot_bytes", "slot_form"):
+        for key in ("host_ratio", "plan", "host_layout", "slots", "slot_bytes", "slot_form", "admission"):
             if after.get(key) is not None:
                 res[key] = after[key]
     return res
@@ -717,7 +721,7 @@ def plot(records: list[dict[str, Any]]):
     styles = {"fbgemm_lfu": "s-", "fbgemm_lru": "s--", "colossal": "x:", "torch": "v-", "ibpcache": "o-",
               "ibpcache_ibp": "^:", "ibpcache_raw": "o--", "ibpcache_unstaged": "d-.", "ibpcache_decoded": "<:",
               "ibpcache_stored": ">:", "ibpcache_exp": "*-",
-              "ibpcache_eager": "o:"}
+              "ibpcache_eager": "o:", "ibpcache_admit1": "o-."}
     for i, (trace, dtype, rb, bag) in enumerate(panels):
         for j, c in enumerate(ratios):
             ax = axes[i][j]

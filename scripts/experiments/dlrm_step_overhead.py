@@ -129,6 +129,7 @@ def run(name: str, table: torch.Tensor, table_dev: torch.Tensor, rows: int, rati
         st = m.module.stats()
         res["stats_plan"] = st.get("fused_plan")
         res["graph_stats"] = {k: v for k, v in st.items() if "graph" in k}
+        res["admission"] = st.get("fused_admission")  # settled (passes skipped) or admitting every step
     res.update(_graphed(m, trace, table_dev, rows, batch, inputs, name.startswith("ibpcache")))
     del m
     bd.free_memory()
