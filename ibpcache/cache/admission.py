@@ -74,6 +74,16 @@ class AdmissionPace:
         self.skipped += 1
         return False
 
+    @property
+    def cycling(self) -> bool:
+        """Settled and skipping: a step's cost is that of a cycle of ``every`` steps, one of them admitting."""
+        return self.settled and self.every > 1
+
+    def count(self, admit: bool) -> None:
+        """A step whose admission the caller decided (a timed cycle, see ``FusedLookup.pool``)."""
+        self.steps += 1
+        self.skipped += not admit
+
     def observe(self, counters: torch.Tensor, full: bool, n: int) -> None:
         """After a step of ``n`` ids was enqueued: ``counters`` = the lookups' cumulative [requests, hits, ...] on
         their device; ``full`` = every slot has been used (a filling cache is never settled)."""

@@ -122,21 +122,22 @@ class PathPlanner:
             return plan.choice
         return int(np.argmin(counts))
 
-    def record(self, kind: str, n: int, way: int, start: Any, end: Any) -> None:
-        """A timed step of ``way`` ran between CUDA events ``start`` and ``end``."""
+    def record(self, kind: str, n: int, way: int, start: Any, end: Any, steps: int = 1) -> None:
+        """``steps`` timed steps of ``way`` ran between CUDA events ``start`` and ``end`` (several where a way's
+        steps differ in a fixed cycle: its sample is their mean)."""
         if kind in self._fixed:
             return
-        self._plan(kind, n).pending.append((int(way), start, end))
+        self._plan(kind, n).pending.append((int(way), start, end, max(int(steps), 1)))
 
     def _collect(self, plan: _Plan) -> None:
         keep = []
-        for way, start, end in plan.pending:
+        for way, start, end, steps in plan.pending:
             if not end.query():
-                keep.append((way, start, end))
+                keep.append((way, start, end, steps))
             elif way not in plan.dropped:  # a way's first timing pays for builds and allocations
                 plan.dropped.add(way)
             else:
-                plan.times[way].append(start.elapsed_time(end))
+                plan.times[way].append(start.elapsed_time(end) / steps)
         plan.pending = keep
 
     def _decide(self, plan: _Plan) -> None:

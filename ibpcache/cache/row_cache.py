@@ -741,6 +741,19 @@ _WAYS = {
 """The ways a fused lookup can run, per kind: (label, stage the misses, take bags in row order)."""
 
 
+@dataclass
+class _Cycle:
+    """A timed cycle of a settled cache: ``every`` steps of one unstaged way, the first admitting, the others not;
+    the planner gets their mean (one step alone would time the pass, or the skip, not what the way costs)."""
+
+    kind: str
+    n_bags: int
+    way: int
+    start: Any
+    left: int  # steps still to run after the current one
+    clean: bool = True  # every step replayed its graph and skipped as planned: the sample is recorded
+
+
 def _sorted_rows(keys: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The admission pass's keys (rows in ``[0, n_rows]``) sorted, as int64, and the permutation that sorts them.
     Below 2^31 rows they sort as int32: half the radix passes of int64 keys (on an H200 the int64 sort took 58-69 us
@@ -822,6 +835,8 @@ class FusedLookup:
         self._passes = 0  # admission passes so far (the device's step stamp, unless a captured lookup was replayed)
         self._pending: deque[tuple[int, int]] = deque()  # (pass, n) of prefetched batches not yet looked up
         self._done: Optional[torch.cuda.Event] = None  # the last prefetch's end on the side stream
+        self._cycle: Optional[_Cycle] = None  # a settled cache's timed cycle under way (see pool)
+        self.timed_cycles = 0
         self.slot_bytes = 0
         self.n_slots = 0
         self.stage_cap = 0
@@ -1057,8 +1072,14 @@ class FusedLookup:
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if self.stage_bytes < mgr.store.row_bytes:  # no staging buffer: only the unstaged ways remain
             kind += " unstaged"
-        way = self.planner.choose(kind, n_bags, capturing)
-        timed = self.cuda and not capturing and self.planner.timing(kind, n_bags)
+        cyc = self._cycle
+        if cyc is not None and (capturing or (cyc.kind, cyc.n_bags) != (kind, n_bags)):
+            cyc = self._cycle = None  # another shape came: the cycle's sample is dropped
+        if cyc is not None:
+            way, timed = cyc.way, False
+        else:
+            way = self.planner.choose(kind, n_bags, capturing)
+            timed = self.cuda and not capturing and self.planner.timing(kind, n_bags)
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
@@ -1068,7 +1089,18 @@ class FusedLookup:
             self._pending.clear()
         # a step whose way stages misses needs the pass (it places them); a prefetched batch's pass only places the
         # rows already admitted; a caller's capture would freeze the decision into every replay
-        admit = capturing or bool(self._pending) or _ways_of(kind)[way][1] or self.pace.admit()
+        forced = capturing or bool(self._pending) or _ways_of(kind)[way][1]
+        if cyc is not None:  # a cycle's later steps skip the pass while the cache stays settled
+            admit = forced or not self.pace.settled
+            cyc.clean &= not admit
+            self.pace.count(admit)
+        elif timed and not forced and self.pace.cycling:  # time a whole cycle of this way, starting with its pass
+            admit = True
+            self.pace.count(admit)
+            cyc = self._cycle = _Cycle(kind, n_bags, way, start, self.pace.every - 1)
+            timed = False
+        else:
+            admit = forced or self.pace.admit()
         ran = self._replayed(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout, admit)
         if ran not in ("replayed", "captured"):
             prefetched = bool(self._pending)
@@ -1079,14 +1111,29 @@ class FusedLookup:
         if not capturing:
             self.pace.observe(self.adm_stats, self._full, n)
         if ran in ("first", "failed", "captured") or not admit:
-            # ways compare as they will run from now on: replayed, never eager or a capture's host time; and on the
-            # steps that run the pass (the others are alike whatever the way)
+            # ways compare as they will run from now on: replayed, never eager or a capture's host time; a skipping
+            # step is timed only within its way's cycle
             timed = False
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.planner.record(kind, n_bags, way, start, end)
+        if cyc is not None:
+            self._cycle_step(cyc, ran)
         self.calls += 1
+
+    def _cycle_step(self, cyc: _Cycle, ran: str) -> None:
+        """One step of a timed cycle ran: at its last, the planner gets the cycle's mean step."""
+        cyc.clean &= ran == "replayed"
+        if cyc.left > 0:
+            cyc.left -= 1
+            return
+        self._cycle = None
+        if cyc.clean:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.planner.record(cyc.kind, cyc.n_bags, cyc.way, cyc.start, end, steps=self.pace.every)
+            self.timed_cycles += 1
 
     def _replayed(self, kind: str, way: int, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,
                   n_bags: int, include_last: bool, mode: str, psw: Optional[torch.Tensor], out: torch.Tensor,
@@ -1270,7 +1317,7 @@ class FusedLookup:
                 "fused_cache_rows_raw": self.mgr.base_slots,
                 "fused_staging_bytes": self.stage_buf.numel() if self.stage_buf is not None else 0,
                 "fused_calls": self.calls, "fused_prefetches": self.prefetches, "fused_plan": self.planner.plan(),
-                "fused_admission": self.pace.stats(),
+                "fused_admission": {**self.pace.stats(), "timed_cycles": self.timed_cycles},
                 **({f"fused_{k}": v for k, v in self.graphs.stats().items()} if self.graphs is not None else {}),
                 "sketch_halvings": self.mgr.policy.sketch.halvings if self.mgr.policy.sketch is not None else 0}
 

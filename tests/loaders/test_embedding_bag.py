@@ -1477,3 +1477,52 @@ def test_settled_steps_skip_admission_exactly_without_syncs_and_replay(minilm: t
     assert st["fused_graph_error"] is None and st["fused_graph_replays"] >= 60
     assert st["fused_lookups"] == 91 * 48 * len(SIZES)  # skipped steps still count their requests
     m.check_errors()
+
+
+def test_path_planner_takes_a_cycles_mean_step() -> None:
+    """A sample of several steps (a settled cache's cycle: one step admitting, the others not) counts as their mean:
+    a way whose cycle of 4 steps takes 3.2 ms (0.8 ms a step) beats one at 1.0 ms a step, though the cycle's
+    admitting step alone (1.4 ms) would not."""
+    from ibpcache.cache.plan_path import PathPlanner
+
+    class Ev:
+        def __init__(self, ms: float = 0.0) -> None:
+            self.ms = ms
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, end: "Ev") -> float:
+            return end.ms
+
+    planner = PathPlanner({"single": ("staged", "sorted")}, trials=3)
+    while planner.calibrating("single", 100):
+        w = planner.choose("single", 100)
+        if w == 0:
+            planner.record("single", 100, 0, Ev(), Ev(ms=1.0))
+        else:
+            planner.record("single", 100, 1, Ev(), Ev(ms=3.2), steps=4)
+    assert planner.choose("single", 100) == 1 and planner.plan()["single 100 bags ms"]["sorted"] == pytest.approx(0.8)
+
+
+@pytest.mark.gpu
+def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor) -> None:
+    """When the planner times the ways of a settled cache, an unstaged way runs a cycle of ``settled_admit_every``
+    steps (the first admitting) and is judged on their mean; outputs stay bit-exact throughout."""
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+
+    tables = _tables(minilm[:300, :128].contiguous())
+    m = TableBatchedCachedEmbeddingBag(SIZES, 128, _weight=tables, mode="sum", cache_ratio=0.05,
+                                       device="cuda").eval()
+    fused = m.cache_weight_mgr.fused_lookup(m.stage_bytes, m.compress_cache, m.cuda_graphs, m.settled_admit_every)
+    fused.pace.window, fused.pace.span, fused.pace.min_requests = 2, 2, 0
+    refs = [reference(t, "cuda", mode="sum") for t in tables]
+    gen = torch.Generator().manual_seed(23)
+    with torch.no_grad():
+        for step in range(400):
+            single = torch.stack([torch.randint(0, n, (48,), generator=gen) for n in SIZES], 1).cuda()
+            want = torch.cat([r(single[:, t:t + 1]) for t, r in enumerate(refs)], 1)
+            assert_bitwise(m(single), want, f"step {step}")
+    pace = m.stats()["fused_admission"]
+    assert pace["settles"] >= 1 and pace["timed_cycles"] >= 3, pace
+    m.check_errors()
