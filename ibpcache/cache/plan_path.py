@@ -122,22 +122,27 @@ class PathPlanner:
             return plan.choice
         return int(np.argmin(counts))
 
-    def record(self, kind: str, n: int, way: int, start: Any, end: Any, steps: int = 1) -> None:
-        """``steps`` timed steps of ``way`` ran between CUDA events ``start`` and ``end`` (several where a way's
-        steps differ in a fixed cycle: its sample is their mean)."""
-        if kind in self._fixed:
+    def record(self, kind: str, n: int, way: int, start: Any, end: Any) -> None:
+        """A timed step of ``way`` ran between CUDA events ``start`` and ``end``."""
+        self.record_steps(kind, n, way, [(start, end)])
+
+    def record_steps(self, kind: str, n: int, way: int, spans: list) -> None:
+        """Steps of ``way`` that make one sample, each timed between its own (start, end) CUDA events: a way whose
+        steps differ in a fixed cycle is judged on their mean. Each step is timed on its own, so that the host's
+        gaps between them (the caller's work, its syncs) count for no way."""
+        if kind in self._fixed or not spans:
             return
-        self._plan(kind, n).pending.append((int(way), start, end, max(int(steps), 1)))
+        self._plan(kind, n).pending.append((int(way), list(spans)))
 
     def _collect(self, plan: _Plan) -> None:
         keep = []
-        for way, start, end, steps in plan.pending:
-            if not end.query():
-                keep.append((way, start, end, steps))
+        for way, spans in plan.pending:
+            if not all(end.query() for _, end in spans):
+                keep.append((way, spans))
             elif way not in plan.dropped:  # a way's first timing pays for builds and allocations
                 plan.dropped.add(way)
             else:
-                plan.times[way].append(start.elapsed_time(end) / steps)
+                plan.times[way].append(sum(s.elapsed_time(e) for s, e in spans) / len(spans))
         plan.pending = keep
 
     def _decide(self, plan: _Plan) -> None:

@@ -36,7 +36,7 @@ import functools
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -749,8 +749,8 @@ class _Cycle:
     kind: str
     n_bags: int
     way: int
-    start: Any
     left: int  # steps still to run after the current one
+    spans: list = field(default_factory=list)  # (start, end) CUDA events of each step run so far
     clean: bool = True  # every step replayed its graph and skipped as planned: the sample is recorded
 
 
@@ -1076,7 +1076,7 @@ class FusedLookup:
         if cyc is not None and (capturing or (cyc.kind, cyc.n_bags) != (kind, n_bags)):
             cyc = self._cycle = None  # another shape came: the cycle's sample is dropped
         if cyc is not None:
-            way, timed = cyc.way, False
+            way, timed = cyc.way, True  # each step of a cycle is timed on its own
         else:
             way = self.planner.choose(kind, n_bags, capturing)
             timed = self.cuda and not capturing and self.planner.timing(kind, n_bags)
@@ -1097,8 +1097,7 @@ class FusedLookup:
         elif timed and not forced and self.pace.cycling:  # time a whole cycle of this way, starting with its pass
             admit = True
             self.pace.count(admit)
-            cyc = self._cycle = _Cycle(kind, n_bags, way, start, self.pace.every - 1)
-            timed = False
+            cyc = self._cycle = _Cycle(kind, n_bags, way, self.pace.every - 1)
         else:
             admit = forced or self.pace.admit()
         ran = self._replayed(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout, admit)
@@ -1110,6 +1109,9 @@ class FusedLookup:
                        admit=admit)
         if not capturing:
             self.pace.observe(self.adm_stats, self._full, n)
+        if cyc is not None:
+            self._cycle_step(cyc, ran, start)
+            timed = False
         if ran in ("first", "failed", "captured") or not admit:
             # ways compare as they will run from now on: replayed, never eager or a capture's host time; a skipping
             # step is timed only within its way's cycle
@@ -1118,21 +1120,21 @@ class FusedLookup:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.planner.record(kind, n_bags, way, start, end)
-        if cyc is not None:
-            self._cycle_step(cyc, ran)
         self.calls += 1
 
-    def _cycle_step(self, cyc: _Cycle, ran: str) -> None:
-        """One step of a timed cycle ran: at its last, the planner gets the cycle's mean step."""
+    def _cycle_step(self, cyc: _Cycle, ran: str, start: Any) -> None:
+        """One step of a timed cycle ran (from event ``start``): at its last, the planner gets the cycle's mean
+        step."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        cyc.spans.append((start, end))
         cyc.clean &= ran == "replayed"
         if cyc.left > 0:
             cyc.left -= 1
             return
         self._cycle = None
         if cyc.clean:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.planner.record(cyc.kind, cyc.n_bags, cyc.way, cyc.start, end, steps=self.pace.every)
+            self.planner.record_steps(cyc.kind, cyc.n_bags, cyc.way, cyc.spans)
             self.timed_cycles += 1
 
     def _replayed(self, kind: str, way: int, ids: torch.Tensor, offsets: Optional[torch.Tensor], bag_size: int,

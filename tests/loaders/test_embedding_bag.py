@@ -1480,9 +1480,9 @@ def test_settled_steps_skip_admission_exactly_without_syncs_and_replay(minilm: t
 
 
 def test_path_planner_takes_a_cycles_mean_step() -> None:
-    """A sample of several steps (a settled cache's cycle: one step admitting, the others not) counts as their mean:
-    a way whose cycle of 4 steps takes 3.2 ms (0.8 ms a step) beats one at 1.0 ms a step, though the cycle's
-    admitting step alone (1.4 ms) would not."""
+    """A sample of several steps, each timed on its own (a settled cache's cycle: one step admitting, the others not),
+    counts as their mean: a way whose cycle's steps take 1.4 + 3 x 0.6 ms (0.8 ms a step) beats one at 1.0 ms a
+    step, though the cycle's admitting step alone would not."""
     from ibpcache.cache.plan_path import PathPlanner
 
     class Ev:
@@ -1501,7 +1501,7 @@ def test_path_planner_takes_a_cycles_mean_step() -> None:
         if w == 0:
             planner.record("single", 100, 0, Ev(), Ev(ms=1.0))
         else:
-            planner.record("single", 100, 1, Ev(), Ev(ms=3.2), steps=4)
+            planner.record_steps("single", 100, 1, [(Ev(), Ev(ms=ms)) for ms in (1.4, 0.6, 0.6, 0.6)])
     assert planner.choose("single", 100) == 1 and planner.plan()["single 100 bags ms"]["sorted"] == pytest.approx(0.8)
 
 
