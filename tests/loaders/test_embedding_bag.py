@@ -1301,21 +1301,24 @@ def test_path_planner_interleaves_then_keeps_the_fastest_way() -> None:
         PathPlanner(ways, first_recheck=0)
 
 
+class _DoneEvent:
+    """A stand-in CUDA event that has completed; ``elapsed_time`` to it is its ``ms``."""
+
+    def __init__(self, ms: float = 0.0) -> None:
+        self.ms = ms
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_DoneEvent") -> float:
+        return end.ms
+
+
 def test_path_planner_rechecks_early_then_at_growing_intervals() -> None:
     """The ways are timed again ``first_recheck`` steps after the first decision (the first timings ran while the
     cache was filling), then after 4x as many, up to ``recheck_every``; a way that became faster by the margin on the
     warm cache takes over at the first recheck."""
     from ibpcache.cache.plan_path import PathPlanner
-
-    class Ev:
-        def __init__(self, ms: float = 0.0) -> None:
-            self.ms = ms
-
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, end: "Ev") -> float:
-            return end.ms
 
     planner = PathPlanner({"single": ("as given", "sorted")}, trials=2, margin=0.05, recheck_every=40,
                           first_recheck=3)
@@ -1324,7 +1327,7 @@ def test_path_planner_rechecks_early_then_at_growing_intervals() -> None:
     def calibrate() -> None:
         while planner.calibrating("single", 8):
             w = planner.choose("single", 8)
-            planner.record("single", 8, w, Ev(), Ev(ms=cost[w]))
+            planner.record("single", 8, w, _DoneEvent(), _DoneEvent(ms=cost[w]))
 
     calibrate()
     assert planner.choose("single", 8) == 0
@@ -1485,23 +1488,13 @@ def test_path_planner_takes_a_cycles_mean_step() -> None:
     step, though the cycle's admitting step alone would not."""
     from ibpcache.cache.plan_path import PathPlanner
 
-    class Ev:
-        def __init__(self, ms: float = 0.0) -> None:
-            self.ms = ms
-
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, end: "Ev") -> float:
-            return end.ms
-
     planner = PathPlanner({"single": ("staged", "sorted")}, trials=3)
     while planner.calibrating("single", 100):
         w = planner.choose("single", 100)
         if w == 0:
-            planner.record("single", 100, 0, Ev(), Ev(ms=1.0))
+            planner.record("single", 100, 0, _DoneEvent(), _DoneEvent(ms=1.0))
         else:
-            planner.record_steps("single", 100, 1, [(Ev(), Ev(ms=ms)) for ms in (1.4, 0.6, 0.6, 0.6)])
+            planner.record_steps("single", 100, 1, [(_DoneEvent(), _DoneEvent(ms=ms)) for ms in (1.4, 0.6, 0.6, 0.6)])
     assert planner.choose("single", 100) == 1 and planner.plan()["single 100 bags ms"]["sorted"] == pytest.approx(0.8)
 
 
