@@ -1499,14 +1499,16 @@ def test_path_planner_takes_a_cycles_mean_step() -> None:
 
 
 @pytest.mark.gpu
-def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor) -> None:
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor, graphs: bool) -> None:
     """When the planner times the ways of a settled cache, an unstaged way runs a cycle of ``settled_admit_every``
-    steps (the first admitting) and is judged on their mean; outputs stay bit-exact throughout."""
+    steps (the first admitting) and is judged on their mean, whether the steps replay CUDA graphs or run eagerly;
+    outputs stay bit-exact throughout."""
     from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 
     tables = _tables(minilm[:300, :128].contiguous())
     m = TableBatchedCachedEmbeddingBag(SIZES, 128, _weight=tables, mode="sum", cache_ratio=0.05,
-                                       device="cuda").eval()
+                                       device="cuda", cuda_graphs=graphs).eval()
     fused = m.cache_weight_mgr.fused_lookup(m.stage_bytes, m.compress_cache, m.cuda_graphs, m.settled_admit_every)
     fused.pace.window, fused.pace.span, fused.pace.min_requests = 2, 2, 0
     refs = [reference(t, "cuda", mode="sum") for t in tables]
