@@ -835,7 +835,7 @@ class FusedLookup:
         self._passes = 0  # admission passes so far (the device's step stamp, unless a captured lookup was replayed)
         self._pending: deque[tuple[int, int]] = deque()  # (pass, n) of prefetched batches not yet looked up
         self._done: Optional[torch.cuda.Event] = None  # the last prefetch's end on the side stream
-        self._cycle: Optional[_Cycle] = None  # a settled cache's timed cycle under way (see pool)
+        self._cycles: dict[tuple[str, int], _Cycle] = {}  # a settled cache's timed cycles under way, per shape
         self.timed_cycles = 0
         self.slot_bytes = 0
         self.n_slots = 0
@@ -1072,9 +1072,9 @@ class FusedLookup:
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if self.stage_bytes < mgr.store.row_bytes:  # no staging buffer: only the unstaged ways remain
             kind += " unstaged"
-        cyc = self._cycle
-        if cyc is not None and (capturing or (cyc.kind, cyc.n_bags) != (kind, n_bags)):
-            cyc = self._cycle = None  # another shape came: the cycle's sample is dropped
+        if capturing:  # a caller's capture: no cycle's sample may include its steps
+            self._cycles.clear()
+        cyc = self._cycles.get((kind, n_bags))  # other shapes' steps may come between a cycle's own
         if cyc is not None:
             way, timed = cyc.way, True  # each step of a cycle is timed on its own
         else:
@@ -1097,7 +1097,7 @@ class FusedLookup:
         elif timed and not forced and self.pace.cycling:  # time a whole cycle of this way, starting with its pass
             admit = True
             self.pace.count(admit)
-            cyc = self._cycle = _Cycle(kind, n_bags, way, self.pace.every - 1)
+            cyc = self._cycles[(kind, n_bags)] = _Cycle(kind, n_bags, way, self.pace.every - 1)
         else:
             admit = forced or self.pace.admit()
         ran = self._replayed(kind, way, ids, offsets, bag_size, n_bags, include_last, mode, psw, out, layout, admit)
@@ -1132,7 +1132,7 @@ class FusedLookup:
         if cyc.left > 0:
             cyc.left -= 1
             return
-        self._cycle = None
+        del self._cycles[(cyc.kind, cyc.n_bags)]
         if cyc.clean:
             self.planner.record_steps(cyc.kind, cyc.n_bags, cyc.way, cyc.spans)
             self.timed_cycles += 1

@@ -1502,8 +1502,8 @@ def test_path_planner_takes_a_cycles_mean_step() -> None:
 @pytest.mark.parametrize("graphs", [True, False])
 def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor, graphs: bool) -> None:
     """When the planner times the ways of a settled cache, an unstaged way runs a cycle of ``settled_admit_every``
-    steps (the first admitting) and is judged on their mean, whether the steps replay CUDA graphs or run eagerly;
-    outputs stay bit-exact throughout."""
+    steps (the first admitting) and is judged on their mean, whether the steps replay CUDA graphs or run eagerly, and
+    while steps of another batch shape come in between; outputs stay bit-exact throughout."""
     from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
 
     tables = _tables(minilm[:300, :128].contiguous())
@@ -1515,9 +1515,13 @@ def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor, gr
     gen = torch.Generator().manual_seed(23)
     with torch.no_grad():
         for step in range(400):
-            single = torch.stack([torch.randint(0, n, (48,), generator=gen) for n in SIZES], 1).cuda()
+            batch = 48 if step % 2 else 40  # two shapes, one step each in turn: each keeps its own cycles
+            single = torch.stack([torch.randint(0, n, (batch,), generator=gen) for n in SIZES], 1).cuda()
             want = torch.cat([r(single[:, t:t + 1]) for t, r in enumerate(refs)], 1)
             assert_bitwise(m(single), want, f"step {step}")
-    pace = m.stats()["fused_admission"]
-    assert pace["settles"] >= 1 and pace["timed_cycles"] >= 3, pace
+    st = m.stats()
+    pace = st["fused_admission"]
+    assert pace["settles"] >= 1 and pace["timed_cycles"] >= 6, pace
+    decided = [st["fused_plan"].get(f"single {n * len(SIZES)} bags") for n in (40, 48)]
+    assert None not in decided and "calibrating" not in decided, st["fused_plan"]
     m.check_errors()
