@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ibpcache.cache.admission import SETTLED_ADMIT_EVERY, AdmissionPace
 from ibpcache.errors import InvalidArgumentError
@@ -71,3 +73,27 @@ def test_reset_and_bad_settings() -> None:
     for bad in (0, -1, 2.0, True, "4"):
         with pytest.raises(InvalidArgumentError, match="settled_admit_every"):
             AdmissionPace(bad, CPU)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.booleans()), min_size=1, max_size=300),
+       st.integers(1, 6), st.integers(1, 5_000))
+def test_any_trace_skips_only_when_settled_and_never_more_than_the_pace_allows(
+        steps: list[tuple[float, bool]], every: int, n: int) -> None:
+    """Whatever the hit rates and fill states: a step is skipped only while settled, only a filling-free cache
+    settles, and at most ``every - 1`` of any ``every`` consecutive decisions are skips."""
+    pace = AdmissionPace(every, CPU, window=2, span=2, min_requests=0)
+    counters = torch.zeros(2, dtype=torch.int64)
+    decisions = []
+    for rate, full in steps:
+        settled_before = pace.settled
+        admitted = pace.admit()
+        assert admitted or settled_before
+        decisions.append(admitted)
+        counters += torch.tensor([n, round(rate * n)])
+        was = pace.settles
+        pace.observe(counters, full, n)
+        assert pace.settles == was or full  # a cache still filling never settles
+    assert pace.skipped == decisions.count(False) and pace.steps == len(decisions)
+    for i in range(len(decisions) - every + 1):
+        assert any(decisions[i: i + every]), decisions
