@@ -10,9 +10,10 @@ from host memory) and still counts requests, hits and use stamps; it only leaves
 Whether the hit rate has settled is judged on the device's cumulative counters, read a few steps late: every
 ``window`` steps (more for small steps: a window holds at least ``min_requests`` ids, so that its hit rate is
 known to about 0.1 points) a copy of them goes to pinned memory, looked at once it has completed (no host sync).
-The cache is settled when it is full and its hit rate has stopped rising: the newest window's rate is at most ``rise`` above the
+The cache is settled when it is full and its hit rate is flat: the newest window's rate is within ``rise`` of the
 rate ``span`` windows earlier, beyond what sampling noise explains (three standard deviations of the difference of
-two binomial rates: tiny for a DLRM step's 10^5 ids, large for a test's few thousand). A slowly converging cache
+two binomial rates: tiny for a DLRM step's 10^5 ids, large for a test's few thousand). Flat, not merely "not
+rising": a rate still falling after the hot set moved must not settle the cache in the middle of the fall. A slowly converging cache
 (TinyLFU on Zipf ids gains a fraction of a point per window for hundreds of steps) keeps admitting every step until
 then. It is unsettled again (every step admits) as soon as a window's rate is ``drop`` (plus noise) below the best
 settled window: the hot set moved, or the settled admissions were too few to follow it.
@@ -121,7 +122,7 @@ class AdmissionPace:
         if not full or len(self._windows) <= self.span:
             return
         first = self._windows[0]
-        if now[0] - first[0] <= self.rise + _noise(first, now):
+        if abs(now[0] - first[0]) <= self.rise + _noise(first, now):
             self.settled = True
             self.settles += 1
             self.best = now

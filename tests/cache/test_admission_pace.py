@@ -97,3 +97,11 @@ def test_any_trace_skips_only_when_settled_and_never_more_than_the_pace_allows(
     assert pace.skipped == decisions.count(False) and pace.steps == len(decisions)
     for i in range(len(decisions) - every + 1):
         assert any(decisions[i: i + every]), decisions
+
+
+def test_a_falling_hit_rate_never_settles_the_cache() -> None:
+    """After the hot set moved the rate falls, then climbs back: a fall is not "stopped rising" (settling in the
+    middle of it would follow the new hot set with a quarter of the admissions)."""
+    pace = AdmissionPace(4, CPU, window=4, span=2, min_requests=0)
+    assert all(_drive(pace, [0.8 - 0.02 * i for i in range(24)]))  # falling for 24 steps: every step admits
+    assert not pace.settled and pace.settles == 0
