@@ -31,6 +31,9 @@ from ..errors import InvalidArgumentError
 
 __all__ = ["AdmissionPace", "SETTLED_ADMIT_EVERY"]
 
+_KEEP_WINDOWS = 64
+"""Window readings kept: ``span`` may be at most one less."""
+
 SETTLED_ADMIT_EVERY = 4
 """Default: once settled, one lookup in 4 runs the admission pass (75% of the passes' device time saved; a hot set
 that moves is still followed, four times slower, until the hit rate drop puts every step back to admitting)."""
@@ -45,6 +48,8 @@ class AdmissionPace:
             raise InvalidArgumentError(f"settled_admit_every must be an int >= 1, got {every!r}")
         self.every = every
         self.window = int(window)
+        if not 1 <= int(span) < _KEEP_WINDOWS:
+            raise InvalidArgumentError(f"span must be in [1, {_KEEP_WINDOWS}), got {span!r}")
         self.span = int(span)
         self.min_requests = int(min_requests)
         self.rise = float(rise)
@@ -57,7 +62,8 @@ class AdmissionPace:
         self.settles = 0
         self.unsettles = 0
         self.last_rate: Optional[float] = None
-        self._windows: deque[tuple[float, int]] = deque(maxlen=self.span + 1)  # (hit rate, requests) per window
+        # (hit rate, requests) of the latest windows; ``span`` may be set after construction (tests, experiments)
+        self._windows: deque[tuple[float, int]] = deque(maxlen=_KEEP_WINDOWS)
         self._since = 0  # steps since the last copy of the counters
         self._prev: Optional[tuple[int, int]] = None  # (requests, hits) at the last reading
         self._copy: Optional[torch.Tensor] = None
@@ -121,7 +127,7 @@ class AdmissionPace:
             return
         if not full or len(self._windows) <= self.span:
             return
-        first = self._windows[0]
+        first = self._windows[-self.span - 1]
         if abs(now[0] - first[0]) <= self.rise + _noise(first, now):
             self.settled = True
             self.settles += 1

@@ -105,3 +105,13 @@ def test_a_falling_hit_rate_never_settles_the_cache() -> None:
     pace = AdmissionPace(4, CPU, window=4, span=2, min_requests=0)
     assert all(_drive(pace, [0.8 - 0.02 * i for i in range(24)]))  # falling for 24 steps: every step admits
     assert not pace.settled and pace.settles == 0
+
+
+def test_span_set_after_construction_is_the_span_compared() -> None:
+    """Experiments and tests set ``span`` on a built pace: a flat rate must settle after ``span`` + 1 readings of it,
+    whatever span the pace was built with."""
+    for steps, settled in ((36, False), (40, True)):  # a reading every 4 steps, the first a baseline: 8, 9 rates
+        pace = AdmissionPace(4, CPU, window=4, span=2, min_requests=0)
+        pace.span = 8
+        _drive(pace, [0.7] * steps)
+        assert pace.settled is settled, steps
