@@ -13,9 +13,9 @@ known to about 0.1 points) a copy of them goes to pinned memory, looked at once 
 The cache is settled when it is full and its hit rate is flat: the newest window's rate is within ``rise`` of the
 rate ``span`` windows earlier, beyond what sampling noise explains (three standard deviations of the difference of
 two binomial rates: tiny for a DLRM step's 10^5 ids, large for a test's few thousand). Flat, not merely "not
-rising": a rate still falling after the hot set moved must not settle the cache in the middle of the fall. A slowly converging cache
-(TinyLFU on Zipf ids gains a fraction of a point per window for hundreds of steps) keeps admitting every step until
-then. It is unsettled again (every step admits) as soon as a window's rate is ``drop`` (plus noise) below the best
+rising": a rate still falling after the hot set moved must not settle the cache in the middle of the fall. A slowly
+converging cache (TinyLFU on Zipf ids gains a fraction of a point per window for hundreds of steps) keeps admitting
+every step until then. It is unsettled again (every step admits) as soon as a window's rate is ``drop`` (plus noise) below the best
 settled window: the hot set moved, or the settled admissions were too few to follow it.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["AdmissionPace", "SETTLED_ADMIT_EVERY"]
+__all__ = ["AdmissionPace", "SETTLED_ADMIT_EVERY", "check_admit_every"]
 
 _KEEP_WINDOWS = 64
 """Window readings kept: ``span`` may be at most one less."""
@@ -39,14 +39,19 @@ SETTLED_ADMIT_EVERY = 4
 that moves is still followed, four times slower, until the hit rate drop puts every step back to admitting)."""
 
 
+def check_admit_every(every: Any) -> int:
+    """``settled_admit_every`` as given, or :class:`InvalidArgumentError` naming it (an int >= 1; not a bool)."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise InvalidArgumentError(f"settled_admit_every must be an int >= 1, got {every!r}")
+    return every
+
+
 class AdmissionPace:
     """Decides, per lookup step, whether it runs the admission pass; see the module docstring."""
 
     def __init__(self, every: int, device: torch.device, window: int = 16, span: int = 4,
                  rise: float = 0.002, drop: float = 0.02, min_requests: int = 1 << 18) -> None:
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise InvalidArgumentError(f"settled_admit_every must be an int >= 1, got {every!r}")
-        self.every = every
+        self.every = check_admit_every(every)
         self.window = int(window)
         if not 1 <= int(span) < _KEEP_WINDOWS:
             raise InvalidArgumentError(f"span must be in [1, {_KEEP_WINDOWS}), got {span!r}")

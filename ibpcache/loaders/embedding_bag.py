@@ -68,7 +68,7 @@ from torch import nn
 from .._validation import check_fraction, resolve_device
 from ..compressed import CompressedRows
 from ..errors import FormatError, InvalidArgumentError, InvalidIdsError, InvalidTypeError, StateError, UnsupportedError
-from ..cache.admission import SETTLED_ADMIT_EVERY
+from ..cache.admission import SETTLED_ADMIT_EVERY, check_admit_every
 from ..cache.host_store import FitOptions, HostStore, Transfer
 from ..cache.plan_layout import slot_option
 from ..cache.policy import EvictionStrategy
@@ -232,8 +232,7 @@ class _CachedBagBase(nn.Module):
             raise InvalidArgumentError(f"validate must be 'eager' or 'lazy', got {validate!r}")
         if not isinstance(stage_bytes, int) or isinstance(stage_bytes, bool) or stage_bytes < 0:
             raise InvalidArgumentError(f"stage_bytes must be an int >= 0, got {stage_bytes!r}")
-        if not isinstance(settled_admit_every, int) or isinstance(settled_admit_every, bool) or settled_admit_every < 1:
-            raise InvalidArgumentError(f"settled_admit_every must be an int >= 1, got {settled_admit_every!r}")
+        check_admit_every(settled_admit_every)
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise InvalidArgumentError(f"num_embeddings: expected a positive int, got {num_embeddings!r}")
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
