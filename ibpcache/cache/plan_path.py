@@ -13,7 +13,10 @@ timed again ``first_recheck`` steps after the first decision, then at intervals 
 filling, when misses and admissions dominate every way; a choice made then can be 20-25% slower in the steady state
 (two identical DLRM modules picked different ways and ran 0.32 vs 0.40 ms per step), so the warm cache's way is
 chosen within a few hundred steps instead of after ``recheck_every``. Each batch shape (bag count) is planned on its
-own. Timings are CUDA events read once they have completed: never a sync.
+own. The owner calls :meth:`PathPlanner.retime` when the ways' costs change together (the embedding bags' cache
+settling, after which its unstaged ways skip most admission passes): two identical modules ran 13% apart when one had chosen the staged way, which never
+skips a pass, on timings taken before its cache settled. Timings are CUDA events read once they have completed: never
+a sync.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class PathPlanner:
         self.first_recheck = min(int(first_recheck), self.recheck_every)
         self._plans: dict[tuple[str, int], _Plan] = {}
         self._fixed: dict[str, int] = {}
+        self.retimes = 0
 
     def _plan(self, kind: str, n: int) -> _Plan:
         key = (kind, int(n))
@@ -89,6 +93,18 @@ class PathPlanner:
         if not 0 <= int(way) < len(self.ways[kind]):
             raise InvalidArgumentError(f"way must be in [0, {len(self.ways[kind])}), got {way!r}")
         self._fixed[kind] = int(way)
+
+    def retime(self) -> None:
+        """The ways' costs changed under every plan (a settled cache skips most admission passes on its unstaged ways,
+        never on a staged one): time the ways of every shape again from its next step, the incumbent kept unless
+        beaten by the margin. Timings taken before the change would keep whatever was fastest then."""
+        for plan in self._plans.values():
+            if plan.n_ways > 1:
+                plan.calibrating = True
+                plan.times = [[] for _ in range(plan.n_ways)]
+                plan.dropped = set()
+                plan.pending = []
+        self.retimes += 1
 
     def calibrating(self, kind: str, n: int) -> bool:
         """Are the ways of this kind and shape being timed now?"""

@@ -836,6 +836,7 @@ class FusedLookup:
         self._pending: deque[tuple[int, int]] = deque()  # (pass, n) of prefetched batches not yet looked up
         self._done: Optional[torch.cuda.Event] = None  # the last prefetch's end on the side stream
         self._cycles: dict[tuple[str, int], _Cycle] = {}  # a settled cache's timed cycles under way, per shape
+        self._settled_seen = False  # the pace's state at the last step: a settle re-times the ways
         self.timed_cycles = 0
         self.slot_bytes = 0
         self.n_slots = 0
@@ -1109,6 +1110,10 @@ class FusedLookup:
                        admit=admit)
         if not capturing:
             self.pace.observe(self.adm_stats, self._full, n)
+            if self.pace.settled and not self._settled_seen:  # skipping passes changes which way is fastest
+                self._cycles.clear()
+                self.planner.retime()
+            self._settled_seen = self.pace.settled
         if cyc is not None:
             self._cycle_step(cyc, ran, start)
             timed = False

@@ -1504,6 +1504,36 @@ def test_path_planner_takes_a_cycles_mean_step() -> None:
     assert planner.choose("single", 100) == 1 and planner.plan()["single 100 bags ms"]["sorted"] == pytest.approx(0.8)
 
 
+def test_path_planner_retimes_every_shape_when_told_and_keeps_its_incumbent_by_the_margin() -> None:
+    """``retime`` (the cache settled, so the unstaged ways skip most passes): every shape's ways are timed again at
+    once, not at the next recheck; a way now faster by the margin takes over, one within the margin does not."""
+    from ibpcache.cache.plan_path import PathPlanner
+
+    planner = PathPlanner({"single": ("staged", "sorted")}, trials=2, margin=0.05, first_recheck=1000)
+    cost = {0: 1.0, 1: 1.1}  # before the change the staged way is faster
+
+    def calibrate(n: int) -> None:
+        while planner.calibrating("single", n):
+            w = planner.choose("single", n)
+            planner.record("single", n, w, _DoneEvent(), _DoneEvent(ms=cost[w]))
+
+    for n in (40, 48):
+        calibrate(n)
+        assert planner.choose("single", n) == 0
+    planner.retime()
+    assert planner.calibrating("single", 40) and planner.calibrating("single", 48)
+    cost.update({0: 1.0, 1: 0.8})  # settled: "sorted" skips 3 passes in 4
+    calibrate(40)
+    assert planner.choose("single", 40) == 1
+    cost.update({0: 1.0, 1: 0.97})  # within the margin: the incumbent stays
+    calibrate(48)
+    assert planner.choose("single", 48) == 0
+    fixed = PathPlanner({"single": ("staged", "sorted")})
+    fixed.fix("single", "sorted")
+    fixed.retime()
+    assert not fixed.calibrating("single", 40) and fixed.choose("single", 40) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [True, False])
 def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor, graphs: bool) -> None:
@@ -1528,6 +1558,7 @@ def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor, gr
     st = m.stats()
     pace = st["fused_admission"]
     assert pace["settles"] >= 1 and pace["timed_cycles"] >= 6, pace
+    assert fused.planner.retimes == pace["settles"]  # every shape timed again each time the cache settled
     decided = [st["fused_plan"].get(f"single {n * len(SIZES)} bags") for n in (40, 48)]
     assert None not in decided and "calibrating" not in decided, st["fused_plan"]
     m.check_errors()
