@@ -174,6 +174,29 @@ def test_decoded_slots_let_compression_pay_on_misses() -> None:
     assert sparse.compress and sparse.slots == "stored"
 
 
+def test_decoded_candidates_are_judged_on_their_misses() -> None:
+    """Two identical 2 KB fp16 modules (H200): exponent misses 1.07x / 1.09x faster than raw, hits held decoded (raw
+    rows). Weighed at 90% latency-bound hits the two fell either side of the margin (0.974x / 0.970x raw) and chose
+    differently; stepping in turn the compressed one was 4-13% faster. Held decoded, both choose it; held as stored
+    (hits decoded from device memory, 1.15-1.17x raw hits) both keep raw rows."""
+    from ibpcache.cache.plan_layout import decide_codec
+
+    ratios = {"ibp": 1.116, "exponent": 1.169, "exponent_seg32": 1.133}
+    builds = [({"ibp": 0.3507, "exponent": 0.3457, "exponent_seg32": 0.3131, "raw": 0.3364},
+               {"ibp": 0.0876, "exponent": 0.2053, "exponent_seg32": 0.0719, "raw": 0.0624}),
+              ({"ibp": 0.3499, "exponent": 0.3506, "exponent_seg32": 0.3153, "raw": 0.3421},
+               {"ibp": 0.0880, "exponent": 0.2060, "exponent_seg32": 0.0703, "raw": 0.0602})]
+    for misses, hits in builds:
+        auto = decide_codec(ratios, misses, hit_timings_ms=hits, slots="auto")
+        assert auto.compress and auto.method == "exponent_seg32" and auto.slots == "decoded", auto.reason
+        stored = decide_codec(ratios, misses, hit_timings_ms=hits, slots="stored")
+        assert not stored.compress and "decoded from device memory" in stored.reason
+    # misses within the margin stay raw, held decoded or not
+    near = decide_codec({"exponent": 1.2}, {"exponent": 0.98, "raw": 1.0}, hit_timings_ms={"exponent": 0.2, "raw": 0.1},
+                        slots="decoded")
+    assert not near.compress
+
+
 def test_embedding_bag_arguments() -> None:
     """compress takes a method name; compress / compress_cache values outside their sets are refused by name."""
     from ibpcache.errors import InvalidArgumentError
