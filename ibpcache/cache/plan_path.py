@@ -14,9 +14,9 @@ filling, when misses and admissions dominate every way; a choice made then can b
 (two identical DLRM modules picked different ways and ran 0.32 vs 0.40 ms per step), so the warm cache's way is
 chosen within a few hundred steps instead of after ``recheck_every``. Each batch shape (bag count) is planned on its
 own. The owner calls :meth:`PathPlanner.retime` when the ways' costs change together (the embedding bags' cache
-settling, after which its unstaged ways skip most admission passes): two identical modules ran 13% apart when one had chosen the staged way, which never
-skips a pass, on timings taken before its cache settled. Timings are CUDA events read once they have completed: never
-a sync.
+settling, after which its unstaged ways skip most admission passes): two identical modules ran 13% apart when one
+had chosen the staged way, which never skips a pass, on timings taken before its cache settled. Timings are CUDA
+events read once they have completed: never a sync.
 """
 
 from __future__ import annotations

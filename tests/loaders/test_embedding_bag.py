@@ -906,7 +906,8 @@ def test_bench_dlrm_smoke(tmp_path, shared_data_dir) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path), "--tables", "3", "--rows-per-table",
            "400", "--entry-bytes", "512", "--batches", "64", "--cache-ratios", "0.05,0.2", "--bags", "1,3", "--iters",
-           "3", "--warmup", "1", "--budget-s", "5", "--drift-period", "3", "--paired", "ibpcache:ibpcache_raw,ibpcache:ibpcache"]
+           "3", "--warmup", "1", "--budget-s", "5", "--drift-period", "3",
+           "--paired", "ibpcache:ibpcache_raw,ibpcache:ibpcache"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     payload = json.loads((tmp_path / "bench_dlrm.json").read_text())
