@@ -93,21 +93,26 @@ def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
     names: Counter = Counter()
+    kernel_time: Counter = Counter()
     kernels = 0
     kernel_us = 0.0
     for ev in prof.events():
         if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels += 1
             kernel_us += ev.device_time
+            kernel_time[ev.name[:120]] += ev.device_time
         else:
             names[ev.name] += 1
+    host_self = Counter({a.key: a.self_cpu_time_total for a in prof.key_averages()})
     aten = sum(c for k, c in names.items() if k.startswith("aten::"))
     syncs = {k: names[k] / n for k in SYNC_OPS if names[k]}
     launches = names["cudaLaunchKernel"] + names["cuLaunchKernel"] + names["cudaLaunchKernelExC"]
     return {"kernels_per_step": kernels / n, "launch_calls_per_step": launches / n,
             "kernel_ms_per_step": kernel_us / 1e3 / n, "aten_ops_per_step": aten / n, "sync_ops_per_step": syncs,
             "host_reads_per_step": {k: v / n for k, v in reads.items()},
-            "top_ops": {k: c / n for k, c in names.most_common(25)}}
+            "top_ops": {k: c / n for k, c in names.most_common(25)},
+            "top_kernels_ms": {k: t / 1e3 / n for k, t in kernel_time.most_common(15)},
+            "top_host_self_ms": {k: t / 1e3 / n for k, t in host_self.most_common(15)}}
 
 
 def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch: int, cuda: bool) -> dict[str, Any]:
