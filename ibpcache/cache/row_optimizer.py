@@ -50,6 +50,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.optim.sgd import sgd
 
 from ..errors import InvalidArgumentError, OptimizerStateError
+from .._validation import as_row_bytes
+from .host_store import HostStore
+from .plan_transfer import Transfer
 
 __all__ = ["RowOptimizer", "RowCache", "watch_unattached", "SUPPORTED"]
 
@@ -203,8 +206,8 @@ class RowOptimizer:
         self.n_rows = mgr.num_embeddings
         self.dim = mgr.embedding_dim
         self.updates = 0
-        self.last_update = torch.zeros(self.n_rows, dtype=torch.int64)
-        self.host: dict[str, torch.Tensor] = {}
+        self.last_update = torch.zeros(self.n_rows, dtype=torch.int64, device=param.device)
+        self.host: dict[str, HostStore] = {}
         self.init = family.init(group)
         self.log: list[tuple[dict, bool]] = []  # per update: hyperparameters, and whether it created the state
         self.idle_moves = False  # some update moved rows with state although their gradient was zero
@@ -248,28 +251,41 @@ class RowOptimizer:
         state = self.optimizer.state.get(self.param, {})
         return [(k, state[k]) for k in self.family.states if isinstance(state.get(k), torch.Tensor)]
 
-    def _host_state(self, key: str, like: torch.Tensor) -> torch.Tensor:
+    def _host_state(self, key: str, like: torch.Tensor) -> HostStore:
+        """The host copy of state ``key`` for every table row: a raw :class:`HostStore` (pinned on CUDA), so rows
+        move through the device's zero-copy reads and writes, never a pageable copy or a host-side index."""
         if key not in self.host:
             with torch.inference_mode(False):  # written again outside inference mode, which would refuse it
-                self.host[key] = torch.full((self.n_rows, self.dim), self.init.get(key, 0.0), dtype=like.dtype)
+                pin = like.device.type == "cuda"
+                rows = torch.empty((self.n_rows, self.dim), dtype=like.dtype, pin_memory=pin)
+                rows.fill_(self.init.get(key, 0.0))
+                self.host[key] = HostStore(rows, compress=False, device=like.device, transfer=Transfer.ZERO_COPY,
+                                           share_rows=True)
         return self.host[key]
 
+    def _read_state(self, key: str, like: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Host state ``key`` of rows ``ids`` as rows on ``like``'s device."""
+        return self._host_state(key, like).raw_rows(ids).view(like.dtype).view(ids.numel(), self.dim)
+
+    def _write_state(self, key: str, like: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self._host_state(key, like).write_rows(ids, as_row_bytes(rows.contiguous()))
+
     def save(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        """Rows ``ids`` leave ``slots``: their state goes to host memory, current as of now."""
-        idx = ids.cpu()
+        """Rows ``ids`` leave ``slots``: their state goes to host memory, current as of now (no host sync)."""
+        ids = ids.to(self.last_update.device)
         for key, st in self.row_states():
-            self._host_state(key, st)[idx] = st.index_select(0, slots).cpu()
-        self.last_update[idx] = self.updates
+            self._write_state(key, st, ids, st.index_select(0, slots))
+        self.last_update.index_fill_(0, ids, self.updates)
 
     def restore(self, weight: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Rows ``ids`` entered ``slots`` of ``weight`` (their host weights already read): bring their state back and
         catch them up on the updates they missed."""
-        idx = ids.cpu()
+        ids = ids.to(self.last_update.device)
         states = self.row_states()
         for key, st in states:
-            st.index_copy_(0, slots, self._host_state(key, st)[idx].to(st.device))
-        self.catch_up(weight, slots, dict(states), idx)
-        self.last_update[idx] = self.updates
+            st.index_copy_(0, slots, self._read_state(key, st, ids))
+        self.catch_up(weight, slots, dict(states), ids)
+        self.last_update.index_fill_(0, ids, self.updates)
 
     def resize(self, rows: int) -> None:
         """Follow the cached parameter to ``rows`` slots (new slots hold fresh state)."""
@@ -285,10 +301,11 @@ class RowOptimizer:
                     state[key] = st[:rows].clone()
 
     # -- catch-up -------------------------------------------------------------------------------------
-    def stale(self, ids: torch.Tensor) -> torch.Tensor:
-        """Which of ``ids`` (CPU) missed updates that moved them (a no-op update needs no replay)."""
+    def stale(self, ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """Which of ``ids`` missed updates that moved them; None when no update moves a row without a gradient
+        (then nothing is ever replayed, and nothing here reads the device)."""
         if not self.idle_moves:
-            return torch.zeros(ids.shape, dtype=torch.bool)
+            return None
         last = self.last_update[ids]
         need = last < self.updates
         if not self.fresh_moves:  # rows never updated still have fresh state: nothing moved them
@@ -297,20 +314,22 @@ class RowOptimizer:
 
     def catch_up(self, weight: torch.Tensor, slots: torch.Tensor, states: dict[str, torch.Tensor],
                  ids: torch.Tensor) -> int:
-        """Replay on rows ``weight[slots]`` (and ``states[k][slots]``), which hold table rows ``ids`` (CPU) as of
-        their ``last_update``, the zero-gradient updates each missed, in order. Returns the rows replayed."""
+        """Replay on rows ``weight[slots]`` (and ``states[k][slots]``), which hold table rows ``ids`` as of their
+        ``last_update``, the zero-gradient updates each missed, in order. Returns the rows replayed."""
         need = self.stale(ids)
+        if need is None:
+            return 0
         pos = torch.nonzero(need).squeeze(1)
         if pos.numel() == 0:
             return 0
         last = self.last_update[ids[pos]]
         order = torch.argsort(last, stable=True)
         lo = last[order]  # ascending: the rows that missed update t are a prefix
-        at = slots.index_select(0, pos[order].to(slots.device))
+        at = slots.index_select(0, pos[order])
         rows = weight.index_select(0, at)
         st = {k: v.index_select(0, at) for k, v in states.items()}
         first_t = int(lo[0]) + 1
-        counts = torch.searchsorted(lo, torch.arange(first_t, self.updates + 1), right=False).tolist()
+        counts = torch.searchsorted(lo, torch.arange(first_t, self.updates + 1, device=lo.device)).tolist()
         step_like = self.optimizer.state.get(self.param, {}).get("step")
         update = self.family.update
         assert update is not None  # families without one never move idle rows
@@ -329,9 +348,12 @@ class RowOptimizer:
     def catch_up_host(self, mgr: "RowCache") -> int:
         """Bring every host row that is not cached up to date (weights written back to the store, state to host
         memory), e.g. before the whole table is read. Returns the rows replayed."""
-        ids = torch.nonzero(self.stale(torch.arange(self.n_rows))).squeeze(1)
+        need = self.stale(torch.arange(self.n_rows, device=self.last_update.device))
+        if need is None:
+            return 0
+        ids = torch.nonzero(need).squeeze(1)
         if ids.numel():
-            ids = ids[mgr.slot_of.cpu()[ids] < 0]
+            ids = ids[mgr.slot_of.to(ids.device).index_select(0, ids) < 0]
         if ids.numel() == 0:
             return 0
         states = self.row_states()
@@ -340,12 +362,12 @@ class RowOptimizer:
         for part in ids.split(chunk):
             u8 = store.raw_rows(part)
             rows = u8.view(store.dtype).view(part.numel(), self.dim)
-            st = {k: self._host_state(k, v)[part].to(v.device) for k, v in states}
+            st = {k: self._read_state(k, v, part) for k, v in states}
             self.catch_up(rows, torch.arange(part.numel(), device=rows.device), st, part)
             store.write_rows(part, u8)
             for k, v in st.items():
-                self.host[k][part] = v.cpu()
-            self.last_update[part] = self.updates
+                self._write_state(k, v, part, v)
+            self.last_update.index_fill_(0, part, self.updates)
         return int(ids.numel())
 
 
