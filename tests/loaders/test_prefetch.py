@@ -415,3 +415,37 @@ def test_prefetched_adagrad_step_syncs_only_where_known(minilm: torch.Tensor, ta
     """A prefetched sparse-Adagrad step runs exactly the known sync-prone ops (see the cases), no new one."""
     for audit in _audited_steps(minilm, "adagrad", "offsets", tables):
         assert audit.sites() == expected, audit.table()
+
+
+def test_evicted_rows_optimizer_state_moves_without_a_sync(minilm: torch.Tensor) -> None:
+    """A training prefetch that evicts rows with attached Adagrad state saves that state and restores the returning
+    rows' state with no sync-prone op in the row optimizer (on CUDA: zero-copy writes and reads of its pinned host
+    store, no pageable copy, no host-side index); the trained table stays bit-identical to nn.EmbeddingBag's."""
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+    from ibpcache.testing.sync_audit import sync_audit
+
+    w = minilm[:600, :64].clone()  # 3 tables of 200 rows; 210 cache rows: each batch (192 rows) fits, the next evicts
+    m = TableBatchedCachedEmbeddingBag([200] * 3, 64, _weight=w.clone(), mode="sum", sparse=True, cache_ratio=0.35,
+                                       warmup_ratio=0.0, device="cpu", compress=True)
+    ref = torch.nn.EmbeddingBag(600, 64, mode="sum", sparse=True, _weight=w.clone())
+    opt, ref_opt = torch.optim.Adagrad(m.parameters(), lr=0.05), torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    m.attach_optimizer(opt)
+    gen = torch.Generator().manual_seed(11)
+    audits = []
+    for step in range(6):
+        ids, offs = _tb_batch(gen, 3, "cpu")
+        with sync_audit() as audit:
+            m.prefetch(ids, offs)
+        audits.append(audit)
+        m(ids, offs).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        glob = ids + torch.arange(3).repeat_interleave(64) * 200
+        ref(glob, offs).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = m.cache_weight_mgr.optim.host["sum"]
+    assert m.stats()["evictions"] > 0 and state.rows_written > 0 and state.rows_read > 0
+    for audit in audits:
+        assert not {site for site in audit.sites() if "row_optimizer" in site[1]}, audit.table()
+    assert torch.equal(m.weight, ref.weight.detach())
