@@ -291,18 +291,24 @@ class Method:
             return out.view(self.tables, batch, self.dim).transpose(0, 1).reshape(batch, -1)
         return self.module(ids, offsets)
 
-    def step(self, inp: tuple, bag: int, nxt: "tuple | None" = None) -> torch.Tensor:
-        """One inference lookup, or one training step (+ ours: prefetch of the next batch ``nxt``)."""
+    def step(self, inp: tuple, bag: int, nxt: "tuple | None" = None, marks: "list | None" = None) -> torch.Tensor:
+        """One inference lookup, or one training step (+ ours: prefetch of the next batch ``nxt``); ``marks`` gets
+        the host clock after the forward, the backward, the optimizer step and the prefetch (training)."""
         if not self.train:
             with torch.no_grad():
                 return self.lookup(inp, bag)
+        mark = (lambda: marks.append(time.perf_counter())) if marks is not None else (lambda: None)
         self.opt.zero_grad()
         out = self.lookup(inp, bag)
+        mark()
         out.sum().backward()
+        mark()
         self.opt.step()
+        mark()
         if nxt is not None and self.name.startswith("ibpcache"):
             self.opt.zero_grad()  # prefetch needs the step's gradient released (it may evict rows it belongs to)
             self.module.prefetch(nxt[0], nxt[1])
+        mark()
         return out
 
     @property

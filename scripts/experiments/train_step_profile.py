@@ -3,7 +3,8 @@
 bench_dlrm's training setup (``--tables`` 26 tables of real 512 B fp32 rows, zipf-stable trace, 10% cache, sparse
 gradients, SGD or Adagrad with ``attach_optimizer``, ``prefetch`` of the next batch after each step: its ``Method``
 and ``Trace``), per (optimizer, bag, batch): after a warm-up, each step timed alone (device idle before it) with CUDA
-events (device ms) and perf_counter (host ms: the call's wall time, the sync at its end excluded), medians; then
+events (device ms) and perf_counter (host ms: the call's wall time, the sync at its end excluded), medians; the
+same number of steps back to back, as a training loop runs them (mean ms per step, and each phase's host ms); then
 torch.profiler over a few steps: per step the CUDA kernel launches, the aten ops, and the calls that make the host
 wait for the device (``aten::item`` / ``_local_scalar_dense``, ``aten::nonzero``, ``aten::unique``-style ops,
 ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``). On the CPU (``--device cpu``) the same counts without kernel
@@ -70,6 +71,31 @@ def _timed(step: Callable[[], Any], cuda: bool) -> tuple[float, float]:
     return a.elapsed_time(b), host
 
 
+def _back_to_back(step: Callable[[int, list], Any], steps: range, cuda: bool) -> tuple[float, dict[str, float]]:
+    """Mean ms per step of ``steps`` run one after another, as a training loop (and bench_dlrm) runs them: each
+    step's host work overlaps the previous step's device work, and every sync drains what is queued. Also the host
+    ms per step of each phase (``Method.step``'s marks: forward, backward, optimizer step, prefetch)."""
+    marks: list = []
+    if cuda:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+    t0 = time.perf_counter()
+    for i in steps:
+        marks.append(time.perf_counter())
+        step(i, marks)
+    if cuda:
+        b.record()
+        b.synchronize()
+        total = a.elapsed_time(b)
+    else:
+        total = (time.perf_counter() - t0) * 1e3
+    per = [marks[k:k + 5] for k in range(0, len(marks), 5)]
+    phases = {name: statistics.median((m[j + 1] - m[j]) * 1e3 for m in per)
+              for j, name in enumerate(("forward", "backward", "optimizer", "prefetch"))}
+    return total / len(steps), phases
+
+
 HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 """Tensor methods that read device values on the host: each is a sync on CUDA."""
 
@@ -119,7 +145,7 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
     """Steps of one (bag, batch) point on ``method`` (trained on, as bench_dlrm's windows do): timings, profile counts,
     and the hit rate of the point's own lookups."""
     trace.reset(batch + 7919 * bag)
-    n = args.warmup + args.iters + args.profile_steps + 1
+    n = args.warmup + 2 * args.iters + args.profile_steps + 1
     inputs = [method.inputs(trace.batch(batch, bag), bag) for _ in range(n)]
     method.module.prefetch(inputs[0][0], inputs[0][1])
     before = method.module.stats()
@@ -130,6 +156,9 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
             dev_ms.append(d)
             host_ms.append(h)
     k0 = args.warmup + args.iters
+    run_ms, phase_ms = _back_to_back(lambda i, marks: method.step(inputs[i], bag, inputs[i + 1], marks),
+                                     range(k0, k0 + args.iters), cuda)
+    k0 += args.iters
     it = iter(range(k0, k0 + args.profile_steps))
 
     def step() -> None:
@@ -140,7 +169,8 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
     after = method.module.stats()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     return {"bag": bag, "batch": batch, "tables": args.tables, "rows_per_table": args.rows,
-            "device_ms": statistics.median(dev_ms), "host_ms": statistics.median(host_ms),
+            "device_ms": statistics.median(dev_ms), "host_ms": statistics.median(host_ms), "back_to_back_ms": run_ms,
+            "back_to_back_host_ms_by_phase": phase_ms,
             "hit_rate": hits / max(1, hits + misses), **prof}
 
 
