@@ -642,6 +642,22 @@ class HostStore:
         self._load(table.to("cpu"), None, self.layout)
         self.refits += 1
 
+    def keep_raw(self, table: torch.Tensor, reason: str) -> None:
+        """Hold ``table`` (the current full table) as raw rows from now on, in place of the planner's coded ones, and
+        say why in ``stats()['host_layout']``: a planned (``compress="auto"``) store whose rows start being written
+        back. The planner times reads; a trained table also writes every evicted row, and coded write-back
+        measured 7-11x slower per training step than raw rows at low hit rates (H200, s36)."""
+        table = check_rows(table, "table")
+        if table.dtype != self.dtype or tuple(table.shape) != (self.n_rows, *self.row_shape):
+            raise RowShapeError(f"table: expected {self.dtype} rows of shape {(self.n_rows, *self.row_shape)} (the "
+                                f"store's), got {table.dtype} {tuple(table.shape)}")
+        self.sync_host()  # no kernel may still read the old buffer
+        self._use_raw(as_row_bytes(table.to("cpu")))
+        self.compress = False
+        if self.layout_choice is not None:
+            self.layout_choice = replace(self.layout_choice, compress=False, method="raw", reason=reason,
+                                         slots="stored", slots_reason="raw rows: stored and decoded are the same")
+
     # -- statistics -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:

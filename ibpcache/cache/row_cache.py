@@ -202,6 +202,7 @@ class CachedRowManager:
         self.form = "raw"
         self.form_switches = 0
         self.dirty = False
+        self.raw_for_writes = False  # prepare_writes turned the planner's coded host rows into raw ones
         self._clean_version = self.cached_weight._version
         self.step = 0
         self.num_hits_history: list[int] = []
@@ -586,6 +587,20 @@ class CachedRowManager:
         self.use_raw()
         self.store.refit(table)
         self.refit_steps.append(self.step)
+
+    @torch.no_grad()
+    def prepare_writes(self) -> None:
+        """Call before rows start being written back (a training step, ``max_norm``): a store whose coded host
+        rows the planner chose (``compress="auto"``) keeps raw rows from now on (:meth:`HostStore.keep_raw` says
+        why); an explicitly compressed store stays coded."""
+        store = self.store
+        if self.dirty or not store.compress or store.compress_option != "auto" or store.read_only:
+            return
+        table = self.full_weight()
+        was = store.layout_choice.method if store.layout_choice is not None else "coded"
+        store.keep_raw(table, f"trained: raw rows from the first write-back (the planner chose {was} for reads; "
+                              "coded write-back of evicted rows costs more than it saves)")
+        self.raw_for_writes = True
 
     # -- optimizer state that follows its rows ----------------------------------------------------
     def attach_optimizer(self, optimizer: "torch.optim.Optimizer") -> None:

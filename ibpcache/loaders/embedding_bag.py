@@ -350,6 +350,7 @@ class _CachedBagBase(nn.Module):
         if prep is None:
             prep = mgr.prepare_unique(ids, checks, verify)
         if training or self.max_norm is not None:
+            mgr.prepare_writes()
             mgr.dirty = True
         if self.max_norm is not None:  # renormalise the cached rows themselves, once per distinct id, like torch
             with torch.no_grad():
