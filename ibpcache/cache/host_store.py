@@ -630,27 +630,29 @@ class HostStore:
     def refit(self, table: torch.Tensor) -> None:
         """Fit a new codec on ``table`` (the current full table) and re-encode every row with it (the planner's
         compressed/raw choice stands). An adopted store becomes a private, writable copy (``load_state_dict``)."""
-        table = check_rows(table, "table")
-        if table.dtype != self.dtype:
-            raise RowDtypeError(f"table: expected {self.dtype} rows (the store's), got {table.dtype}")
-        if tuple(table.shape) != (self.n_rows, *self.row_shape):
-            raise RowShapeError(f"table: expected shape {(self.n_rows, *self.row_shape)} (the store's), got "
-                                f"{tuple(table.shape)}")
+        table = self._check_table(table)
         if self.fit_options is None and self.compress:  # adopted rows: refit like their codec was fitted
             self.fit_options = FitOptions.of(self.codec)
         self.sync_host()  # no kernel may still read the old buffer
         self._load(table.to("cpu"), None, self.layout)
         self.refits += 1
 
+    def _check_table(self, table: torch.Tensor) -> torch.Tensor:
+        """``table`` as the store's whole table (its dtype and shape), or the error naming what differs."""
+        table = check_rows(table, "table")
+        if table.dtype != self.dtype:
+            raise RowDtypeError(f"table: expected {self.dtype} rows (the store's), got {table.dtype}")
+        if tuple(table.shape) != (self.n_rows, *self.row_shape):
+            raise RowShapeError(f"table: expected shape {(self.n_rows, *self.row_shape)} (the store's), got "
+                                f"{tuple(table.shape)}")
+        return table
+
     def keep_raw(self, table: torch.Tensor, reason: str) -> None:
         """Hold ``table`` (the current full table) as raw rows from now on, in place of the planner's coded ones, and
         say why in ``stats()['host_layout']``: a planned (``compress="auto"``) store whose rows start being written
         back. The planner times reads; a trained table also writes every evicted row, and coded write-back
         measured 7-11x slower per training step than raw rows at low hit rates (H200, s36)."""
-        table = check_rows(table, "table")
-        if table.dtype != self.dtype or tuple(table.shape) != (self.n_rows, *self.row_shape):
-            raise RowShapeError(f"table: expected {self.dtype} rows of shape {(self.n_rows, *self.row_shape)} (the "
-                                f"store's), got {table.dtype} {tuple(table.shape)}")
+        table = self._check_table(table)
         self.sync_host()  # no kernel may still read the old buffer
         self._use_raw(as_row_bytes(table.to("cpu")))
         self.compress = False

@@ -170,6 +170,26 @@ def test_host_store_refuses_rows_of_another_dtype_or_width(minilm: torch.Tensor)
     assert torch.equal(store.dense().view(torch.int32), before.view(torch.int32))
 
 
+def test_keep_raw_turns_a_planned_store_raw_and_refuses_another_table(minilm: torch.Tensor) -> None:
+    """keep_raw (a planned store whose table starts training): the same rows, raw, the reason in stats; a table of
+    another dtype or shape raises the error naming it and leaves the store as it was."""
+    dense = minilm[OFF: OFF + 600, :64].contiguous()
+    st = HostStore(dense, codec=FitOptions(method="auto"), compress="auto", device=CPU)
+    assert st.compress and st.stats()["host_layout"]["method"] == "exponent"
+    with pytest.raises(RowDtypeError, match="float32"):
+        st.keep_raw(dense.half(), "x")
+    with pytest.raises(RowShapeError, match="shape"):
+        st.keep_raw(dense[:-1], "x")
+    assert st.compress and torch.equal(st.dense(), dense)
+    st.keep_raw(dense, "trained: because")
+    lay = st.stats()["host_layout"]
+    assert not st.compress and st.codec.method == "raw" and lay["method"] == "raw"
+    assert lay["reason"] == "trained: because"
+    assert torch.equal(st.dense().view(torch.int32), dense.view(torch.int32))
+    ids = torch.tensor([5, 0, 599, 5])
+    assert torch.equal(st.raw_rows(ids).view(torch.float32), dense[ids])
+
+
 def test_host_store_auto_picks_the_smallest_without_cuda(minilm: torch.Tensor, cora: Any) -> None:
     """compress='auto' with FitOptions(method='auto'): on the CPU nothing can be timed, so the smallest stored size
     wins among IBP, exponent coding and raw rows; stats say which and with what ratios."""
