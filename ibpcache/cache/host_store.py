@@ -659,6 +659,9 @@ class HostStore:
         if self.layout_choice is not None:
             self.layout_choice = replace(self.layout_choice, compress=False, method="raw", reason=reason,
                                          slots="stored", slots_reason="raw rows: stored and decoded are the same")
+        if self.transfer_choice is not None:  # the fill path was timed on the coded rows: time it on the raw ones
+            self.transfer_choice = calibrate_transfer(self)
+            self.transfer = Transfer(self.transfer_choice.transfer)
 
     # -- statistics -------------------------------------------------------------------------------
 
