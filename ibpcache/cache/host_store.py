@@ -46,7 +46,7 @@ from ..errors import (FormatError, InvalidArgumentError, RowDtypeError, RowShape
 from ..exponent import ExponentCodec
 from ..format import Layout
 from ..kernels.hashmap import HostArgs
-from .plan_layout import SLOT_FORMS, LayoutChoice, calibrate_layout, named_fit, pick_codec
+from .plan_layout import SLOT_FORMS, LayoutChoice, calibrate_layout, named_fit, pick_codec, slot_form
 from .plan_transfer import Transfer, TransferChoice, calibrate_transfer
 
 __all__ = ["HostStore", "Transfer", "FitOptions", "CacheMirror", "StagedRows", "fit_codec", "fit_candidates",
@@ -246,8 +246,7 @@ class HostStore:
             self._load(check_rows(rows, "rows"), codec if isinstance(codec, Codec) else None, Layout.from_str(layout))
         self.transfer_choice: Optional[TransferChoice] = None  # set when transfer="auto" was timed
         if auto and device.type == "cuda":
-            self.transfer_choice = calibrate_transfer(self)
-            self.transfer = Transfer(self.transfer_choice.transfer)
+            self._time_transfer()
 
     @classmethod
     def adopt(cls, rows: CompressedRows, *, device: torch.device,
@@ -651,17 +650,22 @@ class HostStore:
         """Hold ``table`` (the current full table) as raw rows from now on, in place of the planner's coded ones, and
         say why in ``stats()['host_layout']``: a planned (``compress="auto"``) store whose rows start being written
         back. The planner times reads; a trained table also writes every evicted row, and coded write-back
-        measured 7-11x slower per training step than raw rows at low hit rates (H200, s36)."""
+        measured 7-11x slower per training step than raw rows at low hit rates (H200)."""
         table = self._check_table(table)
         self.sync_host()  # no kernel may still read the old buffer
         self._use_raw(as_row_bytes(table.to("cpu")))
         self.compress = False
         if self.layout_choice is not None:
-            self.layout_choice = replace(self.layout_choice, compress=False, method="raw", reason=reason,
-                                         slots="stored", slots_reason="raw rows: stored and decoded are the same")
+            held, why = slot_form(self.slots_option, "raw", 1.0, {})
+            self.layout_choice = replace(self.layout_choice, compress=False, method="raw", reason=reason, slots=held,
+                                         slots_reason=why)
         if self.transfer_choice is not None:  # the fill path was timed on the coded rows: time it on the raw ones
-            self.transfer_choice = calibrate_transfer(self)
-            self.transfer = Transfer(self.transfer_choice.transfer)
+            self._time_transfer()
+
+    def _time_transfer(self) -> None:
+        """Take the transfer path the planner times fastest for these stored rows (``transfer="auto"``)."""
+        self.transfer_choice = calibrate_transfer(self)
+        self.transfer = Transfer(self.transfer_choice.transfer)
 
     # -- statistics -------------------------------------------------------------------------------
 

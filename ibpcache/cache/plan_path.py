@@ -49,6 +49,12 @@ class _Plan:
     def __post_init__(self) -> None:
         self.times = [[] for _ in range(self.n_ways)]
 
+    def restart(self) -> None:
+        """Time the ways again from the next step; the incumbent stays unless beaten by the margin."""
+        self.calibrating = True
+        self.times = [[] for _ in range(self.n_ways)]
+        self.dropped = set()
+
 
 class PathPlanner:
     """Picks one of a few ways per kind of lookup and batch shape from timings on this machine (see the module
@@ -100,10 +106,8 @@ class PathPlanner:
         beaten by the margin. Timings taken before the change would keep whatever was fastest then."""
         for plan in self._plans.values():
             if plan.n_ways > 1:
-                plan.calibrating = True
-                plan.times = [[] for _ in range(plan.n_ways)]
-                plan.dropped = set()
-                plan.pending = []
+                plan.restart()
+                plan.pending = []  # steps timed before the change
         self.retimes += 1
 
     def calibrating(self, kind: str, n: int) -> bool:
@@ -128,9 +132,7 @@ class PathPlanner:
             plan.since += 1
             if plan.since < plan.interval:
                 return plan.choice
-            plan.calibrating = True  # time the ways again; the incumbent stays unless beaten by the margin
-            plan.times = [[] for _ in range(plan.n_ways)]
-            plan.dropped = set()
+            plan.restart()
         counts = [len(plan.times[w]) + sum(1 for p in plan.pending if p[0] == w) + (w in plan.dropped)
                   for w in range(plan.n_ways)]
         if min(len(t) for t in plan.times) >= self.trials:

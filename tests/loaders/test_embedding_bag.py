@@ -242,7 +242,7 @@ def test_full_row_width_compresses(minilm: torch.Tensor) -> None:
 def test_auto_compress_trains_exactly_with_exponent_rows(table: torch.Tensor, device: str) -> None:
     """compress="auto" weighs IBP, exponent coding and raw rows (CPU: the smallest store, exponent coding for these
     dense floats) by reads; a table that starts training keeps raw host rows from its first write-back (the coded
-    write-back cost more than it saved, s36), says so in stats(), and the host table after flush equals a plain
+    write-back cost more than it saved), says so in stats(), and the host table after flush equals a plain
     EmbeddingBag trained the same."""
     skip_if_no_cuda(device)
     m = make(table, device, mode="sum", cache_ratio=0.03, compress="auto")
