@@ -45,7 +45,8 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from ..errors import CapacityError, InvalidArgumentError
-from ..kernels.admit import FREE_KEY, PROTECTED_KEY, SKETCH_DEPTH, sketch_index
+from ..kernels.admit import (FREE_KEY, PROTECTED_KEY, SKETCH_DEPTH, sketch_add, sketch_estimate, sketch_index,
+                             touch as touch_slots)
 
 __all__ = [
     "PolicyKind",
@@ -281,13 +282,20 @@ class FrequencySketch:
         padding). Returns whether the counters were halved."""
         if ids.numel() == 0:
             return False
+        if ids.is_cuda:  # one launch; the torch expression below takes a dozen (same counters)
+            sketch_add(ids, weights, self.table, self.width)
+        else:
+            self._add_torch(ids, weights)
+        return self.counted(ids.numel())
+
+    def _add_torch(self, ids: torch.Tensor, weights: "torch.Tensor | None") -> None:
+        """:meth:`add`'s counting as torch ops (the CPU's; on CUDA the reference its kernel is tested against)."""
         idx = sketch_index(ids.reshape(-1), self.width)
         if weights is None:
             src = torch.ones(idx.numel(), dtype=torch.int32, device=idx.device)
         else:
             src = weights.reshape(-1, 1).to(torch.int32).expand_as(idx).reshape(-1)
         self.table.index_add_(0, idx.reshape(-1), src)
-        return self.counted(ids.numel())
 
     def counted(self, n: int) -> bool:
         """``n`` requests were counted (by :meth:`add` or by a kernel); halve when a sample is complete."""
@@ -303,6 +311,12 @@ class FrequencySketch:
         """int64 estimated request count of every id (the minimum over the sketch rows)."""
         if ids.numel() == 0:
             return torch.zeros(ids.shape, dtype=torch.int64, device=ids.device)
+        if ids.is_cuda:
+            return sketch_estimate(ids, self.table, self.width)
+        return self._estimate_torch(ids)
+
+    def _estimate_torch(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`estimate` as torch ops (the CPU's; on CUDA the reference its kernel is tested against)."""
         idx = sketch_index(ids.reshape(-1), self.width)
         return self.table[idx].amin(1).to(torch.int64).view(ids.shape)
 
@@ -427,6 +441,9 @@ class SlotPolicy(CachePolicy):
         """Slots ``slots`` (duplicates allowed) were used by this batch: stamped with the clock, their frequency
         refreshed from the sketch."""
         if slots.numel() == 0:
+            return
+        if slots.is_cuda and self.sketch is not None:  # worth is the sketch's estimate: one launch for all of it
+            touch_slots(slots, self._ids, self._freq, self._last, self.clock, self.sketch.table, self.sketch.width)
             return
         self._last.index_fill_(0, slots, self.clock)
         self._freq.index_copy_(0, slots, self.worth(self._ids.index_select(0, slots)))

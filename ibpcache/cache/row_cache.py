@@ -423,14 +423,14 @@ class CachedRowManager:
                 self._ahead = _Ahead(remember, prep, counts, int(flat.numel()))
         return prep
 
-    def take_prepared(self, key: Optional[tuple], ids: torch.Tensor) -> Optional[Prepared]:
-        """The slots of the batch the last prefetch made resident under ``key`` (``ids``: the lookup's rows, shaped as
-        it wants ``inv``), if no slot has changed since, counted as the lookup :meth:`prepare_unique` would count
-        (every row a hit); else None. No device sync, and the same cache state and statistics as
+    def take_prepared(self, key: Optional[tuple], shape: tuple) -> Optional[Prepared]:
+        """The slots of the batch the last prefetch made resident under ``key`` (``shape``: the shape of the lookup's
+        rows, as it wants ``inv``), if no slot has changed since, counted as the lookup :meth:`prepare_unique` would
+        count (every row a hit); else None. No device sync, and the same cache state and statistics as
         :meth:`prepare_unique` of those ids would leave."""
         ahead, self._ahead = self._ahead, None
         if (ahead is None or key is None or self.form != "raw" or self.slots != self.base_slots
-                or ahead.n_ids != ids.numel() or not _same_key(ahead.key, key)):
+                or ahead.n_ids != math.prod(shape) or not _same_key(ahead.key, key)):
             return None
         prep = ahead.prep
         if self.device.type == "cuda":  # made on the side stream: its blocks wait for this stream's use too
@@ -442,7 +442,7 @@ class CachedRowManager:
         self.policy.touch(prep.slot_u)
         n_uniq = int(prep.uniq.numel())
         self._record(n_uniq, 0, 0)
-        return Prepared(prep.slot_u, prep.inv.view(ids.shape), prep.uniq, prep.pinned_pos)
+        return Prepared(prep.slot_u, prep.inv.view(shape), prep.uniq, prep.pinned_pos)
 
     def _tick(self) -> None:
         """One more counted lookup: a step of the cache and of its policy's clock (prefetches are not steps)."""

@@ -325,3 +325,40 @@ extern "C" __global__ void ibp_adm_unstage(const i64* __restrict__ stage_gid, co
     if (staged > stage_cap) staged = stage_cap;
     if (k < staged) slot_of[stage_gid[k]] = -1;
 }
+
+// The row cache's frequency sketch on its training and Colossal-AI paths (cache/policy.py FrequencySketch and
+// SlotPolicy.touch), one launch per call: the torch expression of sketch_index takes a dozen launches, and a training
+// step counts, estimates and touches several times. The same counters and estimates, bit for bit (integer atomics
+// commute). Thread per id (per slot for touch).
+
+// Count ids[i] weights[i] times (once each when weights is null) into every sketch row.
+extern "C" __global__ void ibp_adm_sketch_add(const i64* __restrict__ ids, const i64* __restrict__ weights, i64 n,
+                                              int* __restrict__ sketch, u64 mask) {
+    const i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int w = weights != nullptr ? (int)weights[i] : 1;
+    if (w == 0) return;
+    const i64 x = ids[i];
+#pragma unroll
+    for (int d = 0; d < IBP_ADM_DEPTH; ++d) atomicAdd(&sketch[ibp_adm_sketch_slot(x, d, mask)], w);
+}
+
+// out[i] = the sketch's estimate of ids[i] (the minimum over its rows).
+extern "C" __global__ void ibp_adm_sketch_estimate(const i64* __restrict__ ids, i64 n, const int* __restrict__ sketch,
+                                                   u64 mask, i64* __restrict__ out) {
+    const i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    if (i < n) out[i] = ibp_adm_estimate(sketch, ids[i], mask);
+}
+
+// Slots slots[i] (duplicates allowed; outside [0, n_entries) skipped) were used now: stamped with `clock`, their
+// frequency refreshed from the sketch estimate of the row each holds.
+extern "C" __global__ void ibp_adm_touch(const i64* __restrict__ slots, i64 n, i64 n_entries,
+                                         const i64* __restrict__ slot_ids, i64* __restrict__ freq,
+                                         i64* __restrict__ last, i64 clock, const int* __restrict__ sketch, u64 mask) {
+    const i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const i64 s = slots[i];
+    if (s < 0 || s >= n_entries) return;
+    last[s] = clock;
+    freq[s] = ibp_adm_estimate(sketch, slot_ids[s], mask);
+}

@@ -25,7 +25,7 @@ __all__ = [
     "SKETCH_DEPTH", "SKETCH_MUL", "SAMPLE_MUL", "MIX_MUL", "FREE_KEY", "PROTECTED_KEY", "FLAG_OK", "FLAG_HIT",
     "FLAG_MISS", "FLAG_CAND", "FLAG_FREE", "ADMIT_NONE", "ADMIT_POLICY", "ADMIT_FORCE", "STAT_REQUESTS", "STAT_HITS", "STAT_ADMITTED", "STAT_STAGED", "STAT_HOST_BYTES",
     "N_STATS", "WS_LIST", "WS_STAGED", "N_WS", "sketch_index", "sample_slots", "AdmitArgs", "count", "scan", "rank",
-    "apply", "advance_fill", "copy", "unstage",
+    "apply", "advance_fill", "copy", "unstage", "sketch_add", "sketch_estimate", "touch",
 ]
 
 _SRC = "admit.cu"
@@ -253,3 +253,44 @@ def unstage(a: AdmitArgs) -> None:
         return
     launch(_SRC, "ibp_adm_unstage", device_index(a.stage_gid), _grid(a.stage_cap), _BLOCK,
            (_ptr(a.stage_gid), _ptr(a.ws), np.int64(a.stage_cap), _ptr(a.slot_of)))
+
+
+# -- the row cache's sketch (training and Colossal-AI paths) ----------------------------------------------------------
+
+
+def _flat_i64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous 1-D int64 tensor (no copy when it already is one)."""
+    return t.reshape(-1).to(torch.int64).contiguous()
+
+
+def sketch_add(ids: torch.Tensor, weights: Optional[torch.Tensor], sketch: torch.Tensor, width: int) -> None:
+    """Count CUDA ``ids`` (``weights``: requests each stands for; None: one) into ``sketch`` (int32, ``SKETCH_DEPTH``
+    rows of ``width``), as ``sketch.index_add_(0, sketch_index(ids, width), weights)`` does, in one launch."""
+    flat = _flat_i64(ids)
+    w = None if weights is None else _flat_i64(weights)
+    n = flat.numel()
+    if n:
+        launch(_SRC, "ibp_adm_sketch_add", device_index(flat), _grid(n), _BLOCK,
+               (_ptr(flat), _ptr(w), np.int64(n), _ptr(sketch), np.uint64(width - 1)))
+
+
+def sketch_estimate(ids: torch.Tensor, sketch: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 estimate of every CUDA id (the minimum of its counters), shaped like ``ids``, in one launch."""
+    flat = _flat_i64(ids)
+    out = torch.empty(flat.numel(), dtype=torch.int64, device=flat.device)
+    if flat.numel():
+        launch(_SRC, "ibp_adm_sketch_estimate", device_index(flat), _grid(flat.numel()), _BLOCK,
+               (_ptr(flat), np.int64(flat.numel()), _ptr(sketch), np.uint64(width - 1), _ptr(out)))
+    return out.view(ids.shape)
+
+
+def touch(slots: torch.Tensor, slot_ids: torch.Tensor, freq: torch.Tensor, last: torch.Tensor, clock: int,
+          sketch: torch.Tensor, width: int) -> None:
+    """CUDA ``slots`` were used at ``clock``: ``last[slots] = clock`` and ``freq[slots]`` = the sketch's estimate of
+    ``slot_ids[slots]``, in one launch (entries outside the arrays are skipped)."""
+    flat = _flat_i64(slots)
+    n = flat.numel()
+    if n:
+        launch(_SRC, "ibp_adm_touch", device_index(flat), _grid(n), _BLOCK,
+               (_ptr(flat), np.int64(n), np.int64(slot_ids.numel()), _ptr(slot_ids), _ptr(freq), _ptr(last),
+                np.int64(clock), _ptr(sketch), np.uint64(width - 1)))

@@ -330,9 +330,13 @@ class _CachedBagBase(nn.Module):
         return F.embedding_bag(slots, self.cached_weight, offsets, max_norm, self.norm_type, self.scale_grad_by_freq,
                                self.mode, self.sparse, psw, self.include_last_offset, self._padding_slot)
 
-    def _prepare(self, ids: torch.Tensor, checks: list, verify: Callable[[list], None], key: Optional[tuple]
-                 ) -> tuple[Prepared, bool]:
-        """Make ``ids`` (global, valid) resident; say whether the reduction must use the ranked path.
+    def _prepare(self, shape: tuple, key: Optional[tuple], resolve: Callable[[], tuple[torch.Tensor, list,
+                 Callable[[list], None]]]) -> tuple[Prepared, bool]:
+        """Make the batch's rows resident; say whether the reduction must use the ranked path.
+
+        ``shape``: the shape of the batch's cache-row ids; ``key``: its inputs (:func:`_input_key`); ``resolve()``
+        -> (cache-row ids, checks, verify), called only when no prefetch made this batch resident already (that
+        prefetch mapped and checked the same input tensors, so a prefetched step skips those ops).
 
         Inference reduces straight over slots. Training reduces over each id's rank among the batch's
         distinct ids, on rows gathered by :class:`RowGather`, so gradients are bit-identical to
@@ -346,9 +350,9 @@ class _CachedBagBase(nn.Module):
             raise StateError("this embedding table serves adopted CompressedRows (read-only): use it for inference "
                              "(torch.no_grad() or weight.requires_grad_(False)), or build it from the dense table "
                              "to train")
-        prep = mgr.take_prepared(key, ids)  # a prefetched batch: its slots, checked then, with no sync now
+        prep = mgr.take_prepared(key, shape)  # a prefetched batch: its slots, checked then, with no sync now
         if prep is None:
-            prep = mgr.prepare_unique(ids, checks, verify)
+            prep = mgr.prepare_unique(*resolve())
         if training or self.max_norm is not None:
             mgr.prepare_writes()
             mgr.dirty = True
@@ -677,11 +681,12 @@ class CachedEmbeddingBag(_CachedBagBase):
             verify(torch.stack(_check_tensors(ids, None, offs)).tolist() if offs is not None and offs.numel() else [])
             out = self._direct(ids, offs, psw, self.max_norm)
         else:
-            bad = (ids < 0) | (ids >= self.num_embeddings)
+            def resolve() -> tuple[torch.Tensor, list, Callable[[list], None]]:
+                bad = (ids < 0) | (ids >= self.num_embeddings)
+                return ids, _check_tensors(ids, bad, offs), _verifier(ids, bad, offs, f"[0, {self.num_embeddings})")
+
             with self.cache_weight_mgr.order.exclusive():  # after any prefetch; no prefetch evicts mid-reduction
-                prep, ranked = self._prepare(ids, _check_tensors(ids, bad, offs),
-                                             _verifier(ids, bad, offs, f"[0, {self.num_embeddings})"),
-                                             _input_key(input, offsets))
+                prep, ranked = self._prepare(tuple(ids.shape), _input_key(input, offsets), resolve)
                 if ranked:
                     rows = RowGather.apply(self.cached_weight, prep.slot_u, None)
                     out = F.embedding_bag(prep.inv, rows, offs, None, self.norm_type, self.scale_grad_by_freq,
@@ -853,14 +858,18 @@ class TableBatchedCachedEmbeddingBag(_CachedBagBase):
             out = self._forward_fused(ids, offsets, psw)
             return shape_hook(out) if shape_hook is not None else out
         offs = None if ids.dim() == 2 else offsets.to(self.device, torch.int64, non_blocking=True)
-        global_ids, bad, limits = self._global_ids(ids, offs)
         batch = ids.shape[0] if offs is None else (offs.numel() - (1 if self.include_last_offset else 0)) // n_tab
-        checks = _check_tensors(ids, bad, offs)
-        verify = _verifier(ids, bad, offs, limits)
-        if offs is None:  # [B, T] -> B*T bags of one id, in sample-major order
-            global_ids, psw = global_ids.reshape(-1, 1), None if psw is None else psw.reshape(-1, 1)
+        # [B, T] -> B*T bags of one id, in sample-major order
+        shape = (ids.numel(), 1) if offs is None else tuple(ids.shape)
+        if offs is None and psw is not None:
+            psw = psw.reshape(-1, 1)
+
+        def resolve() -> tuple[torch.Tensor, list, Callable[[list], None]]:
+            global_ids, bad, limits = self._global_ids(ids, offs)
+            return global_ids.reshape(shape), _check_tensors(ids, bad, offs), _verifier(ids, bad, offs, limits)
+
         with self.cache_weight_mgr.order.exclusive():  # after any prefetch; no prefetch evicts mid-reduction
-            prep, ranked = self._prepare(global_ids, checks, verify, _input_key(input, offsets))
+            prep, ranked = self._prepare(shape, _input_key(input, offsets), resolve)
             if ranked:
                 out = self._ranked(prep, offs, psw, batch)
             else:

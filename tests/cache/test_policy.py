@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ibpcache.cache.policy import (
     FREE,
@@ -183,6 +185,43 @@ def test_sketch_never_underestimates(seed: int) -> None:
     true = torch.bincount(ids, minlength=400)
     est = sk.estimate(torch.arange(400))
     assert bool((est >= true).all()) and int((est > true).sum()) > 0
+
+
+_EDGE_IDS = [0, 1, -1, -(1 << 63), (1 << 63) - 1, 1 << 40, 7, 7, 7]
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(0, 5000), st.sampled_from(_EDGE_IDS)), min_size=0, max_size=300),
+       weighted=st.booleans(), width=st.sampled_from([64, 4096]))
+def test_cuda_sketch_kernels_equal_the_torch_expressions(ids: list, weighted: bool, width: int) -> None:
+    """The sketch's one-launch CUDA kernels (count, estimate, touch) leave the counters, estimates, frequencies and
+    stamps the torch expressions (the CPU's code, run on the same device) leave, bit for bit: duplicates, zero
+    weights, negative and extreme ids, a small sketch whose counters collide."""
+    dev = torch.device("cuda")
+    t = torch.tensor(ids, dtype=torch.int64, device=dev)
+    w = (torch.arange(t.numel(), device=dev) % 3) if weighted else None  # zero weights included
+    got, want = (FrequencySketch(16, dev, width=width, sample=1 << 30) for _ in range(2))
+    base = torch.randint(0, 50, (got.table.numel(),), dtype=torch.int32, device=dev)  # counters already in use
+    got.table.copy_(base)
+    want.table.copy_(base)
+    got.add(t, w)
+    want._add_torch(t, w)
+    assert torch.equal(got.table, want.table)
+    probe = torch.cat([t, torch.arange(100, device=dev)])
+    assert torch.equal(got.estimate(probe), want._estimate_torch(probe))
+    # touch: a policy whose slots hold some of those rows, touched with duplicates
+    lfu = LFUPolicy(8, 1 << 20, dev)
+    lfu.sketch = got
+    held = torch.tensor([3, 7, -1, 4999, 1 << 40, 0, 1, 2], device=dev)
+    lfu._ids[:8] = held
+    lfu.clock = 9
+    slots = torch.tensor([0, 1, 1, 5, 7, 3, 3], device=dev)
+    ref_last, ref_freq = lfu._last.clone(), lfu._freq.clone()
+    ref_last.index_fill_(0, slots, 9)
+    ref_freq.index_copy_(0, slots, lfu.sketch._estimate_torch(lfu._ids.index_select(0, slots)))
+    lfu.touch(slots)
+    assert torch.equal(lfu._last, ref_last) and torch.equal(lfu._freq, ref_freq)
 
 
 # ------------------------------------------------------------------------------------------------
