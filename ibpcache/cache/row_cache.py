@@ -380,29 +380,32 @@ class CachedRowManager:
                 self._tick()
                 self._record(0, 0, 0)
             return Prepared(flat.clone(), flat.clone().view(ids.shape), flat.clone(), None)
-        uniq, inv, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+        # the batch's distinct ids, found, counted and checked with ONE read of device values (torch.unique and
+        # nonzero would each wait for the device once more)
+        uniq, inv, counts, n_uniq_t = _sorted_unique(flat)
+        valid = torch.arange(flat.numel(), device=flat.device) < n_uniq_t
         safe = uniq.clamp(0, self.num_embeddings - 1)  # ids are verified below, before anything changes
         slot_u = self.slot_of.index_select(0, safe).to(torch.int64)
-        hit = slot_u >= 0
-        probes = [(~hit).sum(), (hit & (slot_u < self.n_pinned)).sum()]
+        hit = (slot_u >= 0) & valid
+        probes = [n_uniq_t, (valid & ~hit).sum(), (hit & (slot_u < self.n_pinned)).sum()]
         if self.n_pinned:
             first = self.pinned_ids[0]
-            probes += [(uniq == first).any().to(torch.int64), (uniq < first).sum()]
+            probes += [((uniq == first) & valid).any().to(torch.int64), ((uniq < first) & valid).sum()]
         n_probes = len(probes)
         vals = torch.stack(probes + [c.to(torch.int64) for c in checks]).tolist()
         if verify is not None and checks:
             verify(vals[n_probes:])
+        n_uniq, n_miss, n_pinned_hits = vals[:3]
+        uniq, counts, slot_u, hit = uniq[:n_uniq], counts[:n_uniq], slot_u[:n_uniq], hit[:n_uniq]
         if count:
             self._tick()
             self.lookups += int(flat.numel())
         self.policy.count(uniq, counts)
-        n_miss, n_pinned_hits = vals[0], vals[1]
-        pinned_pos = vals[3] if self.n_pinned and vals[2] else None
-        n_uniq = int(uniq.numel())
+        pinned_pos = vals[4] if self.n_pinned and vals[3] else None
         written = 0
         all_placed = True  # every id has a slot now (a best-effort prefetch may leave some out)
         if n_miss:
-            miss_pos = torch.nonzero(~hit).squeeze(1)
+            miss_pos = torch.argsort(hit.to(torch.int8), stable=True)[:n_miss]  # the misses, in order: no sync
             avail = (self.slots - self.n_pinned) - (n_uniq - n_miss - n_pinned_hits)
             if not grow and n_miss > avail:  # best effort: what fits without resizing
                 miss_pos = miss_pos[:avail]
@@ -410,12 +413,12 @@ class CachedRowManager:
                 all_placed = False
             if n_miss:
                 miss_ids = uniq.index_select(0, miss_pos)
-                dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - vals[0] - n_pinned_hits)
+                dest, written = self._admit(miss_ids, slot_u, n_miss, n_uniq - vals[1] - n_pinned_hits)
                 slot_u.index_copy_(0, miss_pos, dest)
         self.policy.touch(slot_u if all_placed else slot_u[slot_u >= 0])  # a boolean mask syncs on CUDA
         prep = Prepared(slot_u, inv.view(ids.shape), uniq, pinned_pos)
         if count:
-            self._record(n_uniq - vals[0], vals[0], written)
+            self._record(n_uniq - vals[1], vals[1], written)
         else:
             self.prefetched_rows += int(n_miss)
             self.prefetch_write_backs += int(written)
@@ -699,6 +702,21 @@ class CachedRowManager:
                 yield True
             finally:
                 self._side_active = False
+
+
+def _sorted_unique(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)`` without its host sync: the
+    distinct ids ascending and their counts padded to ``len(flat)`` (entries from the count on are 0), each id's
+    index among them, and the count as a 0-d device tensor (read with the caller's other values)."""
+    n = flat.numel()
+    keys, order = torch.sort(flat)
+    first = torch.ones(n, dtype=torch.bool, device=flat.device)
+    torch.ne(keys[1:], keys[:-1], out=first[1:])
+    rank = torch.cumsum(first, 0) - 1
+    inv = torch.empty_like(rank).scatter_(0, order, rank)
+    uniq = torch.zeros_like(keys).scatter_(0, rank, keys)  # equal keys write the same value
+    counts = torch.zeros_like(rank).index_add_(0, rank, torch.ones_like(rank))
+    return uniq, inv, counts, rank[-1] + 1
 
 
 def _retire(*tensors: Optional[torch.Tensor]) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ROWS, DIM = 400, 48
@@ -512,3 +514,20 @@ def test_sorted_rows_sorts_as_int64_whatever_the_key_width() -> None:
         s, perm = _sorted_rows(keys, n_rows)
         assert s.dtype == torch.int64 and torch.equal(s, torch.sort(keys).values)
         assert torch.equal(keys[perm], s)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(-3, 60), st.sampled_from([-(1 << 63), (1 << 63) - 1])), min_size=1,
+                    max_size=200))
+def test_sorted_unique_equals_torch_unique_without_a_sync(device: str, ids: list) -> None:
+    """prepare_unique's one-read unique: the distinct ids, each id's index among them and their counts are
+    torch.unique's, padded (zeros past the count), with the count left on the device."""
+    from ibpcache.cache.row_cache import _sorted_unique
+
+    flat = torch.tensor(ids, dtype=torch.int64, device=device)
+    uniq, inv, counts = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+    got_u, got_inv, got_c, n = _sorted_unique(flat)
+    assert n.device == flat.device and int(n) == uniq.numel()
+    assert torch.equal(got_u[: int(n)], uniq) and torch.equal(got_inv, inv) and torch.equal(got_c[: int(n)], counts)
+    assert not got_c[int(n):].any()
