@@ -417,22 +417,24 @@ def test_prefetched_adagrad_step_syncs_only_where_known(minilm: torch.Tensor, ta
         assert audit.sites() == expected, audit.table()
 
 
-def test_evicted_rows_optimizer_state_moves_without_a_sync(minilm: torch.Tensor) -> None:
-    """A training prefetch that evicts rows with attached Adagrad state saves that state and restores the returning
-    rows' state with no sync-prone op in the row optimizer (on CUDA: zero-copy writes and reads of its pinned host
-    store, no pageable copy, no host-side index); the trained table stays bit-identical to nn.EmbeddingBag's."""
+def _evicting_prefetches(minilm: torch.Tensor, optimizer: str, seed: int, **kw) -> tuple:
+    """Six prefetched training steps of a 3-table module whose cache holds one batch (each prefetch evicts, with
+    write-back), beside ``nn.EmbeddingBag`` with the same optimizer (Adagrad attached to the module). Returns the
+    module and the sync audit of each prefetch, after checking that the trained tables are bit-identical."""
     from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
     from ibpcache.testing.sync_audit import sync_audit
 
-    w = minilm[:600, :64].clone()  # 3 tables of 200 rows; 210 cache rows: each batch (192 rows) fits, the next evicts
+    w = minilm[:600, :64].clone()  # 3 tables of 200 rows; 210 cache rows: each batch (192 ids) fits, the next evicts
     m = TableBatchedCachedEmbeddingBag([200] * 3, 64, _weight=w.clone(), mode="sum", sparse=True, cache_ratio=0.35,
-                                       warmup_ratio=0.0, device="cpu", compress=True)
+                                       warmup_ratio=0.0, device="cpu", **kw)
     ref = torch.nn.EmbeddingBag(600, 64, mode="sum", sparse=True, _weight=w.clone())
-    opt, ref_opt = torch.optim.Adagrad(m.parameters(), lr=0.05), torch.optim.Adagrad(ref.parameters(), lr=0.05)
-    m.attach_optimizer(opt)
-    gen = torch.Generator().manual_seed(11)
+    make = torch.optim.Adagrad if optimizer == "adagrad" else torch.optim.SGD
+    opt, ref_opt = make(m.parameters(), lr=0.05), make(ref.parameters(), lr=0.05)
+    if optimizer == "adagrad":
+        m.attach_optimizer(opt)
+    gen = torch.Generator().manual_seed(seed)
     audits = []
-    for step in range(6):
+    for _ in range(6):
         ids, offs = _tb_batch(gen, 3, "cpu")
         with sync_audit() as audit:
             m.prefetch(ids, offs)
@@ -444,11 +446,20 @@ def test_evicted_rows_optimizer_state_moves_without_a_sync(minilm: torch.Tensor)
         ref(glob, offs).pow(2).sum().backward()
         ref_opt.step()
         ref_opt.zero_grad()
+    assert m.stats()["evictions"] > 0 and m.stats()["prefetched_rows"] > 0
+    assert torch.equal(m.weight, ref.weight.detach())
+    return m, audits
+
+
+def test_evicted_rows_optimizer_state_moves_without_a_sync(minilm: torch.Tensor) -> None:
+    """A training prefetch that evicts rows with attached Adagrad state saves that state and restores the returning
+    rows' state with no sync-prone op in the row optimizer (on CUDA: zero-copy writes and reads of its pinned host
+    store, no pageable copy, no host-side index); the trained table stays bit-identical to nn.EmbeddingBag's."""
+    m, audits = _evicting_prefetches(minilm, "adagrad", seed=11, compress=True)
     state = m.cache_weight_mgr.optim.host["sum"]
-    assert m.stats()["evictions"] > 0 and state.rows_written > 0 and state.rows_read > 0
+    assert state.rows_written > 0 and state.rows_read > 0
     for audit in audits:
         assert not {site for site in audit.sites() if "row_optimizer" in site[1]}, audit.table()
-    assert torch.equal(m.weight, ref.weight.detach())
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
@@ -456,35 +467,10 @@ def test_training_prefetch_reads_the_device_once(minilm: torch.Tensor, optimizer
     """A training prefetch that admits and evicts rows (write-back, Adagrad's state saved and restored) reads device
     values once: the one ``tolist`` of its count, probes and checks in the row cache (on CUDA torch.unique and nonzero
     would each wait for the device again). The trained table stays bit-identical to nn.EmbeddingBag's."""
-    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
-    from ibpcache.testing.sync_audit import sync_audit
-
-    w = minilm[:600, :64].clone()  # 3 tables of 200 rows; 210 cache rows: each batch (192 ids) fits, the next evicts
-    m = TableBatchedCachedEmbeddingBag([200] * 3, 64, _weight=w.clone(), mode="sum", sparse=True, cache_ratio=0.35,
-                                       warmup_ratio=0.0, device="cpu")
-    ref = torch.nn.EmbeddingBag(600, 64, mode="sum", sparse=True, _weight=w.clone())
-    make = torch.optim.Adagrad if optimizer == "adagrad" else torch.optim.SGD
-    opt, ref_opt = make(m.parameters(), lr=0.05), make(ref.parameters(), lr=0.05)
-    if optimizer == "adagrad":
-        m.attach_optimizer(opt)
-    gen = torch.Generator().manual_seed(12)
-    sites = []
-    for _ in range(6):
-        ids, offs = _tb_batch(gen, 3, "cpu")
-        with sync_audit() as audit:
-            m.prefetch(ids, offs)
-        sites.append(audit.sites())
-        m(ids, offs).pow(2).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        glob = ids + torch.arange(3).repeat_interleave(64) * 200
-        ref(glob, offs).pow(2).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    assert m.stats()["evictions"] > 0 and m.stats()["prefetched_rows"] > 0
+    _, audits = _evicting_prefetches(minilm, optimizer, seed=12)
     # host_store.py's cpu / numpy reads are its CPU branch (rows written and read on the host); on CUDA the same calls
     # encode and decode on the device. The first prefetch may also copy the sketch's constants to the device, once
     # per process (admit.py's _mul_table): from the second on, only the one read
     cpu_only = {("cpu", "ibpcache/cache/host_store.py"), ("numpy", "ibpcache/cache/host_store.py")}
+    sites = [audit.sites() for audit in audits]
     assert all(s - cpu_only == {("tolist", "ibpcache/cache/row_cache.py")} for s in sites[1:]), sites
-    assert torch.equal(m.weight, ref.weight.detach())
