@@ -22,7 +22,8 @@ after the other in the same processes, same seeds:
                global batch. It is the 1-GPU epoch time the DDP epochs are compared with, and the loss reference.
 
 Pipelined (``model.pipelined``, default on; ``model.pipelined=false`` for the loop in turn): every process samples
-its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call), fetches the next one's features on
+its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call, raised to the smallest divisor of a
+rank's micro-batches per epoch, :func:`even_chunk`; ``--chunk-as-given`` keeps it), fetches the next one's features on
 a side stream and trains on the current one, with ``ibpcache.loaders.pipeline.PipelinedLoader``. No mode's fetch is a
 collective, so every mode may fetch from the loader's thread. The loader runs once over every epoch, so the next
 epoch's first micro-batches are sampled and fetched while this epoch's last steps train (``--epoch-by-epoch``: a new
@@ -55,7 +56,8 @@ fetch stage's host time per call. Each of these per rank too (``<stage>_ms_per_r
 mode than another is then compute (forward/backward: kernels slowed by overlapping work), rank skew or link traffic
 (allreduce), or a host-bound step (train_host close to train). Every cache here validates ids lazily on CUDA (no host
 sync per fetch), so the modes' fetch threads behave alike. ``--modes`` runs the modes in the order given (e.g.
-``per_gpu,partitioned,reference`` to see an order effect) and ``--node-replicate`` sizes the node cache's head (1.0:
+``per_gpu,partitioned,reference`` to see an order effect), ``--ddp-plain`` wraps the model in DDP with torch's
+defaults instead of ``DDP_OPTIONS`` (gradients as bucket views, static graph) and ``--node-replicate`` sizes the node cache's head (1.0:
 the node cache's code path with no peer rows, a control for peer traffic).
 """
 
@@ -178,6 +180,25 @@ class BlockSampler:
         """Several micro-batches in one call (each exactly as if sampled alone)."""
         return [(s.nodes, [gnn.Block.from_hop(h, self.device) for h in reversed(s.hops)])
                 for s in self.core.sample(seeds, keys)]
+
+
+def even_chunk(n: int, chunk: int) -> int:
+    """The smallest divisor of ``n`` (a rank's micro-batches per epoch) that is at least ``chunk``, or ``n``.
+
+    A sampler call costs about 680 kernel launches whatever its size plus about 37 per micro-batch (s31's profile:
+    2,404 launches for a rank's 10 micro-batches in calls of 4, 4, 2; 4,130 for the reference's 20 in five calls of
+    4), so a short last call costs nearly a full call's host time on every rank, every epoch: with 4 a rank made 3
+    calls where 2.5 would halve the reference's 5. With a divisor every process makes exactly its share of calls."""
+    chunk = max(1, chunk)
+    if n <= chunk:
+        return max(n, 1)
+    return next(d for d in range(chunk, n + 1) if n % d == 0)
+
+
+DDP_OPTIONS = {"gradient_as_bucket_view": True, "static_graph": True}
+"""What a DDP user sets for a model whose graph never changes: gradients live in the all-reduce buckets (no copy of
+each gradient into its bucket and back) and the reducer skips its per-iteration graph bookkeeping. Neither changes a
+value: the bucket holds the same gradient, the all-reduce sums the same two numbers."""
 
 
 def generator(device: torch.device, *key: int) -> torch.Generator:
@@ -332,6 +353,8 @@ class Job:
     across_epochs: bool = True  # pipelined: one loader run over every epoch (module docstring)
     profile_epoch: "int | None" = None  # this epoch of every mode runs under torch.profiler (host_profile)
     track_sources: bool = True  # the node cache counts local / peer / host reads per fetch (a few small ops)
+    ddp_plain: bool = False  # DDP with torch's defaults instead of DDP_OPTIONS
+    chunk_as_given: bool = False  # sample cfg.sample_chunk micro-batches per call even where it leaves a short call
 
     @property
     def world(self) -> int:
@@ -339,6 +362,12 @@ class Job:
 
     def steps_per_epoch(self) -> int:
         return int(self.ds.train_nids.numel()) // (self.world * self.cfg.batch_size)
+
+    def sample_chunk(self) -> int:
+        """Micro-batches per sampler call: ``cfg.sample_chunk``, or the smallest divisor of a rank's micro-batches
+        per epoch that is at least that (see :func:`even_chunk`); the reference uses the same number."""
+        return max(1, self.cfg.sample_chunk) if self.chunk_as_given else even_chunk(self.steps_per_epoch(),
+                                                                                       self.cfg.sample_chunk)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The seeded permutation of the training nodes that epoch ``epoch``'s global batches are cut from."""
@@ -401,7 +430,7 @@ class MicroBatches:
         job, dev = self.job, self.job.ranks.device
         order = job.epoch_order(epoch)
         plan = [(step, v) for step in range(job.steps_per_epoch()) for v in self.vranks]
-        chunk = max(1, job.cfg.sample_chunk)
+        chunk = job.sample_chunk()
         for first in range(0, len(plan), chunk):
             part = plan[first:first + chunk]
             seeds = [job.seeds(epoch, step, v, order).to(dev) for step, v in part]
@@ -511,7 +540,9 @@ def train_ddp(job: Job, mode: str) -> EpochRuns:
               across_epochs=_across_epochs(job))
     model = new_model(job)
     model.use_rank(r, dev)
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None) if job.ranks.distributed else model
+    options = {} if job.ddp_plain else DDP_OPTIONS
+    ddp = (DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **options) if job.ranks.distributed
+           else model)
     opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
     run.losses[r] = []
     timer = StageTimer(dev)
@@ -898,6 +929,11 @@ def main(argv: "list[str] | None" = None) -> int:
                         "gain host_profile (per thread: host ms, ops, launches, top ops); that epoch is not timed")
     p.add_argument("--no-track-sources", action="store_true",
                    help="the node cache does not count local / peer / host reads (its few ops per fetch left out)")
+    p.add_argument("--ddp-plain", action="store_true",
+                   help="DDP with torch's defaults instead of " + ", ".join(f"{k}={v}" for k, v in DDP_OPTIONS.items()))
+    p.add_argument("--chunk-as-given", action="store_true",
+                   help="sample model.sample_chunk micro-batches per call even where a rank's epoch then ends with "
+                        "a short call (default: the smallest divisor of a rank's micro-batches per epoch >= it)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/bench_gnn.yaml, e.g. dataset.n_nodes=200000")
     args = p.parse_args(argv)
     if args.switch_interval is not None:
@@ -945,12 +981,15 @@ def main(argv: "list[str] | None" = None) -> int:
         job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device),
                   node_replicate=args.node_replicate if args.node_replicate == "auto" else float(args.node_replicate),
                   across_epochs=not (args.epoch_by_epoch or args.interleave), profile_epoch=args.profile_epoch,
-                  track_sources=not args.no_track_sources)
+                  track_sources=not args.no_track_sources, ddp_plain=args.ddp_plain,
+                  chunk_as_given=args.chunk_as_given)
         if ranks.rank == 0:
             print(f"train_gnn_ddp: {ds.name} {ds.num_nodes:,} nodes, {ds.num_edges:,} edges, {ds.row_bytes} B rows, "
                   f"store ratio {rows.ratio:.2f}x ({args.layout}); {ranks.world} ranks on {ranks.device.type}, "
                   f"{job.steps_per_epoch()} global batches of {ranks.world} x {train_cfg.batch_size} per epoch, "
-                  f"{train_cfg.epochs} epochs, cache budget {cfg.cache.budget} per GPU; modes {modes}", flush=True)
+                  f"{train_cfg.epochs} epochs, cache budget {cfg.cache.budget} per GPU; modes {modes}; "
+                  f"{job.sample_chunk()} micro-batches per sampler call; DDP "
+                  f"{'defaults' if job.ddp_plain else DDP_OPTIONS}", flush=True)
         runs = run_modes(job, modes, args.interleave)
         if ranks.rank == 0:
             records, summary = summarize(runs, ranks.world)
@@ -962,6 +1001,7 @@ def main(argv: "list[str] | None" = None) -> int:
             print(summary)
             meta = {"overrides": overrides, "args": {k: str(v) for k, v in vars(args).items()},
                     "dataset": ds.describe() | {"row_bytes": ds.row_bytes}, "train": asdict(train_cfg),
+                    "steps_per_epoch": job.steps_per_epoch(), "sample_chunk_used": job.sample_chunk(), "ddp_options": {} if job.ddp_plain else DDP_OPTIONS,
                     "load_s": load_s, "store_build_s": store_s, "attach_s": attach_s, "store_ratio": rows.ratio,
                     "summary": summary}
             write_results(args.out, args.name, records, plot, meta=meta)

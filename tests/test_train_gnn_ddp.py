@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_gnn_ddp.py"
 
 pytest.importorskip("hydra")
+from scripts import train_gnn_ddp as ddp  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -97,12 +98,26 @@ def _check(doc: dict[str, Any], out: Path, peers: bool, tracked: bool = True) ->
 def test_two_gloo_ranks_match_the_single_process_reference(tmp_path: Path, free_port: int, interleave: bool,
                                                            tracked: bool) -> None:
     """Also with one epoch of each mode in turn (``--interleave``): every mode's caches, models and loaders live at
-    once, and the losses must not notice; nor when the node cache does not count where it read each row."""
-    doc = _torchrun(tmp_path, free_port, "--device", "cpu", *(["--interleave"] if interleave else []),
-                    *([] if tracked else ["--no-track-sources"]))
+    once, and the losses must not notice; nor when the node cache does not count where it read each row. The last
+    case also runs DDP with torch's defaults and the sampler's chunk as given (the others: ``DDP_OPTIONS`` and an
+    even chunk), so both DDP set-ups are held to the reference's losses."""
+    plain = [] if tracked else ["--no-track-sources", "--ddp-plain", "--chunk-as-given", "model.sample_chunk=3"]
+    doc = _torchrun(tmp_path, free_port, "--device", "cpu", *(["--interleave"] if interleave else []), *plain)
     _check(doc, tmp_path, peers=False, tracked=tracked)
     assert doc["meta"]["summary"]["interleaved"] is interleave
+    meta = doc["meta"]
+    assert meta["ddp_options"] == ({} if plain else ddp.DDP_OPTIONS)
+    assert meta["sample_chunk_used"] == (3 if plain else ddp.even_chunk(meta["steps_per_epoch"], 4))
     assert all(r["across_epochs"] is not interleave for r in doc["records"])
+
+
+def test_even_chunk_divides_a_ranks_epoch_with_the_fewest_calls_of_at_least_the_chunk() -> None:
+    for n in range(1, 40):
+        for chunk in range(0, 12):
+            got = ddp.even_chunk(n, chunk)
+            assert n % got == 0 and (got >= chunk or got == n)
+            assert all(n % d for d in range(max(chunk, 1), got))  # the smallest such divisor
+    assert ddp.even_chunk(10, 4) == 5 and ddp.even_chunk(20, 5) == 5 and ddp.even_chunk(7, 4) == 7
 
 
 def _reference(out: Path, *extra: str) -> dict[str, Any]:
