@@ -57,8 +57,8 @@ mode than another is then compute (forward/backward: kernels slowed by overlappi
 (allreduce), or a host-bound step (train_host close to train). Every cache here validates ids lazily on CUDA (no host
 sync per fetch), so the modes' fetch threads behave alike. ``--modes`` runs the modes in the order given (e.g.
 ``per_gpu,partitioned,reference`` to see an order effect), ``--ddp-plain`` wraps the model in DDP with torch's
-defaults instead of ``DDP_OPTIONS`` (gradients as bucket views, static graph) and ``--node-replicate`` sizes the node cache's head (1.0:
-the node cache's code path with no peer rows, a control for peer traffic).
+defaults instead of ``DDP_OPTIONS`` (gradients as bucket views, static graph) and ``--node-replicate`` sizes the node
+cache's head (1.0: the node cache's code path with no peer rows, a control for peer traffic).
 """
 
 from __future__ import annotations
@@ -930,7 +930,8 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--no-track-sources", action="store_true",
                    help="the node cache does not count local / peer / host reads (its few ops per fetch left out)")
     p.add_argument("--ddp-plain", action="store_true",
-                   help="DDP with torch's defaults instead of " + ", ".join(f"{k}={v}" for k, v in DDP_OPTIONS.items()))
+                   help="DDP with torch's defaults instead of "
+                        + ", ".join(f"{k}={v}" for k, v in DDP_OPTIONS.items()))
     p.add_argument("--chunk-as-given", action="store_true",
                    help="sample model.sample_chunk micro-batches per call even where a rank's epoch then ends with "
                         "a short call (default: the smallest divisor of a rank's micro-batches per epoch >= it)")
@@ -1001,7 +1002,8 @@ def main(argv: "list[str] | None" = None) -> int:
             print(summary)
             meta = {"overrides": overrides, "args": {k: str(v) for k, v in vars(args).items()},
                     "dataset": ds.describe() | {"row_bytes": ds.row_bytes}, "train": asdict(train_cfg),
-                    "steps_per_epoch": job.steps_per_epoch(), "sample_chunk_used": job.sample_chunk(), "ddp_options": {} if job.ddp_plain else DDP_OPTIONS,
+                    "steps_per_epoch": job.steps_per_epoch(), "sample_chunk_used": job.sample_chunk(),
+                    "ddp_options": {} if job.ddp_plain else DDP_OPTIONS,
                     "load_s": load_s, "store_build_s": store_s, "attach_s": attach_s, "store_ratio": rows.ratio,
                     "summary": summary}
             write_results(args.out, args.name, records, plot, meta=meta)
