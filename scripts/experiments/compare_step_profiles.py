@@ -16,6 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ibpcache.testing import write_results
+
 
 def parse_args(argv: "list[str] | None" = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,10 +59,7 @@ def compare(base: list[list[dict]], new: list[list[dict]], labels: tuple[str, st
     return out
 
 
-def plot(records: list[dict], labels: tuple[str, str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(records: list[dict], labels: tuple[str, str]) -> Any:
     import matplotlib.pyplot as plt
 
     names = [f"{r['optimizer']}\nbag {r['bag']}\n{r['batch']}" for r in records]
@@ -76,8 +75,7 @@ def plot(records: list[dict], labels: tuple[str, str], path: Path) -> None:
     ax.set_ylabel("ms per training step, back to back")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: "list[str] | None" = None) -> dict[str, Path]:
@@ -85,13 +83,9 @@ def main(argv: "list[str] | None" = None) -> dict[str, Path]:
     load = lambda paths: [json.loads(Path(f).read_text())["points"] for f in paths]  # noqa: E731
     labels = tuple(args.labels)
     records = compare(load(args.base), load(args.new), labels)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {"base": [str(f) for f in args.base], "new": [str(f) for f in args.new], "labels": list(labels),
-           "points": records}
-    paths = {"json": out / f"{args.name}.json", "png": out / f"{args.name}.png"}
-    paths["json"].write_text(json.dumps(doc, indent=1))
-    plot(records, labels, paths["png"])
+    meta = {"base": [str(f) for f in args.base], "new": [str(f) for f in args.new], "labels": list(labels)}
+    paths = write_results(args.out, args.name, records, lambda recs: plot(recs, labels), meta=meta,
+                          extra={"points": records})
     for r in records:
         print(f"{r['optimizer']:8s} bag {r['bag']:2d} batch {r['batch']:5d}: {labels[0]} / {labels[1]} "
               f"{r['speedup']:.2f}x, prefetch host {r[labels[0]]['host_ms_by_phase']['prefetch']:.2f} -> "
