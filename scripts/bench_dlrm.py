@@ -341,7 +341,7 @@ class Method:
                     "host_ratio": st["host_ratio"], "plan": st.get("fused_plan"),
                     "host_layout": st.get("host_layout"), "slots": st.get("fused_cache_slots"),
                     "slot_bytes": st.get("fused_slot_bytes"), "slot_form": st.get("fused_slot_form"),
-                    "admission": st.get("fused_admission")}
+                    "admission": st.get("fused_admission"), "way_steps": st.get("fused_way_steps")}
         return {"requests": float(st["hits"] + st["misses"]), "hits": float(st["hits"]), "host_ratio": st["host_ratio"]}
 
 
@@ -408,6 +408,9 @@ def _counter_fields(before: dict[str, Any], after: dict[str, Any], steps: int) -
         for key in ("host_ratio", "plan", "host_layout", "slots", "slot_bytes", "slot_form", "admission"):
             if after.get(key) is not None:
                 res[key] = after[key]
+        if after.get("way_steps") is not None:  # the steps each fused way ran in this window
+            was = before.get("way_steps") or {}
+            res["way_steps"] = {k: v - was.get(k, 0) for k, v in after["way_steps"].items() if v > was.get(k, 0)}
     return res
 
 

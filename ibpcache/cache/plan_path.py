@@ -12,11 +12,14 @@ timed again ``first_recheck`` steps after the first decision, then at intervals 
 (the traffic or the hit rate may have changed). Why early rechecks: the first timings run while a new cache is still
 filling, when misses and admissions dominate every way; a choice made then can be 20-25% slower in the steady state
 (two identical DLRM modules picked different ways and ran 0.32 vs 0.40 ms per step), so the warm cache's way is
-chosen within a few hundred steps instead of after ``recheck_every``. Each batch shape (bag count) is planned on its
-own. The owner calls :meth:`PathPlanner.retime` when the ways' costs change together (the embedding bags' cache
-settling, after which its unstaged ways skip most admission passes): two identical modules ran 13% apart when one
-had chosen the staged way, which never skips a pass, on timings taken before its cache settled. Timings are CUDA
-events read once they have completed: never a sync.
+chosen within a few hundred steps instead of ``recheck_every``. Each batch shape (bag count) is planned on its
+own, and once per phase of the owner's cache (:meth:`PathPlanner.set_phase`): a settled cache skips most admission
+passes on its unstaged ways and never on a staged one, so the ways' costs differ between a cache that is filling or
+following a moved hot set and a settled one (two identical modules ran 13% apart when one had chosen the staged way,
+which never skips a pass, on timings taken before its cache settled). A phase's plan is timed the first time the
+phase is entered, starting from the other phase's choice as its incumbent; later it resumes where it was, so a cache
+whose hot set drifts (settled, unsettled, settled again) runs each phase's way from the step it enters it instead of
+timing every way again at each settle. Timings are CUDA events read once they have completed: never a sync.
 """
 
 from __future__ import annotations
@@ -70,12 +73,13 @@ class PathPlanner:
         self.margin = float(margin)
         self.recheck_every = int(recheck_every)
         self.first_recheck = min(int(first_recheck), self.recheck_every)
-        self._plans: dict[tuple[str, int], _Plan] = {}
+        self._plans: dict[tuple[str, int, bool], _Plan] = {}
         self._fixed: dict[str, int] = {}
-        self.retimes = 0
+        self.settled = False  # the owner's cache skips admission passes (see set_phase)
+        self.phase_changes = 0
 
     def _plan(self, kind: str, n: int) -> _Plan:
-        key = (kind, int(n))
+        key = (kind, int(n), self.settled)
         plan = self._plans.get(key)
         if plan is None:
             if kind not in self.ways:
@@ -83,6 +87,9 @@ class PathPlanner:
             plan = self._plans[key] = _Plan(len(self.ways[kind]))
             if plan.n_ways == 1:  # nothing to time, ever
                 plan.choice, plan.calibrating, plan.interval = 0, False, np.iinfo(np.int64).max
+            else:  # the other phase's choice is the incumbent: kept unless a way beats it by the margin
+                other = self._plans.get((kind, int(n), not self.settled))
+                plan.choice = other.choice if other is not None else None
         return plan
 
     def fix(self, kind: str, way: "int | str | None") -> None:
@@ -100,15 +107,15 @@ class PathPlanner:
             raise InvalidArgumentError(f"way must be in [0, {len(self.ways[kind])}), got {way!r}")
         self._fixed[kind] = int(way)
 
-    def retime(self) -> None:
-        """The ways' costs changed under every plan (a settled cache skips most admission passes on its unstaged ways,
-        never on a staged one): time the ways of every shape again from its next step, the incumbent kept unless
-        beaten by the margin. Timings taken before the change would keep whatever was fastest then."""
-        for plan in self._plans.values():
-            if plan.n_ways > 1:
-                plan.restart()
-                plan.pending = []  # steps timed before the change
-        self.retimes += 1
+    def set_phase(self, settled: bool) -> None:
+        """The owner's cache is settled (skips most admission passes on its unstaged ways, never on a staged one) or
+        not (filling, or following a moved hot set): from the next step every kind and shape runs that phase's plan,
+        timed now if the phase is new to it (see the module docstring). Timings taken in one phase never decide the
+        other's way."""
+        settled = bool(settled)
+        if settled != self.settled:
+            self.settled = settled
+            self.phase_changes += 1
 
     def calibrating(self, kind: str, n: int) -> bool:
         """Are the ways of this kind and shape being timed now?"""
@@ -177,11 +184,12 @@ class PathPlanner:
         plan.pending = []
 
     def plan(self) -> dict[str, Any]:
-        """For stats(): per kind and shape the way chosen (or "calibrating") and the medians it was chosen by."""
+        """For stats(): per kind, shape and phase (", settled") the way chosen (or "calibrating") and the medians it
+        was chosen by."""
         out: dict[str, Any] = {}
-        for (kind, n), plan in sorted(self._plans.items()):
+        for (kind, n, settled), plan in sorted(self._plans.items()):
             self._collect(plan)
-            label = f"{kind} {n} bags"
+            label = f"{kind} {n} bags" + (", settled" if settled else "")
             if plan.choice is None:
                 out[label] = "calibrating"
             else:

@@ -35,7 +35,7 @@ import ctypes
 import functools
 import math
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -869,7 +869,7 @@ class FusedLookup:
         self._pending: deque[tuple[int, int]] = deque()  # (pass, n) of prefetched batches not yet looked up
         self._done: Optional[torch.cuda.Event] = None  # the last prefetch's end on the side stream
         self._cycles: dict[tuple[str, int], _Cycle] = {}  # a settled cache's timed cycles under way, per shape
-        self._settled_seen = False  # the pace's state at the last step: a settle re-times the ways
+        self.way_steps: Counter[str] = Counter()  # lookup steps per "kind: way" (stats: which ways ran)
         self.timed_cycles = 0
         self.slot_bytes = 0
         self.n_slots = 0
@@ -1108,6 +1108,9 @@ class FusedLookup:
             kind += " unstaged"
         if capturing:  # a caller's capture: no cycle's sample may include its steps
             self._cycles.clear()
+        elif self.pace.cycling != self.planner.settled:  # skipping passes changes which way is fastest
+            self._cycles.clear()  # a cycle is timed in the phase it began in
+            self.planner.set_phase(self.pace.cycling)
         cyc = self._cycles.get((kind, n_bags))  # other shapes' steps may come between a cycle's own
         if cyc is not None:
             way, timed = cyc.way, True  # each step of a cycle is timed on its own
@@ -1143,10 +1146,7 @@ class FusedLookup:
                        admit=admit)
         if not capturing:
             self.pace.observe(self.adm_stats, self._full, n)
-            if self.pace.settled and not self._settled_seen:  # skipping passes changes which way is fastest
-                self._cycles.clear()
-                self.planner.retime()
-            self._settled_seen = self.pace.settled
+        self.way_steps[f"{kind}: {self.planner.ways[kind][way]}"] += 1
         if cyc is not None:
             self._cycle_step(cyc, ran, start)
             timed = False
@@ -1357,6 +1357,7 @@ class FusedLookup:
                 "fused_cache_rows_raw": self.mgr.base_slots,
                 "fused_staging_bytes": self.stage_buf.numel() if self.stage_buf is not None else 0,
                 "fused_calls": self.calls, "fused_prefetches": self.prefetches, "fused_plan": self.planner.plan(),
+                "fused_way_steps": dict(self.way_steps),
                 "fused_admission": {**self.pace.stats(), "timed_cycles": self.timed_cycles},
                 **({f"fused_{k}": v for k, v in self.graphs.stats().items()} if self.graphs is not None else {}),
                 "sketch_halvings": self.mgr.policy.sketch.halvings if self.mgr.policy.sketch is not None else 0}

@@ -1510,13 +1510,14 @@ def test_path_planner_takes_a_cycles_mean_step() -> None:
     assert planner.choose("single", 100) == 1 and planner.plan()["single 100 bags ms"]["sorted"] == pytest.approx(0.8)
 
 
-def test_path_planner_retimes_every_shape_when_told_and_keeps_its_incumbent_by_the_margin() -> None:
-    """``retime`` (the cache settled, so the unstaged ways skip most passes): every shape's ways are timed again at
-    once, not at the next recheck; a way now faster by the margin takes over, one within the margin does not."""
+def test_path_planner_plans_each_phase_apart_and_resumes_a_phase_it_has_seen() -> None:
+    """A settled cache (unstaged ways skip most passes) and a filling or moving one are planned apart: entering a
+    phase for the first time times every shape's ways at once from the other phase's choice (a way faster by the
+    margin takes over, one within it does not); entering it again runs its way from the first step, untimed."""
     from ibpcache.cache.plan_path import PathPlanner
 
     planner = PathPlanner({"single": ("staged", "sorted")}, trials=2, margin=0.05, first_recheck=1000)
-    cost = {0: 1.0, 1: 1.1}  # before the change the staged way is faster
+    cost = {0: 1.0, 1: 1.1}  # admitting every step, the staged way is faster
 
     def calibrate(n: int) -> None:
         while planner.calibrating("single", n):
@@ -1526,7 +1527,7 @@ def test_path_planner_retimes_every_shape_when_told_and_keeps_its_incumbent_by_t
     for n in (40, 48):
         calibrate(n)
         assert planner.choose("single", n) == 0
-    planner.retime()
+    planner.set_phase(True)
     assert planner.calibrating("single", 40) and planner.calibrating("single", 48)
     cost.update({0: 1.0, 1: 0.8})  # settled: "sorted" skips 3 passes in 4
     calibrate(40)
@@ -1534,9 +1535,16 @@ def test_path_planner_retimes_every_shape_when_told_and_keeps_its_incumbent_by_t
     cost.update({0: 1.0, 1: 0.97})  # within the margin: the incumbent stays
     calibrate(48)
     assert planner.choose("single", 48) == 0
+    planner.set_phase(False)  # the hot set moved: back to the moving cache's plan, no timing
+    assert not planner.calibrating("single", 40) and planner.choose("single", 40) == 0
+    planner.set_phase(True)  # settled again: its plan resumes
+    assert not planner.calibrating("single", 40) and planner.choose("single", 40) == 1
+    assert planner.phase_changes == 3
+    plan = planner.plan()
+    assert plan["single 40 bags"] == "staged" and plan["single 40 bags, settled"] == "sorted", plan
     fixed = PathPlanner({"single": ("staged", "sorted")})
     fixed.fix("single", "sorted")
-    fixed.retime()
+    fixed.set_phase(True)
     assert not fixed.calibrating("single", 40) and fixed.choose("single", 40) == 1
 
 
@@ -1564,7 +1572,9 @@ def test_a_settled_cache_times_its_ways_by_whole_cycles(minilm: torch.Tensor, gr
     st = m.stats()
     pace = st["fused_admission"]
     assert pace["settles"] >= 1 and pace["timed_cycles"] >= 6, pace
-    assert fused.planner.retimes == pace["settles"]  # every shape timed again each time the cache settled
-    decided = [st["fused_plan"].get(f"single {n * len(SIZES)} bags") for n in (40, 48)]
+    assert fused.planner.phase_changes >= 1  # the settled cache got its own plans
+    decided = [st["fused_plan"].get(f"single {n * len(SIZES)} bags{phase}")
+               for n in (40, 48) for phase in ("", ", settled")]
     assert None not in decided and "calibrating" not in decided, st["fused_plan"]
+    assert sum(st["fused_way_steps"].values()) == 400, st["fused_way_steps"]
     m.check_errors()
