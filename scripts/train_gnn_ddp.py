@@ -22,8 +22,8 @@ after the other in the same processes, same seeds:
                global batch. It is the 1-GPU epoch time the DDP epochs are compared with, and the loss reference.
 
 Pipelined (``model.pipelined``, default on; ``model.pipelined=false`` for the loop in turn): every process samples
-its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call, raised to the smallest divisor of a
-rank's micro-batches per epoch, :func:`even_chunk`; ``--chunk-as-given`` keeps it), fetches the next one's features on
+its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call, capped at half a rank's epoch and raised
+to the smallest divisor of its micro-batches per epoch, :func:`rank_chunk`; ``--chunk-as-given`` keeps it), fetches the next one's features on
 a side stream and trains on the current one, with ``ibpcache.loaders.pipeline.PipelinedLoader``. No mode's fetch is a
 collective, so every mode may fetch from the loader's thread. The loader runs once over every epoch, so the next
 epoch's first micro-batches are sampled and fetched while this epoch's last steps train (``--epoch-by-epoch``: a new
@@ -193,6 +193,14 @@ def even_chunk(n: int, chunk: int) -> int:
     if n <= chunk:
         return max(n, 1)
     return next(d for d in range(chunk, n + 1) if n % d == 0)
+
+
+def rank_chunk(n: int, chunk: int) -> int:
+    """Micro-batches per sampler call for a rank with ``n`` micro-batches per epoch: :func:`even_chunk` of ``chunk``
+    capped at half an epoch, so that at least two calls feed an epoch and its first steps train while the rest is
+    sampled (the single-GPU default of 10 per call is two calls of an epoch's 20 batches, measured on an H200 in
+    docs/results/2026-11-27-h200-s39; a rank's 10 micro-batches keep s38's 5 per call)."""
+    return even_chunk(n, min(max(1, chunk), max(1, n // 2)))
 
 
 DDP_OPTIONS = {"gradient_as_bucket_view": True, "static_graph": True}
@@ -365,8 +373,9 @@ class Job:
 
     def sample_chunk(self) -> int:
         """Micro-batches per sampler call: ``cfg.sample_chunk``, or the smallest divisor of a rank's micro-batches
-        per epoch that is at least that (see :func:`even_chunk`); the reference uses the same number."""
-        return max(1, self.cfg.sample_chunk) if self.chunk_as_given else even_chunk(self.steps_per_epoch(),
+        per epoch that is at least that, at most half an epoch (see :func:`rank_chunk`); the reference uses the same
+        number."""
+        return max(1, self.cfg.sample_chunk) if self.chunk_as_given else rank_chunk(self.steps_per_epoch(),
                                                                                        self.cfg.sample_chunk)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:

@@ -107,7 +107,7 @@ def test_two_gloo_ranks_match_the_single_process_reference(tmp_path: Path, free_
     assert doc["meta"]["summary"]["interleaved"] is interleave
     meta = doc["meta"]
     assert meta["ddp_options"] == ({} if plain else ddp.DDP_OPTIONS)
-    assert meta["sample_chunk_used"] == (3 if plain else ddp.even_chunk(meta["steps_per_epoch"], 4))
+    assert meta["sample_chunk_used"] == (3 if plain else ddp.rank_chunk(meta["steps_per_epoch"], 10))
     assert all(r["across_epochs"] is not interleave for r in doc["records"])
 
 
@@ -118,6 +118,9 @@ def test_even_chunk_divides_a_ranks_epoch_with_the_fewest_calls_of_at_least_the_
             assert n % got == 0 and (got >= chunk or got == n)
             assert all(n % d for d in range(max(chunk, 1), got))  # the smallest such divisor
     assert ddp.even_chunk(10, 4) == 5 and ddp.even_chunk(20, 5) == 5 and ddp.even_chunk(7, 4) == 7
+    # capped at half an epoch: two calls at least, so training starts before the epoch is sampled
+    assert ddp.rank_chunk(10, 10) == 5 and ddp.rank_chunk(10, 4) == 5 and ddp.rank_chunk(20, 10) == 10
+    assert ddp.rank_chunk(1, 10) == 1 and ddp.rank_chunk(7, 10) == 7
 
 
 def _reference(out: Path, *extra: str) -> dict[str, Any]:

@@ -345,7 +345,7 @@ class TrainConfig:
     verify_batches: int = 0  # first-epoch batches whose features are checked against the rows, bit for bit
     sampler: str = "dgl"  # one of SAMPLERS
     sampler_device: str = "auto"  # torch sampler: auto (the GPU when the graph fits) | cpu | cuda
-    sample_chunk: int = 4  # torch sampler: batches sampled per call (a hop's launches are paid once per call)
+    sample_chunk: int = 10  # torch sampler: batches sampled per call (a call's ~445 host ops are paid once per call)
     pipelined: bool = True  # sampling, feature fetch and training overlapped (PipelinedLoader) or in turn
     sample_ahead: int = 2  # sampled batches waiting for the fetch stage
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
