@@ -208,39 +208,78 @@ def build_graph(ds: GnnDataset) -> Any:
 # Model
 
 
+def _segments(key: torch.Tensor, other: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``other`` in the (stable) order of ``key`` (values in ``[0, n)``), and the offsets of each key's run in it
+    ([n + 1], int64). No host read (a bincount on CUDA reads the largest key back), so the sampling stage runs
+    ahead."""
+    key_sorted, order = torch.sort(key, stable=True)
+    ptr = torch.searchsorted(key_sorted, torch.arange(n + 1, dtype=key.dtype, device=key.device))
+    return other[order], ptr
+
+
 @dataclass
 class Block:
-    """A sampled DGL block as index tensors on the training device (dst nodes are the first ``n_dst`` srcs)."""
+    """A sampled DGL block as index tensors on the training device (dst nodes are the first ``n_dst`` srcs), with
+    its edges also grouped by destination and by source: the mean aggregation's segment sums (:class:`_SegmentSum`)
+    read those, sorted once in the sampling stage rather than on the training thread."""
 
     src: torch.Tensor
     dst: torch.Tensor
     n_src: int
     n_dst: int
     inv_deg: torch.Tensor  # float32 [n_dst, 1]; 0 where a node has no sampled neighbour
+    src_by_dst: torch.Tensor  # each edge's source, edges grouped by destination
+    dst_ptr: torch.Tensor  # [n_dst + 1] offsets of each destination's edges in src_by_dst
+    dst_by_src: torch.Tensor  # each edge's destination, edges grouped by source
+    src_ptr: torch.Tensor  # [n_src + 1] offsets of each source's edges in dst_by_src
+
+    @classmethod
+    def _build(cls, src: torch.Tensor, dst: torch.Tensor, n_src: int, n_dst: int, deg: torch.Tensor,
+               device: torch.device) -> "Block":
+        inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
+        src_by_dst, dst_ptr = _segments(dst, src, n_dst)
+        dst_by_src, src_ptr = _segments(src, dst, n_src)
+        move = {"device": device, "non_blocking": True}
+        return cls(src.to(**move), dst.to(**move), n_src, n_dst, inv.to(**move), src_by_dst.to(**move),
+                   dst_ptr.to(**move), dst_by_src.to(**move), src_ptr.to(**move))
 
     @classmethod
     def from_dgl(cls, block: Any, device: torch.device) -> "Block":
-        src, dst = block.edges()
+        src, dst = (t.to(torch.int64) for t in block.edges())
         n_dst = int(block.num_dst_nodes())
         deg = torch.bincount(dst, minlength=n_dst).to(torch.float32)
-        inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
-        move = {"device": device, "non_blocking": True}
-        return cls(src.to(torch.int64).to(**move), dst.to(torch.int64).to(**move), int(block.num_src_nodes()),
-                   n_dst, inv.to(**move))
+        return cls._build(src, dst, int(block.num_src_nodes()), n_dst, deg, device)
 
     @classmethod
     def from_hop(cls, hop: Hop, device: torch.device) -> "Block":
         """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL); its
         degrees without a host read (``Hop.dst_degree``), since this runs in the sampling stage, ahead of training."""
-        deg = hop.dst_degree().to(torch.float32)
-        inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
-        move = {"device": device, "non_blocking": True}
-        return cls(hop.src.to(**move), hop.dst.to(**move), hop.n_src, hop.n_dst, inv.to(**move))
+        return cls._build(hop.src, hop.dst, hop.n_src, hop.n_dst, hop.dst_degree().to(torch.float32), device)
 
     def record_stream(self, stream: Any) -> None:
-        for t in (self.src, self.dst, self.inv_deg):
+        for t in (self.src, self.dst, self.inv_deg, self.src_by_dst, self.dst_ptr, self.dst_by_src, self.src_ptr):
             if t.is_cuda:
                 t.record_stream(stream)
+
+
+class _SegmentSum(torch.autograd.Function):
+    """Per destination, the sum of its in-edges' source rows: a segment sum over the edges grouped by destination,
+    and for the gradient the same over the edges grouped by source. Deterministic without ``index_add_`` /
+    ``index_put_``, which deterministic CUDA torch runs as a sort plus bounds checks (about 13 more ops a call:
+    profiled in docs/results/2026-11-27-h200-s39); each destination's (and source's) terms are added in edge order,
+    as the stable grouping keeps it."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, block: Block) -> torch.Tensor:  # type: ignore[override]
+        ctx.block = block
+        return torch.segment_reduce(h.index_select(0, block.src_by_dst), "sum", offsets=block.dst_ptr, axis=0,
+                                    unsafe=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        b = ctx.block
+        return torch.segment_reduce(grad.contiguous().index_select(0, b.dst_by_src), "sum", offsets=b.src_ptr,
+                                    axis=0, unsafe=True), None
 
 
 class SAGEConv(nn.Module):
@@ -258,9 +297,7 @@ class SAGEConv(nn.Module):
 
     @staticmethod
     def _mean(block: Block, h: torch.Tensor) -> torch.Tensor:
-        out = h.new_zeros(block.n_dst, h.shape[1])
-        out.index_add_(0, block.dst, h.index_select(0, block.src))
-        return out * block.inv_deg
+        return _SegmentSum.apply(h, block) * block.inv_deg
 
     def forward(self, block: Block, h_src: torch.Tensor) -> torch.Tensor:
         h_dst = h_src[: block.n_dst]
@@ -308,9 +345,13 @@ class GraphSAGE(nn.Module):
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy via log_softmax + gather (deterministic on CUDA, unlike nll_loss there)."""
+    """Mean cross-entropy via log_softmax and a mask of each row's class (deterministic on CUDA, unlike nll_loss
+    there). A row's masked sum is its one log-probability plus zeros, so the value equals a ``gather``'s; the mask's
+    gradient is elementwise, where ``gather``'s is a scatter that deterministic CUDA torch runs as a sorted
+    ``index_put_``."""
     logp = torch.log_softmax(logits, dim=1)
-    return -logp.gather(1, labels.view(-1, 1)).mean()
+    mask = labels.view(-1, 1) == torch.arange(logp.shape[1], device=logp.device)
+    return -torch.where(mask, logp, 0.0).sum(1).mean()
 
 
 # --------------------------------------------------------------------------------------------------------------
