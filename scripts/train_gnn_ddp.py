@@ -22,12 +22,13 @@ after the other in the same processes, same seeds:
                global batch. It is the 1-GPU epoch time the DDP epochs are compared with, and the loss reference.
 
 Pipelined (``model.pipelined``, default on; ``model.pipelined=false`` for the loop in turn): every process samples
-its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call, capped at half a rank's epoch and raised
-to the smallest divisor of its micro-batches per epoch, :func:`rank_chunk`; ``--chunk-as-given`` keeps it), fetches the next one's features on
-a side stream and trains on the current one, with ``ibpcache.loaders.pipeline.PipelinedLoader``. No mode's fetch is a
-collective, so every mode may fetch from the loader's thread. The loader runs once over every epoch, so the next
-epoch's first micro-batches are sampled and fetched while this epoch's last steps train (``--epoch-by-epoch``: a new
-loader run per epoch, each starting with an empty pipeline). ``--interleave`` runs one epoch of each mode in turn
+its micro-batches ahead in a thread on the GPU (``model.sample_chunk`` per call, capped at half a rank's epoch and
+raised to the smallest divisor of its micro-batches per epoch, :func:`rank_chunk`; ``--chunk-as-given`` keeps it),
+fetches the next one's features on a side stream and trains on the current one, with
+``ibpcache.loaders.pipeline.PipelinedLoader``. No mode's fetch is a collective, so every mode may fetch from the
+loader's thread. The loader runs once over every epoch, so the next epoch's first micro-batches are sampled and
+fetched while this epoch's last steps train (``--epoch-by-epoch``: a new loader run per epoch, each starting with an
+empty pipeline). ``--interleave`` runs one epoch of each mode in turn
 (per-epoch loaders, so no mode's loader runs ahead while another trains) instead of the modes one after the other:
 on a host whose speed drifts between runs, every mode then meets the same moments. ``--profile-epoch N`` records
 every thread's host time, kernel launches and top ops in epoch N of each mode and rank (``host_profile`` in the

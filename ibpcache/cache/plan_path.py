@@ -12,8 +12,8 @@ timed again ``first_recheck`` steps after the first decision, then at intervals 
 (the traffic or the hit rate may have changed). Why early rechecks: the first timings run while a new cache is still
 filling, when misses and admissions dominate every way; a choice made then can be 20-25% slower in the steady state
 (two identical DLRM modules picked different ways and ran 0.32 vs 0.40 ms per step), so the warm cache's way is
-chosen within a few hundred steps instead of ``recheck_every``. Each batch shape (bag count) is planned on its
-own, and once per phase of the owner's cache (:meth:`PathPlanner.set_phase`): a settled cache skips most admission
+chosen within a few hundred steps instead of after ``recheck_every``. Each batch shape (bag count) is planned on
+its own, and once per phase of the owner's cache (:meth:`PathPlanner.set_phase`): a settled cache skips most admission
 passes on its unstaged ways and never on a staged one, so the ways' costs differ between a cache that is filling or
 following a moved hot set and a settled one (two identical modules ran 13% apart when one had chosen the staged way,
 which never skips a pass, on timings taken before its cache settled). A phase's plan is timed the first time the
