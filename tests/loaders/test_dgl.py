@@ -320,6 +320,58 @@ def test_pipelined_training_same_losses_per_sampler(dgl: Any, cora: Any) -> None
     assert [r["run"]["across_epochs"] for r in recs] == [s == "torch" and p for _ in range(2) for s, p in variants]
 
 
+def _segment_sums_match_index_add(gnn: Any, ds: Any, device: torch.device) -> None:
+    """The example model's mean aggregation (segment sums over edges grouped by destination, by source for the
+    gradient) and masked loss equal the ``index_add_`` / ``gather`` forms bit for bit, values and gradients, on real
+    sampled hops of Cora."""
+    from ibpcache.loaders.sampling import NeighborSampler
+
+    sampler = NeighborSampler(ds.src, ds.dst, ds.num_nodes, [10, 25], device=device, edge_ids=False)
+    sample = sampler.sample([ds.train_nids[:64].to(device)], [11])[0]
+    gen = torch.Generator(device=device).manual_seed(5)
+    for block in (gnn.Block.from_hop(h, device) for h in reversed(sample.hops)):
+        h = torch.randn(block.n_src, 16, generator=gen, device=device).requires_grad_()
+        new = gnn.SAGEConv._mean(block, h)
+        old = h.new_zeros(block.n_dst, 16).index_add(0, block.dst, h.index_select(0, block.src)) * block.inv_deg
+        g = torch.randn(new.shape, generator=gen, device=device)
+        assert torch.equal(new, old)
+        assert torch.equal(torch.autograd.grad(new, h, g)[0], torch.autograd.grad(old, h, g)[0])
+    logits = (torch.randn(64, 7, generator=gen, device=device) * 4).requires_grad_()
+    labels = torch.randint(0, 7, (64,), generator=gen, device=device)
+    new = gnn.cross_entropy(logits, labels)
+    old = -torch.log_softmax(logits, 1).gather(1, labels.view(-1, 1)).mean()
+    assert torch.equal(new, old)
+    assert torch.equal(torch.autograd.grad(new, logits)[0], torch.autograd.grad(old, logits)[0])
+
+
+def test_segment_sums_equal_index_add_bit_for_bit() -> None:
+    from examples.gnn import pipeline as gnn
+
+    _segment_sums_match_index_add(gnn, gnn.load_gnn_dataset("cora"), torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_gpu_segment_sums_equal_deterministic_index_add_and_blocks_build_without_a_sync() -> None:
+    """On the GPU, against deterministic ``index_add_``; and building a block's edge groups (in the sampling stage,
+    which runs ahead of training) reads nothing back to the host."""
+    from examples.gnn import pipeline as gnn
+    from ibpcache.loaders.sampling import NeighborSampler
+
+    ds = gnn.load_gnn_dataset("cora")
+    dev = torch.device("cuda")
+    with gnn.deterministic_cuda(True):
+        _segment_sums_match_index_add(gnn, ds, dev)
+    sample = NeighborSampler(ds.src, ds.dst, ds.num_nodes, [10, 25], device=dev, edge_ids=False).sample(
+        [ds.train_nids[:64].to(dev)], [3])[0]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        blocks = [gnn.Block.from_hop(h, dev) for h in sample.hops]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(int(b.dst_ptr[-1]) == b.src.numel() == int(b.src_ptr[-1]) for b in blocks)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Training: the lossless path changes nothing
 
