@@ -234,11 +234,11 @@ class Block:
     src_ptr: torch.Tensor  # [n_src + 1] offsets of each source's edges in dst_by_src
 
     @classmethod
-    def _build(cls, src: torch.Tensor, dst: torch.Tensor, n_src: int, n_dst: int, deg: torch.Tensor,
-               device: torch.device) -> "Block":
-        inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
+    def _build(cls, src: torch.Tensor, dst: torch.Tensor, n_src: int, n_dst: int, device: torch.device) -> "Block":
         src_by_dst, dst_ptr = _segments(dst, src, n_dst)
         dst_by_src, src_ptr = _segments(src, dst, n_src)
+        deg = (dst_ptr[1:] - dst_ptr[:-1]).to(torch.float32)  # in-degrees, from the grouping's offsets
+        inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
         move = {"device": device, "non_blocking": True}
         return cls(src.to(**move), dst.to(**move), n_src, n_dst, inv.to(**move), src_by_dst.to(**move),
                    dst_ptr.to(**move), dst_by_src.to(**move), src_ptr.to(**move))
@@ -246,15 +246,13 @@ class Block:
     @classmethod
     def from_dgl(cls, block: Any, device: torch.device) -> "Block":
         src, dst = (t.to(torch.int64) for t in block.edges())
-        n_dst = int(block.num_dst_nodes())
-        deg = torch.bincount(dst, minlength=n_dst).to(torch.float32)
-        return cls._build(src, dst, int(block.num_src_nodes()), n_dst, deg, device)
+        return cls._build(src, dst, int(block.num_src_nodes()), int(block.num_dst_nodes()), device)
 
     @classmethod
     def from_hop(cls, hop: Hop, device: torch.device) -> "Block":
-        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL); its
-        degrees without a host read (``Hop.dst_degree``), since this runs in the sampling stage, ahead of training."""
-        return cls._build(hop.src, hop.dst, hop.n_src, hop.n_dst, hop.dst_degree().to(torch.float32), device)
+        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL); built
+        without a host read (see :func:`_segments`), since this runs in the sampling stage, ahead of training."""
+        return cls._build(hop.src, hop.dst, hop.n_src, hop.n_dst, device)
 
     def record_stream(self, stream: Any) -> None:
         for t in (self.src, self.dst, self.inv_deg, self.src_by_dst, self.dst_ptr, self.dst_by_src, self.src_ptr):
