@@ -869,7 +869,7 @@ class FusedLookup:
         self._pending: deque[tuple[int, int]] = deque()  # (pass, n) of prefetched batches not yet looked up
         self._done: Optional[torch.cuda.Event] = None  # the last prefetch's end on the side stream
         self._cycles: dict[tuple[str, int], _Cycle] = {}  # a settled cache's timed cycles under way, per shape
-        self.way_steps: Counter[str] = Counter()  # lookup steps per "kind: way" (stats: which ways ran)
+        self.way_steps: Counter[tuple[str, int]] = Counter()  # lookup steps per (kind, way): stats' way counts
         self.timed_cycles = 0
         self.slot_bytes = 0
         self.n_slots = 0
@@ -1146,7 +1146,7 @@ class FusedLookup:
                        admit=admit)
         if not capturing:
             self.pace.observe(self.adm_stats, self._full, n)
-        self.way_steps[f"{kind}: {self.planner.ways[kind][way]}"] += 1
+        self.way_steps[(kind, way)] += 1
         if cyc is not None:
             self._cycle_step(cyc, ran, start)
             timed = False
@@ -1357,7 +1357,7 @@ class FusedLookup:
                 "fused_cache_rows_raw": self.mgr.base_slots,
                 "fused_staging_bytes": self.stage_buf.numel() if self.stage_buf is not None else 0,
                 "fused_calls": self.calls, "fused_prefetches": self.prefetches, "fused_plan": self.planner.plan(),
-                "fused_way_steps": dict(self.way_steps),
+                "fused_way_steps": {f"{k}: {self.planner.ways[k][w]}": c for (k, w), c in self.way_steps.items()},
                 "fused_admission": {**self.pace.stats(), "timed_cycles": self.timed_cycles},
                 **({f"fused_{k}": v for k, v in self.graphs.stats().items()} if self.graphs is not None else {}),
                 "sketch_halvings": self.mgr.policy.sketch.halvings if self.mgr.policy.sketch is not None else 0}
