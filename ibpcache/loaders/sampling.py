@@ -129,6 +129,10 @@ class Hop:
 
     Edges are ordered by ``dst`` position, then by CSC position. Nodes at positions ``< n_dst`` were known before
     the hop (with ``frontier=False`` each of them was sampled), ``< n_src`` after it.
+
+    With ``NeighborSampler(..., groups=True)`` a hop also carries its edges' offsets per destination (CSC: ``src``
+    is already in that order) and the edges grouped by source (CSR, in edge order within a source), which a
+    segment-sum aggregation reads forward and backward.
     """
 
     src: torch.Tensor  # int64 [E]
@@ -136,6 +140,9 @@ class Hop:
     n_src: int
     n_dst: int
     eid: "torch.Tensor | None" = None  # int64 [E], ids in the input edge order (when the sampler keeps them)
+    dst_ptr: "torch.Tensor | None" = None  # int64 [n_dst + 1]: destination d's edges are [dst_ptr[d], dst_ptr[d+1])
+    dst_by_src: "torch.Tensor | None" = None  # int64 [E]: each edge's ``dst``, edges grouped by ``src`` (stable)
+    src_ptr: "torch.Tensor | None" = None  # int64 [n_src + 1]: source s's edges in ``dst_by_src``
 
     def dst_degree(self) -> torch.Tensor:
         """int64 [n_dst]: the hop's edges per destination position (``bincount(dst, minlength=n_dst)``), from a
@@ -144,7 +151,7 @@ class Hop:
         return _per_batch(self.dst, self.n_dst)
 
     def record_stream(self, stream: Any) -> None:
-        for t in (self.src, self.dst, self.eid):
+        for t in (self.src, self.dst, self.eid, self.dst_ptr, self.dst_by_src, self.src_ptr):
             if t is not None and t.is_cuda:
                 t.record_stream(stream)
 
@@ -188,6 +195,18 @@ def _per_batch(sorted_bid: torch.Tensor, n_batch: int) -> torch.Tensor:
     return edges[1:] - edges[:-1]
 
 
+def _run_offsets(sorted_key: torch.Tensor, count: torch.Tensor, total: int, e_first: torch.Tensor) -> torch.Tensor:
+    """Per batch, the ``count[b] + 1`` offsets (from the batch's first edge) of each of its nodes' runs in
+    ``sorted_key`` (ascending positions in a node list of ``total`` nodes, batch after batch; batch ``b``'s edges
+    start at ``e_first[b]``), laid end to end: [total + batches]. A batch's last offset is where the next batch's
+    first node starts, i.e. its edge count."""
+    dev = sorted_key.device
+    n_batch = count.numel()
+    ext_bid = torch.repeat_interleave(torch.arange(n_batch, device=dev), count + 1, output_size=total + n_batch)
+    node = torch.arange(total + n_batch, device=dev) - ext_bid
+    return torch.searchsorted(sorted_key, node) - e_first[ext_bid]
+
+
 def _ranges(start: torch.Tensor, length: torch.Tensor, total: int) -> torch.Tensor:
     """``cat([arange(s, s + l) for s, l in zip(start, length)])`` with ``total`` = the lengths' sum known on the
     host: the indices of a mask that selects one run per batch, without ``nonzero``'s host read."""
@@ -208,10 +227,14 @@ class NeighborSampler:
         frontier: ``True`` samples only the nodes the previous hop added (PyG), ``False`` every node known (DGL
             blocks).
         edge_ids: keep the CSC -> input edge permutation and report ``Hop.eid`` (8 bytes per edge more).
+        groups: also group each hop's edges by destination and by source (``Hop.dst_ptr``, ``Hop.dst_by_src``,
+            ``Hop.src_ptr``): one sort per hop for all the call's batches, instead of one per batch and hop in the
+            caller.
     """
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, num_nodes: int, fanouts: Sequence[int], *,
-                 device: "str | torch.device" = "cpu", frontier: bool = False, edge_ids: bool = True) -> None:
+                 device: "str | torch.device" = "cpu", frontier: bool = False, edge_ids: bool = True,
+                 groups: bool = False) -> None:
         for name, t in (("src", src), ("dst", dst)):
             if not isinstance(t, torch.Tensor):
                 raise InvalidTypeError(f"NeighborSampler: {name}: expected an integer torch.Tensor, got "
@@ -244,6 +267,7 @@ class NeighborSampler:
         self.num_nodes = num_nodes
         self.fanouts = [int(k) for k in fanouts]
         self.frontier = bool(frontier)
+        self.groups = bool(groups)
 
     @property
     def in_degree(self) -> torch.Tensor:
@@ -294,8 +318,8 @@ class NeighborSampler:
         nodes = seeds.clamp(0, self.num_nodes - 1)
         lo = torch.zeros(n_batch, dtype=torch.int64, device=dev)  # first position of each batch's frontier
         lo_total = 0
-        per_hop: list[tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor,
-                            torch.Tensor]] = []
+        per_hop: list[tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", "tuple[torch.Tensor, ...] | None",
+                            torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for h, k in enumerate(self.fanouts):
             ptr = _exclusive_cumsum(count)
             pos = torch.arange(total, device=dev) - ptr[bid]  # each node's position in its batch
@@ -314,11 +338,29 @@ class NeighborSampler:
             grown[new_ptr[bid] + pos] = nodes
             new_rank = torch.arange(new_nodes.numel(), device=dev) - _exclusive_cumsum(n_new)[new_bid]
             grown[new_ptr[new_bid] + count[new_bid] + new_rank] = new_nodes
-            per_hop.append((src_pos, dst_pos, eid, _per_batch(e_bid, n_batch), count, new_count))
+            n_edges = _per_batch(e_bid, n_batch)
+            groups = (self._groups(src_pos, dst_pos, e_bid, n_edges, (ptr, count, total),
+                                   (new_ptr, new_count, int(grown.numel()))) if self.groups else None)
+            per_hop.append((src_pos, dst_pos, eid, groups, n_edges, count, new_count))
             lo, lo_total = count, total
             nodes, count, total = grown, new_count, int(grown.numel())
             bid = torch.repeat_interleave(torch.arange(n_batch, device=dev), count, output_size=total)
         return self._split(nodes, count, per_hop, n_batch, flags)
+
+    @staticmethod
+    def _groups(src_pos: torch.Tensor, dst_pos: torch.Tensor, e_bid: torch.Tensor, n_edges: torch.Tensor,
+                before: tuple[torch.Tensor, torch.Tensor, int], after: tuple[torch.Tensor, torch.Tensor, int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A hop's edges grouped by destination and by source, for all the call's batches at once: (every batch's
+        ``dst_ptr`` end to end, ``dst_by_src``, every batch's ``src_ptr`` end to end). ``before`` / ``after``: the
+        (first position, node count) per batch and total node count of the node lists before and after the hop.
+        Keys are positions in the call's node list, so one stable sort groups every batch by source; the edges
+        are already grouped by destination."""
+        e_first = _exclusive_cumsum(n_edges)
+        dst_key = before[0][e_bid] + dst_pos  # ascending: edges come ordered by batch, then destination
+        src_key, order = torch.sort(after[0][e_bid] + src_pos, stable=True)
+        return (_run_offsets(dst_key, before[1], before[2], e_first), dst_pos[order],
+                _run_offsets(src_key, after[1], after[2], e_first))
 
     def _seed_flags(self, nodes: torch.Tensor, bid: torch.Tensor) -> torch.Tensor:
         """int64 [2] on the device: (some seed is outside the graph, some batch repeats a seed); read by
@@ -419,17 +461,24 @@ class NeighborSampler:
     def _split(self, nodes: torch.Tensor, count: torch.Tensor, per_hop: list, n_batch: int,
                flags: torch.Tensor) -> list[Sample]:
         """Per-batch views of the chunk's tensors (one host read of every size and of the seed flags)."""
-        sizes = torch.cat([flags, torch.stack([count] + [t for hop in per_hop for t in hop[3:]]).reshape(-1)]).tolist()
+        sizes = torch.cat([flags, torch.stack([count] + [t for hop in per_hop for t in hop[4:]]).reshape(-1)]).tolist()
         self._raise_bad_seeds(sizes[:2])
         node_count = sizes[2:2 + n_batch]
         hop_sizes = [sizes[2 + n_batch * (i + 1):2 + n_batch * (i + 2)] for i in range(3 * len(per_hop))]
         out = [Sample(nodes=t) for t in torch.split(nodes, node_count)]
-        for h, (src, dst, eid, *_rest) in enumerate(per_hop):
+        for h, (src, dst, eid, groups, *_rest) in enumerate(per_hop):
             edges, before, after = hop_sizes[3 * h], hop_sizes[3 * h + 1], hop_sizes[3 * h + 2]
             srcs, dsts = torch.split(src, edges), torch.split(dst, edges)
             eids = torch.split(eid, edges) if eid is not None else [None] * n_batch
+            if groups is not None:
+                dst_ptrs = torch.split(groups[0], [n + 1 for n in before])
+                dst_by_srcs = torch.split(groups[1], edges)
+                src_ptrs = torch.split(groups[2], [n + 1 for n in after])
             for b in range(n_batch):
-                out[b].hops.append(Hop(srcs[b], dsts[b], after[b], before[b], eids[b]))
+                hop = Hop(srcs[b], dsts[b], after[b], before[b], eids[b])
+                if groups is not None:
+                    hop.dst_ptr, hop.dst_by_src, hop.src_ptr = dst_ptrs[b], dst_by_srcs[b], src_ptrs[b]
+                out[b].hops.append(hop)
         return out
 
     def __repr__(self) -> str:

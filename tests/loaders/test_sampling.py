@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from ibpcache.errors import DeviceError, InvalidArgumentError, InvalidIdsError, InvalidTypeError
 
 
-def _sampler(cora: Any, fanouts: list[int], device: str = "cpu", frontier: bool = False) -> Any:
+def _sampler(cora: Any, fanouts: list[int], device: str = "cpu", frontier: bool = False, groups: bool = False) -> Any:
     from ibpcache.loaders.sampling import NeighborSampler
 
-    return NeighborSampler(cora.src, cora.dst, cora.num_nodes, fanouts, device=device, frontier=frontier)
+    return NeighborSampler(cora.src, cora.dst, cora.num_nodes, fanouts, device=device, frontier=frontier,
+                           groups=groups)
 
 
 def _batches(n_nodes: int, sizes: list[int], seed: int = 0) -> list[torch.Tensor]:
@@ -37,7 +38,8 @@ def _same(a: Any, b: Any) -> bool:
     for x, y in zip(a.hops, b.hops):
         if (x.n_src, x.n_dst) != (y.n_src, y.n_dst):
             return False
-        for s, t in ((x.src, y.src), (x.dst, y.dst), (x.eid, y.eid)):
+        for s, t in ((x.src, y.src), (x.dst, y.dst), (x.eid, y.eid), (x.dst_ptr, y.dst_ptr),
+                     (x.dst_by_src, y.dst_by_src), (x.src_ptr, y.src_ptr)):
             if (s is None) != (t is None) or (s is not None and not torch.equal(s.cpu(), t.cpu())):
                 return False
     return True
@@ -97,13 +99,35 @@ def test_real_distinct_in_neighbours_of_cora(cora: Any, frontier: bool) -> None:
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(0, 90), min_size=1, max_size=6), st.integers(0, 2**40))
 def test_batches_sampled_together_equal_batches_sampled_alone(cora: Any, sizes: list[int], key: int) -> None:
-    s = _sampler(cora, [6, 3])
+    s = _sampler(cora, [6, 3], groups=True)
     batches = _batches(cora.num_nodes, sizes, seed=key % 1000)
     keys = [key + 17 * i for i in range(len(sizes))]
     together = s.sample(batches, keys)
     assert len(together) == len(sizes)
     for b, k, t in zip(batches, keys, together):
         assert _same(t, s.sample(b, k))
+
+
+@pytest.mark.parametrize("frontier", [False, True])
+@pytest.mark.parametrize("fanouts", [[10, 25], [-1, 3], [0, 4]])
+def test_hop_groups_equal_a_stable_sort_of_each_hop(cora: Any, frontier: bool, fanouts: list[int]) -> None:
+    """``groups=True``: per hop, offsets per destination into ``src`` (already in destination order) and the edges
+    grouped by source, stably, with their offsets: what a stable sort of each batch's hop gives, for a call of
+    several batches (one of them empty); the samples themselves are unchanged."""
+    batches = _batches(cora.num_nodes, [40, 0, 1, 97])
+    keys = [5, 6, 7, 8]
+    grouped = _sampler(cora, fanouts, frontier=frontier, groups=True).sample(batches, keys)
+    plain = _sampler(cora, fanouts, frontier=frontier).sample(batches, keys)
+    for g, p in zip(grouped, plain):
+        assert torch.equal(g.nodes, p.nodes) and all(h.dst_ptr is None for h in p.hops)
+        for h, q in zip(g.hops, p.hops):
+            assert torch.equal(h.src, q.src) and torch.equal(h.dst, q.dst)
+            by_dst = torch.sort(h.dst, stable=True)
+            assert torch.equal(h.src[by_dst.indices], h.src)
+            assert torch.equal(h.dst_ptr, torch.searchsorted(by_dst.values, torch.arange(h.n_dst + 1)))
+            by_src = torch.sort(h.src, stable=True)
+            assert torch.equal(h.dst_by_src, h.dst[by_src.indices])
+            assert torch.equal(h.src_ptr, torch.searchsorted(by_src.values, torch.arange(h.n_src + 1)))
 
 
 def test_the_key_alone_decides(cora: Any) -> None:
@@ -190,14 +214,15 @@ def test_gpu_samples_equal_cpu_samples(cora: Any, frontier: bool) -> None:
     from ibpcache.datasets import power_law_graph
     from ibpcache.loaders.sampling import NeighborSampler, choose_sampler_device
 
-    cpu, gpu = _sampler(cora, [10, 25], frontier=frontier), _sampler(cora, [10, 25], "cuda", frontier)
+    cpu = _sampler(cora, [10, 25], frontier=frontier, groups=True)
+    gpu = _sampler(cora, [10, 25], "cuda", frontier, groups=True)
     batches = _batches(cora.num_nodes, [512, 512, 300])
     keys = [11, 12, 13]
     for a, b in zip(cpu.sample(batches, keys), gpu.sample([x.cuda() for x in batches], keys)):
         assert b.nodes.is_cuda and _same(a, b)
     src, dst = power_law_graph(100_000, 20.0, seed=2)
-    big_cpu = NeighborSampler(src, dst, 100_000, [10, 25], frontier=frontier)
-    big_gpu = NeighborSampler(src, dst, 100_000, [10, 25], device="cuda", frontier=frontier)
+    big_cpu = NeighborSampler(src, dst, 100_000, [10, 25], frontier=frontier, groups=True)
+    big_gpu = NeighborSampler(src, dst, 100_000, [10, 25], device="cuda", frontier=frontier, groups=True)
     seeds = _batches(100_000, [512] * 4, seed=3)
     for a, b in zip(big_cpu.sample(seeds, [1, 2, 3, 4]), big_gpu.sample(seeds, [1, 2, 3, 4])):
         assert _same(a, b)
@@ -213,7 +238,7 @@ def test_gpu_sampling_reads_the_gpu_back_twice_per_hop_and_once_per_call(cora: A
     end), without a device-side assert."""
     import warnings
 
-    gpu = _sampler(cora, [10, 25], "cuda", frontier)
+    gpu = _sampler(cora, [10, 25], "cuda", frontier, groups=True)
     batches = [b.cuda() for b in _batches(cora.num_nodes, [512, 512, 300])]
     gpu.sample(batches, [1, 2, 3])  # warm-up: pinned host blocks, kernels
     torch.cuda.synchronize()
@@ -233,7 +258,8 @@ def test_gpu_sampling_reads_the_gpu_back_twice_per_hop_and_once_per_call(cora: A
         gpu.sample(torch.tensor([cora.num_nodes, -1], device="cuda"), 0)
     with pytest.raises(InvalidArgumentError, match="distinct"):
         gpu.sample(torch.tensor([4, 4], device="cuda"), 0)
-    assert _same(gpu.sample(batches[0], 9), _sampler(cora, [10, 25], frontier=frontier).sample(batches[0].cpu(), 9))
+    assert _same(gpu.sample(batches[0], 9),
+                 _sampler(cora, [10, 25], frontier=frontier, groups=True).sample(batches[0].cpu(), 9))
 
 
 def _floyd_step_by_step(deg: torch.Tensor, node_keys: torch.Tensor, k: int) -> torch.Tensor:
