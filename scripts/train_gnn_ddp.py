@@ -164,7 +164,8 @@ class BlockSampler:
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, n_nodes: int, fanouts: "tuple[int, ...]",
                  device: torch.device) -> None:
-        self.core = NeighborSampler(src, dst, n_nodes, list(reversed(fanouts)), device=device, edge_ids=False)
+        self.core = NeighborSampler(src, dst, n_nodes, list(reversed(fanouts)), device=device, edge_ids=False,
+                                    groups=True)
         self.fanouts = tuple(int(f) for f in fanouts)
         self.device = device
 

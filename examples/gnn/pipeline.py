@@ -234,9 +234,12 @@ class Block:
     src_ptr: torch.Tensor  # [n_src + 1] offsets of each source's edges in dst_by_src
 
     @classmethod
-    def _build(cls, src: torch.Tensor, dst: torch.Tensor, n_src: int, n_dst: int, device: torch.device) -> "Block":
-        src_by_dst, dst_ptr = _segments(dst, src, n_dst)
-        dst_by_src, src_ptr = _segments(src, dst, n_src)
+    def _build(cls, src: torch.Tensor, dst: torch.Tensor, n_src: int, n_dst: int, device: torch.device,
+               groups: "tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None" = None) -> "Block":
+        """``groups``: (src_by_dst, dst_ptr, dst_by_src, src_ptr) when the sampler made them; else sorted here."""
+        if groups is None:
+            groups = (*_segments(dst, src, n_dst), *_segments(src, dst, n_src))
+        src_by_dst, dst_ptr, dst_by_src, src_ptr = groups
         deg = (dst_ptr[1:] - dst_ptr[:-1]).to(torch.float32)  # in-degrees, from the grouping's offsets
         inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
         move = {"device": device, "non_blocking": True}
@@ -250,9 +253,14 @@ class Block:
 
     @classmethod
     def from_hop(cls, hop: Hop, device: torch.device) -> "Block":
-        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL); built
-        without a host read (see :func:`_segments`), since this runs in the sampling stage, ahead of training."""
-        return cls._build(hop.src, hop.dst, hop.n_src, hop.n_dst, device)
+        """A hop of ibpcache's sampler (positions in the sample's node list: dst nodes come first, as in DGL), with
+        the edge groups the sampler made for the whole call (``groups=True``: one sort per hop and call, not two
+        per block) or else sorted here; without a host read either way (see :func:`_segments`), since this runs in
+        the sampling stage, ahead of training."""
+        groups = None
+        if hop.dst_ptr is not None and hop.dst_by_src is not None and hop.src_ptr is not None:
+            groups = (hop.src, hop.dst_ptr, hop.dst_by_src, hop.src_ptr)
+        return cls._build(hop.src, hop.dst, hop.n_src, hop.n_dst, device, groups)
 
     def record_stream(self, stream: Any) -> None:
         for t in (self.src, self.dst, self.inv_deg, self.src_by_dst, self.dst_ptr, self.dst_by_src, self.src_ptr):
@@ -812,7 +820,8 @@ def build_torch_sampler(ds: GnnDataset, cfg: TrainConfig, device: torch.device) 
     the graph fits (``cfg.sampler_device``, see choose_sampler_device), else on the CPU."""
     want = cfg.sampler_device if device.type == "cuda" else "cpu"
     where = choose_sampler_device(ds.num_nodes, ds.num_edges, want, edge_ids=False)
-    return NeighborSampler(ds.src, ds.dst, ds.num_nodes, list(reversed(cfg.fanouts)), device=where, edge_ids=False)
+    return NeighborSampler(ds.src, ds.dst, ds.num_nodes, list(reversed(cfg.fanouts)), device=where, edge_ids=False,
+                           groups=True)
 
 
 def _batches(ds: GnnDataset, g: Any, cfg: TrainConfig, device: torch.device, sampler: "NeighborSampler | None",

@@ -326,10 +326,15 @@ def _segment_sums_match_index_add(gnn: Any, ds: Any, device: torch.device) -> No
     sampled hops of Cora."""
     from ibpcache.loaders.sampling import NeighborSampler
 
-    sampler = NeighborSampler(ds.src, ds.dst, ds.num_nodes, [10, 25], device=device, edge_ids=False)
-    sample = sampler.sample([ds.train_nids[:64].to(device)], [11])[0]
+    seeds = [ds.train_nids[:64].to(device), ds.train_nids[64:100].to(device)]
+    samples = [NeighborSampler(ds.src, ds.dst, ds.num_nodes, [10, 25], device=device, edge_ids=False,
+                               groups=groups).sample(seeds, [11, 12])[0] for groups in (False, True)]
+    sorted_here, from_sampler = ([gnn.Block.from_hop(h, device) for h in reversed(s.hops)] for s in samples)
+    for a, b in zip(sorted_here, from_sampler):  # the sampler's groups (one sort per call) equal the block's own
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in
+                   ("src", "dst", "inv_deg", "src_by_dst", "dst_ptr", "dst_by_src", "src_ptr"))
     gen = torch.Generator(device=device).manual_seed(5)
-    for block in (gnn.Block.from_hop(h, device) for h in reversed(sample.hops)):
+    for block in from_sampler:
         h = torch.randn(block.n_src, 16, generator=gen, device=device).requires_grad_()
         new = gnn.SAGEConv._mean(block, h)
         old = h.new_zeros(block.n_dst, 16).index_add(0, block.dst, h.index_select(0, block.src)) * block.inv_deg
@@ -361,12 +366,12 @@ def test_gpu_segment_sums_equal_deterministic_index_add_and_blocks_build_without
     dev = torch.device("cuda")
     with gnn.deterministic_cuda(True):
         _segment_sums_match_index_add(gnn, ds, dev)
-    sample = NeighborSampler(ds.src, ds.dst, ds.num_nodes, [10, 25], device=dev, edge_ids=False).sample(
-        [ds.train_nids[:64].to(dev)], [3])[0]
+    samples = [NeighborSampler(ds.src, ds.dst, ds.num_nodes, [10, 25], device=dev, edge_ids=False,
+                               groups=groups).sample([ds.train_nids[:64].to(dev)], [3])[0] for groups in (False, True)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        blocks = [gnn.Block.from_hop(h, dev) for h in sample.hops]
+        blocks = [gnn.Block.from_hop(h, dev) for s in samples for h in s.hops]
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(int(b.dst_ptr[-1]) == b.src.numel() == int(b.src_ptr[-1]) for b in blocks)
