@@ -54,6 +54,9 @@ __all__ = [
     "run_mode",
     "run_variants",
     "build_torch_sampler",
+    "GraphedStep",
+    "make_step",
+    "padded_size",
     "variant_label",
     "SAMPLERS",
     "deterministic_cuda",
@@ -333,31 +336,43 @@ class GraphSAGE(nn.Module):
         self._seed = seed
         self._gen = None
 
-    def _drop(self, h: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.dropout == 0:
+    def noise(self, shape: Sequence[int], device: torch.device, out: "torch.Tensor | None" = None) -> torch.Tensor:
+        """Uniform draws for a dropout mask, from the model's own generator (into ``out`` if given)."""
+        if self._gen is None or self._gen.device != torch.device(device):
+            self._gen = torch.Generator(device=device).manual_seed(self._seed)
+        return torch.rand(tuple(shape), generator=self._gen, device=device, out=out)
+
+    def drops(self) -> bool:
+        return self.training and self.dropout != 0
+
+    def _drop(self, h: torch.Tensor, noise: "torch.Tensor | None") -> torch.Tensor:
+        if not self.drops():
             return h
-        if self._gen is None or self._gen.device != h.device:
-            self._gen = torch.Generator(device=h.device).manual_seed(self._seed)
-        keep = torch.rand(h.shape, generator=self._gen, device=h.device) >= self.dropout
+        keep = (noise if noise is not None else self.noise(h.shape, h.device)) >= self.dropout
         return h * keep / (1.0 - self.dropout)
 
-    def forward(self, blocks: Sequence[Block], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, blocks: Sequence[Block], x: torch.Tensor,
+                noise: "Sequence[torch.Tensor] | None" = None) -> torch.Tensor:
+        """``noise``: the dropout draws of each hidden layer, drawn beforehand (a CUDA graph replays fixed
+        buffers); by default drawn here."""
         h = x.reshape(x.shape[0], -1).float()
         for i, (layer, block) in enumerate(zip(self.layers, blocks)):
             h = layer(block, h)
             if i != len(self.layers) - 1:
-                h = self._drop(torch.relu(h))
+                h = self._drop(torch.relu(h), noise[i] if noise is not None else None)
         return h
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, count: "torch.Tensor | None" = None) -> torch.Tensor:
     """Mean cross-entropy via log_softmax and a mask of each row's class (deterministic on CUDA, unlike nll_loss
     there). A row's masked sum is its one log-probability plus zeros, so the value equals a ``gather``'s; the mask's
     gradient is elementwise, where ``gather``'s is a scatter that deterministic CUDA torch runs as a sorted
-    ``index_put_``."""
+    ``index_put_``. ``count``: the mean over that many rows (a device scalar) instead of all; rows labelled -1
+    (padding) add nothing to the loss and get a zero gradient."""
     logp = torch.log_softmax(logits, dim=1)
     mask = labels.view(-1, 1) == torch.arange(logp.shape[1], device=logp.device)
-    return -torch.where(mask, logp, 0.0).sum(1).mean()
+    picked = torch.where(mask, logp, 0.0)
+    return -(picked.sum(1).mean() if count is None else picked.sum() / count)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -397,6 +412,7 @@ class TrainConfig:
     sample_ahead: int = 2  # sampled batches waiting for the fetch stage
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
     across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_one)
+    step_graphs: bool = False  # CUDA: the training step's forward and backward as CUDA graphs (GraphedStep)
 
 
 @dataclass
@@ -677,7 +693,173 @@ def _step(model: GraphSAGE, opt: torch.optim.Optimizer, batch: _Batch) -> torch.
     return loss.detach()
 
 
-def _train_epoch(model: GraphSAGE, opt: torch.optim.Optimizer, batches: Any, device: torch.device,
+def padded_size(n: int) -> int:
+    """The padded size of ``n`` rows or edges: ``n + 1`` rounded up to a sixteenth of its power of two (at most
+    about 6% more), so a padded block always has a spare destination and source for its filler edges, and a few
+    graphs cover an epoch's batches. A batch's own sizes decide its shape, so a DDP rank and the one-process
+    reference pad a batch alike (cuBLAS may round a row differently in a matrix of another height)."""
+    q = 1 << max(0, (n + 1).bit_length() - 5)
+    return -(-(n + 1) // q) * q
+
+
+class _PaddedBlock:
+    """A block's edge groups in fixed buffers of padded sizes. Filler edges run from the last (padding) source to
+    the last (padding) destination, padding destinations have no other edges and a mean weight of 0, so no real
+    row's sum, mean or gradient changes: padding rows get a zero gradient (their loss rows are masked), and a
+    filler edge only carries the padding destination's zero back to the padding source."""
+
+    def __init__(self, n_src: int, n_dst: int, n_edges: int, device: torch.device) -> None:
+        i64 = {"dtype": torch.int64, "device": device}
+        self.src_by_dst = torch.full((n_edges,), n_src - 1, **i64)
+        self.dst_by_src = torch.full((n_edges,), n_dst - 1, **i64)
+        self.dst_ptr = torch.full((n_dst + 1,), n_edges, **i64)
+        self.src_ptr = torch.full((n_src + 1,), n_edges, **i64)
+        self.inv_deg = torch.zeros(n_dst, 1, dtype=torch.float32, device=device)
+        none = torch.empty(0, **i64)  # the model reads the groups, not the edge list
+        self.block = Block(none, none, n_src, n_dst, self.inv_deg, self.src_by_dst, self.dst_ptr, self.dst_by_src,
+                           self.src_ptr)
+
+    def fill(self, b: Block) -> None:
+        """Copy ``b`` in; the padding entries are set again since ``b``'s sizes differ from the last batch's."""
+        e = int(b.src_by_dst.numel())
+        self.src_by_dst[:e].copy_(b.src_by_dst)
+        self.src_by_dst[e:].fill_(self.block.n_src - 1)
+        self.dst_by_src[:e].copy_(b.dst_by_src)
+        self.dst_by_src[e:].fill_(self.block.n_dst - 1)
+        self.dst_ptr[:b.n_dst + 1].copy_(b.dst_ptr)
+        self.dst_ptr[b.n_dst + 1:-1].fill_(e)  # the last padding destination's run: the filler edges
+        self.src_ptr[:b.n_src + 1].copy_(b.src_ptr)
+        self.src_ptr[b.n_src + 1:-1].fill_(e)
+        self.inv_deg[:b.n_dst].copy_(b.inv_deg)
+        self.inv_deg[b.n_dst:].zero_()
+
+
+class _PaddedBatch:
+    """A training batch in fixed buffers of one padded shape: features (zeros past the real rows), blocks, labels
+    (-1 past the real seeds), the count of real seeds and the dropout draws."""
+
+    def __init__(self, key: tuple, x_arena: torch.Tensor, hidden: int, device: torch.device) -> None:
+        (rows, *_), blocks, seeds = key
+        self.key = key
+        self.x = x_arena[:rows]
+        self.blocks = [_PaddedBlock(*shape, device) for shape in blocks]
+        self.labels = torch.full((seeds,), -1, dtype=torch.int64, device=device)
+        self.count = torch.zeros((), dtype=torch.float32, device=device)
+        self.noise = [torch.empty(shape[1], hidden, dtype=torch.float32, device=device) for shape in blocks[:-1]]
+
+    @staticmethod
+    def key_of(batch: _Batch) -> tuple:
+        rows = padded_size(int(batch.x.shape[0]))
+        blocks = tuple((padded_size(b.n_src), padded_size(b.n_dst), padded_size(int(b.src_by_dst.numel())))
+                       for b in batch.blocks)
+        return ((rows, *batch.x.shape[1:]), blocks, padded_size(int(batch.y.numel())))
+
+    def fill(self, batch: _Batch, model: GraphSAGE) -> None:
+        n = int(batch.x.shape[0])
+        self.x[:n].copy_(batch.x)
+        self.x[n:].zero_()
+        for pb, b in zip(self.blocks, batch.blocks):
+            pb.fill(b)
+        k = int(batch.y.numel())
+        self.labels[:k].copy_(batch.y)
+        self.labels[k:].fill_(-1)
+        self.count.fill_(k)
+        if model.drops():
+            for buf in self.noise:
+                model.noise(buf.shape, buf.device, out=buf)
+
+    def loss(self, model: GraphSAGE) -> torch.Tensor:
+        logits = model([pb.block for pb in self.blocks], self.x, self.noise if model.drops() else None)
+        return cross_entropy(logits, self.labels, self.count)
+
+
+class GraphedStep:
+    """The training step with its forward and backward replayed from CUDA graphs (ibpcache's
+    :class:`~ibpcache.cache.step_graphs.StepGraphs`, one graph per padded batch shape); the optimizer steps eagerly
+    after the replay.
+
+    Why: the eager step is 64 kernel launches and about 280 aten calls, 3-5 ms of host time a batch, and it bounds
+    the pipelined epoch (the stages' host work shares one interpreter; docs/results/2026-11-27-h200-s39 and s40).
+    A replay is one launch; filling the fixed buffers is about 25 small copies.
+
+    How: a batch is padded to sizes its own sizes decide (:func:`padded_size`, :class:`_PaddedBlock`), so a few
+    shapes cover an epoch. A shape's first batch steps eagerly on its buffers, its second is captured, then
+    replayed (the engine's rule; a failed capture leaves every step eager, ``stats()`` says why). Gradients keep
+    their buffers (zeroed in place before each step) so every graph accumulates into the same ones; the shapes share
+    one feature buffer, grown (and every graph dropped) when a batch needs more rows. Dropout draws come from the
+    model's generator, drawn eagerly into the batch's buffers before the step. Losses equal eager steps on the same
+    padded batches (``graphs=False``, any device), not the unpadded step's: padded matmuls may round differently.
+    """
+
+    def __init__(self, model: GraphSAGE, opt: torch.optim.Optimizer, device: torch.device, *,
+                 graphs: bool = True, max_graphs: int = 64) -> None:
+        from ibpcache.cache.step_graphs import StepGraphs
+
+        if graphs and device.type != "cuda":
+            raise ConfigError(f"GraphedStep: CUDA graphs need a CUDA device, got {device}")
+        self.model, self.opt, self.device = model, opt, device
+        self.hidden = model.layers[0].fc_self.out_features
+        self.graphs = StepGraphs(device, max_graphs=max_graphs)
+        if not graphs:
+            self.graphs.disable("graphs=False")
+        self._x = torch.empty(0)
+        self._padded: dict[tuple, _PaddedBatch] = {}
+
+    def _arena(self, key: tuple, x: torch.Tensor) -> torch.Tensor:
+        """The feature buffer, grown by a quarter more than asked when too small (dropping every graph and padded
+        batch: they read the old one)."""
+        rows, *row_shape = key[0]
+        a = self._x
+        if (a.dtype != x.dtype or a.device != x.device or tuple(a.shape[1:]) != tuple(row_shape)
+                or a.shape[0] < rows):
+            self.graphs.clear()
+            self._padded.clear()
+            self._x = torch.zeros((rows + rows // 4, *row_shape), dtype=x.dtype, device=x.device)
+        return self._x
+
+    def _grads_ready(self) -> None:
+        """Zeroed gradients in buffers that stay put (one foreach launch once they exist)."""
+        params = list(self.model.parameters())
+        if any(p.grad is None for p in params):
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        else:
+            self.opt.zero_grad(set_to_none=False)
+
+    def _forward_backward(self, pb: _PaddedBatch, out: torch.Tensor) -> None:
+        loss = pb.loss(self.model)
+        loss.backward()
+        out.copy_(loss.detach())
+
+    def __call__(self, batch: _Batch) -> torch.Tensor:
+        """One step on ``batch``; returns the loss on the device."""
+        key = _PaddedBatch.key_of(batch)
+        x = self._arena(key, batch.x)
+        pb = self._padded.get(key)
+        if pb is None:
+            pb = self._padded[key] = _PaddedBatch(key, x, self.hidden, self.device)
+        pb.fill(batch, self.model)
+        self._grads_ready()
+        loss = torch.empty((), dtype=torch.float32, device=self.device)
+        if not self.graphs.run(key, (), loss, lambda _inputs, out: self._forward_backward(pb, out), keep=(pb,)):
+            self._forward_backward(pb, loss)
+        self.opt.step()
+        return loss
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.graphs.stats(), "padded_shapes": len(self._padded)}
+
+
+def make_step(model: GraphSAGE, opt: torch.optim.Optimizer, cfg: TrainConfig,
+              device: torch.device) -> Callable[[_Batch], torch.Tensor]:
+    """The training step a run uses: :class:`GraphedStep` when ``cfg.step_graphs`` and training on CUDA, else the
+    eager :func:`_step`."""
+    if cfg.step_graphs and device.type == "cuda":
+        return GraphedStep(model, opt, device)
+    return functools.partial(_step, model, opt)
+
+
+def _train_epoch(model: GraphSAGE, step: "Callable[[_Batch], torch.Tensor]", batches: Any, device: torch.device,
                  cfg: TrainConfig, threads: int, verify: GnnDataset | None = None) -> tuple[EpochTimes, list[float]]:
     """One epoch; the host reads nothing back until its end (a pipelined loader keeps running ahead) and runs at
     most two steps ahead of the GPU (StepsInFlight)."""
@@ -696,7 +878,7 @@ def _train_epoch(model: GraphSAGE, opt: torch.optim.Optimizer, batches: Any, dev
         if verify is not None and times.batches < cfg.verify_batches:
             _verify(batch, verify)
         _pin_cpu_threads(device, threads)
-        losses.append(_step(model, opt, batch))
+        losses.append(step(batch))
         in_flight.step_done()
         times.batches += 1
         times.input_rows += int(batch.x.shape[0])
@@ -719,7 +901,7 @@ def _evaluate(model: GraphSAGE, batches: Any) -> tuple[float, str]:
     return float((p == y).float().mean()), hashlib.sha1(p.cpu().numpy().tobytes()).hexdigest()
 
 
-def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[GraphSAGE, Any]],
+def _stage_times(batches: Any, fetch: _Fetch, new_model: "Callable[[], tuple[GraphSAGE, Callable[[_Batch], Any]]]",
                  device: torch.device, cfg: TrainConfig, threads: int) -> dict[str, Any]:
     """Each stage alone, seconds per epoch: sampling an epoch's batches (with the sampler's own workers or chunks,
     as in training), then per batch the fetch and one training step (of a throwaway model), each between device
@@ -738,10 +920,11 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[Grap
     sample_s = time.perf_counter() - t0
     if not items:
         return {"sample": 0.0, "fetch": 0.0, "train": 0.0, "batches": 0}
-    model, opt = new_model()
+    model, step = new_model()
     model.train()
     _pin_cpu_threads(device, threads)
-    _step(model, opt, fetch(items[0]))  # warm-up: optimizer state, allocator
+    for s in items * 2 if isinstance(step, GraphedStep) else items[:1]:
+        step(fetch(s))  # warm-up: optimizer state, allocator; graphs: every shape's eager step and capture
     fetch_s = train_s = 0.0
     for s in items:
         _sync(device)
@@ -750,14 +933,14 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[Grap
         _sync(device)
         t1 = time.perf_counter()
         _pin_cpu_threads(device, threads)
-        _step(model, opt, batch)
+        step(batch)
         _sync(device)
         fetch_s += t1 - t0
         train_s += time.perf_counter() - t1
     scale = per_epoch / len(items)
     walls = {"sample": sample_s * scale, "fetch": fetch_s * scale, "train": train_s * scale}
     return {**walls, "batches": len(items),
-            **_stage_shares(batches, items, fetch, model, opt, device, threads, walls)}
+            **_stage_shares(batches, items, fetch, step, device, threads, walls)}
 
 
 #: batches of the profiled stage pass (two of the torch sampler's default chunks): enough for per-batch shares, few
@@ -765,7 +948,7 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: Callable[[], tuple[Grap
 _PROFILED_BATCHES = 8
 
 
-def _stage_shares(batches: Any, items: list[_Sampled], fetch: _Fetch, model: GraphSAGE, opt: Any,
+def _stage_shares(batches: Any, items: list[_Sampled], fetch: _Fetch, step: "Callable[[_Batch], Any]",
                   device: torch.device, threads: int, walls: dict[str, float]) -> dict[str, "float | None"]:
     """What each stage costs what the stages share, seconds per epoch, from one profiled pass over the first
     ``_PROFILED_BATCHES`` batches (:class:`~ibpcache.testing.stages.StageProfile`): ``<stage>_gpu`` (its kernels'
@@ -796,7 +979,7 @@ def _stage_shares(batches: Any, items: list[_Sampled], fetch: _Fetch, model: Gra
                     batch = fetch(s)
                 _pin_cpu_threads(device, threads)
                 with prof.stage("train"):
-                    _step(model, opt, batch)
+                    step(batch)
         busy = prof.result()
     except Exception as exc:  # noqa: BLE001 - a measurement aid; the run's own numbers do not depend on it
         warnings.warn(f"stage profile failed ({type(exc).__name__}: {exc}); GPU/host shares not reported",
@@ -891,16 +1074,16 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
     threads = torch.get_num_threads()
     in_dim = int(np.prod(ds.row_shape))
 
-    def new_model() -> tuple[GraphSAGE, torch.optim.Optimizer]:
+    def new_model() -> tuple[GraphSAGE, Callable[[_Batch], torch.Tensor]]:
         model = GraphSAGE(in_dim, cfg.hidden, ds.num_classes, len(cfg.fanouts), cfg.dropout)
         model.seed_dropout(cfg.seed)
         model = model.to(device)
-        return model, torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        return model, make_step(model, torch.optim.Adam(model.parameters(), lr=cfg.lr), cfg, device)
 
     with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
         torch.manual_seed(cfg.seed)
         dgl.seed(cfg.seed)
-        model, opt = new_model()
+        model, step = new_model()
         train_batches = _batches(ds, g, cfg, device, sampler, train=True)
         loop = _epochs(AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
         epochs = (epoch_slices(loop, len(train_batches), cfg.epochs) if across
@@ -908,7 +1091,7 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
         storage.reset_stats()
         for epoch, batches in enumerate(epochs):
             np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
-            times, losses = _train_epoch(model, opt, batches, device, cfg, threads,
+            times, losses = _train_epoch(model, step, batches, device, cfg, threads,
                                          verify=ds if epoch == 0 else None)
             result.epochs.append(times)
             result.losses.append(losses)
@@ -1124,7 +1307,8 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        pipelined=bool(model.get("pipelined", base.pipelined)),
                        sample_ahead=int(model.get("sample_ahead", base.sample_ahead)),
                        stage_batches=int(model.get("stage_batches", base.stage_batches)),
-                       across_epochs=bool(model.get("across_epochs", base.across_epochs)))
+                       across_epochs=bool(model.get("across_epochs", base.across_epochs)),
+                       step_graphs=bool(model.get("step_graphs", base.step_graphs)))
 
 
 def dataset_from_config(dataset: Any) -> GnnDataset:
