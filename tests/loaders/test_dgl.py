@@ -6,16 +6,21 @@ Real data only: Cora (sparse binary rows, bundled) and a small power-law graph c
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import replace
 from typing import Any
 
 # Deterministic cuBLAS for the GPU loss-equality test; must be set before cuBLAS starts in this process.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ibpcache.errors import IbpcacheError, InvalidIdsError
+from ibpcache.errors import ConfigError, IbpcacheError, InvalidIdsError
 
 # DGL suggests enable_cpu_affinity() whenever a DataLoader has workers; irrelevant to these checks.
 pytestmark = pytest.mark.filterwarnings("ignore:Dataloader CPU affinity")
@@ -375,6 +380,117 @@ def test_gpu_segment_sums_equal_deterministic_index_add_and_blocks_build_without
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(int(b.dst_ptr[-1]) == b.src.numel() == int(b.src_ptr[-1]) for b in blocks)
+
+
+def _sampled_batches(gnn: Any, ds: Any, device: torch.device, n: int, **cfg_kw: Any) -> tuple[Any, list[Any]]:
+    """``n`` training batches of real Cora rows from ibpcache's sampler on ``device``, and their config."""
+    import itertools
+
+    cfg = gnn.TrainConfig(batch_size=32, hidden=16, sampler="torch", sample_chunk=3, **cfg_kw)
+    sampler = gnn.build_torch_sampler(ds, cfg, device)
+    sampled = itertools.islice(iter(gnn._batches(ds, None, cfg, device, sampler, train=True)), n)
+    return cfg, [gnn._Batch(s.input_nodes, s.blocks, ds.node_rows(s.input_nodes.cpu()).to(device), s.y)
+                 for s in sampled]
+
+
+def _model(gnn: Any, ds: Any, cfg: Any, device: torch.device) -> Any:
+    torch.manual_seed(3)
+    model = gnn.GraphSAGE(int(np.prod(ds.row_shape)), cfg.hidden, ds.num_classes, len(cfg.fanouts), cfg.dropout)
+    model.seed_dropout(7)
+    return model.to(device).train()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**7))
+def test_padded_size_leaves_a_spare_row_and_pads_little(n: int) -> None:
+    from examples.gnn.pipeline import padded_size
+
+    c = padded_size(n)
+    assert n + 1 <= c <= (n + 1) * 17 // 16 + 1
+    assert padded_size(c - 1) == c and all(padded_size(m) <= c for m in range(max(0, n - 3), n + 1))
+
+
+def test_a_padded_batch_changes_no_real_row() -> None:
+    """Padding a batch (filler edges between padding nodes, padding labels -1) leaves every real row's logits as
+    they were, bit for bit, and the loss and gradients those of the real rows (the mean is taken over a count
+    instead of a length, so the last bits may differ)."""
+    from examples.gnn import pipeline as gnn
+
+    ds, cpu = gnn.load_gnn_dataset("cora"), torch.device("cpu")
+    cfg, batches = _sampled_batches(gnn, ds, cpu, 3, dropout=0.0)
+    model = _model(gnn, ds, cfg, cpu)
+    steps = gnn.GraphedStep(model, torch.optim.Adam(model.parameters()), cpu, graphs=False)
+    for b in batches:
+        key = gnn._PaddedBatch.key_of(b)
+        padded = gnn._PaddedBatch(key, steps._arena(key, b.x), cfg.hidden, cpu)
+        padded.fill(b, model)
+        assert padded.x.shape[0] > b.x.shape[0] and padded.labels.numel() > b.y.numel()
+        want = model(b.blocks, b.x)
+        got = model([pb.block for pb in padded.blocks], padded.x)
+        assert torch.equal(got[:want.shape[0]], want)
+        loss, ref = padded.loss(model), gnn.cross_entropy(want, b.y)
+        assert torch.allclose(loss, ref, rtol=1e-6, atol=0)
+        params = list(model.parameters())
+        for g, r in zip(torch.autograd.grad(loss, params), torch.autograd.grad(ref, params)):
+            assert torch.allclose(g, r, rtol=1e-5, atol=1e-8)
+
+
+def test_padded_steps_train_deterministically_and_graphs_need_cuda() -> None:
+    from examples.gnn import pipeline as gnn
+
+    ds, cpu = gnn.load_gnn_dataset("cora"), torch.device("cpu")
+    cfg, batches = _sampled_batches(gnn, ds, cpu, 4)
+    runs = []
+    for _ in range(2):
+        model = _model(gnn, ds, cfg, cpu)
+        steps = gnn.GraphedStep(model, torch.optim.Adam(model.parameters(), lr=0.01), cpu, graphs=False)
+        runs.append([steps(b) for b in batches])
+    assert all(torch.equal(a, b) for a, b in zip(*runs)) and all(torch.isfinite(x) for x in runs[0])
+    assert runs[0][-1] < runs[0][0]
+    with pytest.raises(ConfigError, match="CUDA"):
+        gnn.GraphedStep(model, torch.optim.Adam(model.parameters()), cpu)
+    assert isinstance(gnn.make_step(model, torch.optim.Adam(model.parameters()), replace(cfg, step_graphs=True), cpu),
+                      functools.partial)  # graphs are for CUDA; the CPU steps eagerly
+
+
+@pytest.mark.gpu
+def test_gpu_step_graphs_equal_the_same_padded_steps_taken_eagerly() -> None:
+    """Replayed graphs give the eager padded step's losses and weights bit for bit (dropout on), capture once per
+    padded shape, and replay without a host sync."""
+    from examples.gnn import pipeline as gnn
+
+    ds, dev = gnn.load_gnn_dataset("cora"), torch.device("cuda", torch.cuda.current_device())
+    cfg, batches = _sampled_batches(gnn, ds, dev, 6)
+    with gnn.deterministic_cuda(True, tf32=True):
+        eager_model, graph_model = _model(gnn, ds, cfg, dev), _model(gnn, ds, cfg, dev)
+        eager = gnn.GraphedStep(eager_model, torch.optim.Adam(eager_model.parameters(), lr=0.01), dev, graphs=False)
+        graphs = gnn.GraphedStep(graph_model, torch.optim.Adam(graph_model.parameters(), lr=0.01), dev)
+        want = [eager(b) for b in batches * 3]
+        got = [graphs(b) for b in batches * 2]  # a shape's first batch steps eagerly, its second is captured
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got += [graphs(b) for b in batches]  # replays only
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert [float(x) for x in got] == [float(x) for x in want]
+    assert all(torch.equal(a, b) for a, b in zip(eager_model.parameters(), graph_model.parameters()))
+    stats = graphs.stats()
+    shapes = len({gnn._PaddedBatch.key_of(b) for b in batches})
+    assert stats["graph_error"] is None and stats["graph_captures"] == stats["padded_shapes"] == shapes
+    assert stats["graph_replays"] >= len(batches) and eager.stats()["graph_replays"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_step_graphs_give_every_mode_the_same_losses(dgl: Any, cora: Any) -> None:
+    from examples.gnn import pipeline as gnn
+
+    ds = gnn.load_gnn_dataset("cora")
+    cfg = gnn.TrainConfig(batch_size=64, epochs=2, hidden=64, lr=0.01, num_workers=1, sampler="torch",
+                          sampler_device="cuda", step_graphs=True)
+    recs = gnn.compare_modes(ds, ["dgl", "ibp_cm"], cfg, device=torch.device("cuda"),
+                             variants=[("torch", False), ("torch", True)])
+    assert all(r["identical_losses"] and r["identical_predictions"] for r in recs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
