@@ -1,12 +1,13 @@
 """Where the GraphSAGE training step's host time goes (issue 25: the pipelined epochs are bound by it).
 
 ``scripts/train_gnn.py`` reports the training stage's host time per epoch (128-162 ms for 20 steps on an H200,
-against 35-57 ms of kernels) but not what it is made of. This times ``examples.gnn.pipeline._step`` alone on real
+against 35-57 ms of kernels) but not what it is made of. This times the step (``examples.gnn.pipeline.make_step``:
+the eager ``_step``, or ``GraphedStep`` with ``--step-graphs``) alone on real
 sampled batches (the torch sampler on the training device, Cora-SU rows, train_gnn's model, optimizer and
 deterministic settings), back to back and between syncs, then once more under ``torch.profiler``: the ops by self
 CPU time and calls per step, and the CUDA launches per step. JSON (+ PNG of the top ops) to ``--out``.
 
-    python scripts/experiments/gnn_step_profile.py --nodes 500000 --steps 20
+    python scripts/experiments/gnn_step_profile.py --nodes 500000 --steps 20 [--step-graphs]
 """
 
 from __future__ import annotations
@@ -36,32 +37,32 @@ def _batches(ds: gnn.GnnDataset, cfg: gnn.TrainConfig, device: torch.device, ste
     return [gnn._Batch(s.input_nodes, s.blocks, ds.node_rows(s.input_nodes.cpu()).to(device), s.y) for s in sampled]
 
 
-def _timed(model: Any, opt: Any, batches: list[Any], device: torch.device) -> dict[str, float]:
+def _timed(step: Any, batches: list[Any], device: torch.device) -> dict[str, float]:
     """Median wall ms of one step between syncs, and of the steps back to back (host-bound if close)."""
     one = []
     for b in batches:
         gnn._sync(device)
         t0 = time.perf_counter()
-        gnn._step(model, opt, b)
+        step(b)
         gnn._sync(device)
         one.append((time.perf_counter() - t0) * 1e3)
     gnn._sync(device)
     t0 = time.perf_counter()
     for b in batches:
-        gnn._step(model, opt, b)
+        step(b)
     gnn._sync(device)
     return {"step_ms_median": float(np.median(one)), "steps_back_to_back_ms": (time.perf_counter() - t0) * 1e3 /
             len(batches)}
 
 
-def _profile(model: Any, opt: Any, batches: list[Any], top: int, device: torch.device) -> dict[str, Any]:
+def _profile(step: Any, batches: list[Any], top: int, device: torch.device) -> dict[str, Any]:
     """Self CPU time and calls per step of the top ops, and CUDA launches per step, under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for b in batches:
-            gnn._step(model, opt, b)
+            step(b)
         gnn._sync(device)
     n = len(batches)
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -82,10 +83,11 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--name", default="gnn_step_profile")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
+    p.add_argument("--step-graphs", action="store_true", help="the step as CUDA graphs (model.step_graphs)")
     add_out_argument(p)
     args = p.parse_args()
     device = torch.device(args.device)
-    cfg = gnn.TrainConfig(sampler="torch")
+    cfg = gnn.TrainConfig(sampler="torch", step_graphs=args.step_graphs)
     ds = gnn.load_gnn_dataset(args.dataset, n_nodes=args.nodes)
     in_dim = int(np.prod(ds.row_shape))
     records = []
@@ -94,11 +96,13 @@ def main() -> int:
         model = gnn.GraphSAGE(in_dim, cfg.hidden, ds.num_classes, len(cfg.fanouts), cfg.dropout)
         model.seed_dropout(cfg.seed)
         model = model.to(device)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-        gnn._step(model, opt, batches[0])  # optimizer state, allocator, kernel loads
+        step = gnn.make_step(model, torch.optim.Adam(model.parameters(), lr=cfg.lr), cfg, device)
+        for b in batches * 2:  # optimizer state, allocator, kernel loads; with graphs, every shape captured (its
+            step(b)  # first batch steps eagerly, its second is captured)
         for run in range(2):
             rec = {"run": run, "dataset": args.dataset, "nodes": args.nodes, "steps": len(batches),
-                   **_timed(model, opt, batches, device), **_profile(model, opt, batches, args.top, device)}
+                   "step_graphs": args.step_graphs, **_timed(step, batches, device),
+                   **_profile(step, batches, args.top, device)}
             records.append(rec)
             print(f"run {run}: step {rec['step_ms_median']:.2f} ms alone, {rec['steps_back_to_back_ms']:.2f} ms back "
                   f"to back; {rec['launches_per_step']:.0f} launches, {rec['aten_calls_per_step']:.0f} aten calls, "
