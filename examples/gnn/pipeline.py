@@ -740,7 +740,6 @@ class _PaddedBatch:
 
     def __init__(self, key: tuple, x_arena: torch.Tensor, hidden: int, device: torch.device) -> None:
         (rows, *_), blocks, seeds = key
-        self.key = key
         self.x = x_arena[:rows]
         self.blocks = [_PaddedBlock(*shape, device) for shape in blocks]
         self.labels = torch.full((seeds,), -1, dtype=torch.int64, device=device)
