@@ -276,7 +276,8 @@ class _SegmentSum(torch.autograd.Function):
     and for the gradient the same over the edges grouped by source. Deterministic without ``index_add_`` /
     ``index_put_``, which deterministic CUDA torch runs as a sort plus bounds checks (about 13 more ops a call:
     profiled in docs/results/2026-11-27-h200-s39); each destination's (and source's) terms are added in edge order,
-    as the stable grouping keeps it."""
+    as the stable grouping keeps it. The offsets may end before the edges do (a padded block's filler edges, see
+    :class:`_PaddedBlock`): those terms are never read."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, block: Block) -> torch.Tensor:  # type: ignore[override]
@@ -703,17 +704,20 @@ def padded_size(n: int) -> int:
 
 
 class _PaddedBlock:
-    """A block's edge groups in fixed buffers of padded sizes. Filler edges run from the last (padding) source to
-    the last (padding) destination, padding destinations have no other edges and a mean weight of 0, so no real
-    row's sum, mean or gradient changes: padding rows get a zero gradient (their loss rows are masked), and a
-    filler edge only carries the padding destination's zero back to the padding source."""
+    """A block's edge groups in fixed buffers of padded sizes. Padding destinations and sources own empty
+    segments, and the filler edges past the real ones lie outside every segment: the segment sums never read them
+    (they only fill the gather to its fixed size, from the last, padding, row). So no real row's sum, mean or
+    gradient changes, padding destinations sum to zero with a mean weight of 0, and padding rows get a zero
+    gradient (their loss rows are masked). Why not one padding segment holding the filler edges: torch's segment
+    sum adds a segment's terms one after another, so a segment of thousands of filler edges would be a serial tail
+    in every padded step."""
 
     def __init__(self, n_src: int, n_dst: int, n_edges: int, device: torch.device) -> None:
         i64 = {"dtype": torch.int64, "device": device}
         self.src_by_dst = torch.full((n_edges,), n_src - 1, **i64)
         self.dst_by_src = torch.full((n_edges,), n_dst - 1, **i64)
-        self.dst_ptr = torch.full((n_dst + 1,), n_edges, **i64)
-        self.src_ptr = torch.full((n_src + 1,), n_edges, **i64)
+        self.dst_ptr = torch.zeros((n_dst + 1,), **i64)
+        self.src_ptr = torch.zeros((n_src + 1,), **i64)
         self.inv_deg = torch.zeros(n_dst, 1, dtype=torch.float32, device=device)
         none = torch.empty(0, **i64)  # the model reads the groups, not the edge list
         self.block = Block(none, none, n_src, n_dst, self.inv_deg, self.src_by_dst, self.dst_ptr, self.dst_by_src,
@@ -727,9 +731,9 @@ class _PaddedBlock:
         self.dst_by_src[:e].copy_(b.dst_by_src)
         self.dst_by_src[e:].fill_(self.block.n_dst - 1)
         self.dst_ptr[:b.n_dst + 1].copy_(b.dst_ptr)
-        self.dst_ptr[b.n_dst + 1:-1].fill_(e)  # the last padding destination's run: the filler edges
+        self.dst_ptr[b.n_dst + 1:].fill_(e)  # empty segments: the filler edges belong to none
         self.src_ptr[:b.n_src + 1].copy_(b.src_ptr)
-        self.src_ptr[b.n_src + 1:-1].fill_(e)
+        self.src_ptr[b.n_src + 1:].fill_(e)
         self.inv_deg[:b.n_dst].copy_(b.inv_deg)
         self.inv_deg[b.n_dst:].zero_()
 

@@ -411,9 +411,10 @@ def test_padded_size_leaves_a_spare_row_and_pads_little(n: int) -> None:
 
 
 def test_a_padded_batch_changes_no_real_row() -> None:
-    """Padding a batch (filler edges between padding nodes, padding labels -1) leaves every real row's logits as
-    they were, bit for bit, and the loss and gradients those of the real rows (the mean is taken over a count
-    instead of a length, so the last bits may differ)."""
+    """Padding a batch (filler edges in no segment, padding labels -1) leaves every real row's logits as they were,
+    bit for bit, and the loss and gradients those of the real rows (the mean is taken over a count instead of a
+    length, so the last bits may differ). Every padding node's segment is empty, so no segment sum runs through
+    the filler edges one by one."""
     from examples.gnn import pipeline as gnn
 
     ds, cpu = gnn.load_gnn_dataset("cora"), torch.device("cpu")
@@ -425,6 +426,11 @@ def test_a_padded_batch_changes_no_real_row() -> None:
         padded = gnn._PaddedBatch(key, steps._arena(key, b.x), cfg.hidden, cpu)
         padded.fill(b, model)
         assert padded.x.shape[0] > b.x.shape[0] and padded.labels.numel() > b.y.numel()
+        for pb, blk in zip(padded.blocks, b.blocks):
+            e = blk.src_by_dst.numel()
+            assert pb.src_by_dst.numel() > e
+            assert torch.equal(pb.dst_ptr[blk.n_dst:], torch.full_like(pb.dst_ptr[blk.n_dst:], e))
+            assert torch.equal(pb.src_ptr[blk.n_src:], torch.full_like(pb.src_ptr[blk.n_src:], e))
         want = model(b.blocks, b.x)
         got = model([pb.block for pb in padded.blocks], padded.x)
         assert torch.equal(got[:want.shape[0]], want)
