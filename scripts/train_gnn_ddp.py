@@ -43,7 +43,11 @@ source rows, byte for byte). With deterministic kernels (``model.deterministic``
 micro-batch are then bit-identical, DDP's gradient is ``g_0/W + g_1/W`` (the reducer multiplies by 1/W, NCCL sums
 two values: commutative, exact), the reference computes the same sum, so for W = 2 losses and test predictions are
 expected to be bit-identical (``identical_losses_vs_reference``). For W > 2 NCCL's ring sums in another order than
-rank order, so losses agree to rounding only (``max_abs_loss_diff`` says how far). Not expected to match: a
+rank order, so losses agree to rounding only (``max_abs_loss_diff`` says how far). With ``model.step_graphs``
+(default) every micro-batch is padded and trained by the example's ``GraphedStep`` (forward and backward replayed
+from CUDA graphs on a GPU, the same padded step eagerly on the CPU) in the ranks and in the reference alike, and the
+ranks run without the DDP wrapper: each rank's flat gradient is scaled by 1/W and all-reduced in one call
+(:func:`mean_all_reduce`), the same sum. ``model.step_graphs=false``: eager unpadded steps under DDP. Not expected to match: a
 single-GPU run with one batch of W x B seeds (one sample of the union, mean over all seeds: other rounding).
 Timings: epoch time = mean of epochs 2..N (slowest rank); per stage (sample on the GPU in plain torch, fetch, train
 step) the summed spans of CUDA events on each stage's own stream (no sync in the loop; pipelined, the spans overlap
@@ -536,6 +540,35 @@ def _add_step(timer: StageTimer, a: Any, f: Any, grads_ready: Any, b: Any, c: An
     timer.add("optimizer", b, c)
 
 
+def padded_step(job: Job, model: RankedSAGE, opt: torch.optim.Optimizer,
+                reduce: "Callable[[torch.Tensor], None] | None" = None) -> "gnn.GraphedStep | None":
+    """With ``model.step_graphs`` the example's padded step (:class:`examples.gnn.pipeline.GraphedStep`): CUDA
+    graphs on a GPU, the same padded step eagerly on the CPU, so a DDP rank and the reference pad each micro-batch
+    alike and their losses stay comparable bit for bit. None: the unpadded eager step (the rank under DDP)."""
+    if not job.cfg.step_graphs:
+        return None
+    dev = job.ranks.device
+    return gnn.GraphedStep(model, opt, dev, graphs=dev.type == "cuda", reduce=reduce)
+
+
+def mean_all_reduce(world: int, distributed: bool) -> Callable[[torch.Tensor], None]:
+    """DDP's gradient average on one flat buffer, in place: each rank's gradient times 1/W, summed over the ranks
+    (one all-reduce per step, after the replayed backward). The reference computes the same products and sums them
+    in rank order; for W = 2 NCCL's sum of two is that sum exactly."""
+
+    def reduce(flat: torch.Tensor) -> None:
+        flat.mul_(1.0 / world)
+        if distributed:
+            dist.all_reduce(flat)
+
+    return reduce
+
+
+def _batch(job: Job, mb: MicroBatch) -> Any:
+    """A micro-batch as the example's training batch (its seeds' labels)."""
+    return gnn._Batch(mb.input_nodes, mb.blocks, mb.x, job.labels[mb.seeds])
+
+
 EpochRuns = Generator[None, None, "Run"]
 """A mode's training: it yields after each epoch and returns its Run (see :func:`finish` and ``--interleave``)."""
 
@@ -551,10 +584,11 @@ def train_ddp(job: Job, mode: str) -> EpochRuns:
               across_epochs=_across_epochs(job))
     model = new_model(job)
     model.use_rank(r, dev)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    step = padded_step(job, model, opt, mean_all_reduce(job.world, job.ranks.distributed))
     options = {} if job.ddp_plain else DDP_OPTIONS
-    ddp = (DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **options) if job.ranks.distributed
-           else model)
-    opt = torch.optim.Adam(ddp.parameters(), lr=cfg.lr)
+    ddp = (DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **options)
+           if job.ranks.distributed and step is None else model)
     run.losses[r] = []
     timer = StageTimer(dev)
     src, loop = make_loop(job, [r], fetch, timer, collective=False)
@@ -572,15 +606,22 @@ def train_ddp(job: Job, mode: str) -> EpochRuns:
                 job.check(mb, run)
                 t0 = time.perf_counter()
                 a = timer.mark()
-                loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
-                f = timer.mark()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
+                if step is not None:  # "forward": the replayed forward and backward; "allreduce": the reduce
+                    loss = step.forward_backward(_batch(job, mb))
+                    f = ready = timer.mark()
+                    assert step.reduce is not None
+                    step.reduce(step.grads)
+                else:
+                    loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
+                    f = timer.mark()
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    ready = grads.take()
                 b = timer.mark()
                 _pin_threads(dev)
                 opt.step()
                 c = timer.mark()
-                _add_step(timer, a, f, grads.take(), b, c)
+                _add_step(timer, a, f, ready, b, c)
                 timer.add_host("train_host", time.perf_counter() - t0)
                 losses.append(loss.detach())
                 in_flight.step_done()
@@ -606,6 +647,7 @@ def train_reference(job: Job) -> EpochRuns:
               across_epochs=_across_epochs(job))
     model = new_model(job)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    step = padded_step(job, model, opt)
     params = list(model.parameters())
     run.losses = {v: [] for v in range(w)}
     timer = StageTimer(dev)
@@ -619,6 +661,7 @@ def train_reference(job: Job) -> EpochRuns:
         start = time.perf_counter()
         losses: dict[int, list[torch.Tensor]] = {v: [] for v in range(w)}
         acc: list[torch.Tensor | None] = [None] * len(params)
+        flat: "torch.Tensor | None" = None
         with host_profile(job, run):
             for mb in batches:  # the W micro-batches of each global batch in rank order
                 _pin_threads(dev)
@@ -626,22 +669,33 @@ def train_reference(job: Job) -> EpochRuns:
                 model.use_rank(mb.rank, dev)
                 t0 = time.perf_counter()
                 a = timer.mark()
-                loss = gnn.cross_entropy(model(mb.blocks, mb.x), job.labels[mb.seeds])
-                f = timer.mark()
-                for p in params:
-                    p.grad = None
-                loss.backward()
-                for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
-                    g = p.grad * (1.0 / w)
-                    acc[i] = g if acc[i] is None else acc[i] + g
+                if step is not None:  # one flat gradient, as the ranks all-reduce it
+                    loss = step.forward_backward(_batch(job, mb))
+                    f = ready = timer.mark()
+                    g = step.grads * (1.0 / w)
+                    flat = g if flat is None else flat + g
+                else:
+                    loss = gnn.cross_entropy(model(mb.blocks, mb.x), job.labels[mb.seeds])
+                    f = timer.mark()
+                    for p in params:
+                        p.grad = None
+                    loss.backward()
+                    ready = grads.take()
+                    for i, p in enumerate(params):  # DDP: each rank's gradient times 1/W, summed in rank order
+                        g = p.grad * (1.0 / w)
+                        acc[i] = g if acc[i] is None else acc[i] + g
                 b = timer.mark()
                 if mb.rank == w - 1:
-                    for p, g in zip(params, acc):
-                        p.grad = g
+                    if step is not None:
+                        step.grads.copy_(flat)
+                        flat = None
+                    else:
+                        for p, g in zip(params, acc):
+                            p.grad = g
                     _pin_threads(dev)
                     opt.step()
                     acc = [None] * len(params)
-                _add_step(timer, a, f, grads.take(), b, timer.mark())  # "allreduce": the 1/W sums here
+                _add_step(timer, a, f, ready, b, timer.mark())  # "allreduce": the 1/W sums here
                 timer.add_host("train_host", time.perf_counter() - t0)
                 losses[mb.rank].append(loss.detach())
                 in_flight.step_done()
@@ -1014,7 +1068,7 @@ def main(argv: "list[str] | None" = None) -> int:
             meta = {"overrides": overrides, "args": {k: str(v) for k, v in vars(args).items()},
                     "dataset": ds.describe() | {"row_bytes": ds.row_bytes}, "train": asdict(train_cfg),
                     "steps_per_epoch": job.steps_per_epoch(), "sample_chunk_used": job.sample_chunk(),
-                    "ddp_options": {} if job.ddp_plain else DDP_OPTIONS,
+                    "ddp_options": None if train_cfg.step_graphs else {} if job.ddp_plain else DDP_OPTIONS,
                     "load_s": load_s, "store_build_s": store_s, "attach_s": attach_s, "store_ratio": rows.ratio,
                     "summary": summary}
             write_results(args.out, args.name, records, plot, meta=meta)

@@ -413,7 +413,7 @@ class TrainConfig:
     sample_ahead: int = 2  # sampled batches waiting for the fetch stage
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
     across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_one)
-    step_graphs: bool = False  # CUDA: the training step's forward and backward as CUDA graphs (GraphedStep)
+    step_graphs: bool = True  # CUDA: the training step's forward and backward as CUDA graphs (GraphedStep)
 
 
 @dataclass
@@ -787,26 +787,31 @@ class GraphedStep:
 
     How: a batch is padded to sizes its own sizes decide (:func:`padded_size`, :class:`_PaddedBlock`), so a few
     shapes cover an epoch. A shape's first batch steps eagerly on its buffers, its second is captured, then
-    replayed (the engine's rule; a failed capture leaves every step eager, ``stats()`` says why). Gradients keep
-    their buffers (zeroed in place before each step) so every graph accumulates into the same ones; the shapes share
+    replayed (the engine's rule; a failed capture leaves every step eager, ``stats()`` says why). Gradients are
+    views of one flat buffer (zeroed in place before each step), so every graph accumulates into the same memory and
+    a data-parallel run reduces them with one call (``reduce``); the shapes share
     one feature buffer, grown (and every graph dropped) when a batch needs more rows. Dropout draws come from the
     model's generator, drawn eagerly into the batch's buffers before the step. Losses equal eager steps on the same
     padded batches (``graphs=False``, any device), not the unpadded step's: padded matmuls may round differently.
     """
 
     def __init__(self, model: GraphSAGE, opt: torch.optim.Optimizer, device: torch.device, *,
-                 graphs: bool = True, max_graphs: int = 64) -> None:
+                 graphs: bool = True, max_graphs: int = 64,
+                 reduce: "Callable[[torch.Tensor], None] | None" = None) -> None:
+        """``reduce``: called with the flat gradient buffer (every parameter's ``.grad`` is a view of it) between
+        the replayed backward and the optimizer step, e.g. a data-parallel all-reduce in place."""
         from ibpcache.cache.step_graphs import StepGraphs
 
         if graphs and device.type != "cuda":
             raise ConfigError(f"GraphedStep: CUDA graphs need a CUDA device, got {device}")
-        self.model, self.opt, self.device = model, opt, device
+        self.model, self.opt, self.device, self.reduce = model, opt, device, reduce
         self.hidden = model.layers[0].fc_self.out_features
         self.graphs = StepGraphs(device, max_graphs=max_graphs)
         if not graphs:
             self.graphs.disable("graphs=False")
         self._x = torch.empty(0)
         self._padded: dict[tuple, _PaddedBatch] = {}
+        self.grads = torch.empty(0)
 
     def _arena(self, key: tuple, x: torch.Tensor) -> torch.Tensor:
         """The feature buffer, grown by a quarter more than asked when too small (dropping every graph and padded
@@ -821,21 +826,28 @@ class GraphedStep:
         return self._x
 
     def _grads_ready(self) -> None:
-        """Zeroed gradients in buffers that stay put (one foreach launch once they exist)."""
+        """Zeroed gradients that stay put: views of one flat buffer (``self.grads``, zeroed with one launch), so
+        every graph accumulates into the same memory and a data-parallel reduce is one call."""
         params = list(self.model.parameters())
-        if any(p.grad is None for p in params):
-            for p in params:
-                p.grad = torch.zeros_like(p)
-        else:
-            self.opt.zero_grad(set_to_none=False)
+        if self.grads.numel() and all(p.grad is not None and p.grad.untyped_storage().data_ptr()
+                                      == self.grads.untyped_storage().data_ptr() for p in params):
+            self.grads.zero_()
+            return
+        self.graphs.clear()  # captured backwards accumulate into the old buffers
+        self.grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+        at = 0
+        for p in params:
+            p.grad = self.grads[at:at + p.numel()].view_as(p)
+            at += p.numel()
 
     def _forward_backward(self, pb: _PaddedBatch, out: torch.Tensor) -> None:
         loss = pb.loss(self.model)
         loss.backward()
         out.copy_(loss.detach())
 
-    def __call__(self, batch: _Batch) -> torch.Tensor:
-        """One step on ``batch``; returns the loss on the device."""
+    def forward_backward(self, batch: _Batch) -> torch.Tensor:
+        """The loss of ``batch`` (on the device) with its gradient in ``self.grads``, zeroed first; no optimizer
+        step."""
         key = _PaddedBatch.key_of(batch)
         x = self._arena(key, batch.x)
         pb = self._padded.get(key)
@@ -846,6 +858,14 @@ class GraphedStep:
         loss = torch.empty((), dtype=torch.float32, device=self.device)
         if not self.graphs.run(key, (), loss, lambda _inputs, out: self._forward_backward(pb, out), keep=(pb,)):
             self._forward_backward(pb, loss)
+        return loss
+
+    def __call__(self, batch: _Batch) -> torch.Tensor:
+        """One step on ``batch``: forward and backward, ``reduce`` of the gradients if given, the optimizer step;
+        returns the loss on the device."""
+        loss = self.forward_backward(batch)
+        if self.reduce is not None:
+            self.reduce(self.grads)
         self.opt.step()
         return loss
 
