@@ -21,4 +21,5 @@ def test_gnn_step_profile_smoke(tmp_path: Path, shared_data_dir: Path) -> None:
     for r in doc["records"]:
         assert r["steps"] == 2 and len(r["top_ops"]) == 5 and r["aten_calls_per_step"] > 50
         assert r["step_ms_median"] > 0 and r["self_cpu_ms_per_step"] > 0
+        assert r["gpu_ms_per_step"] == sum(k["gpu_us_per_step"] for k in r["top_kernels"]) / 1e3 == 0  # CPU run
         assert any(o["op"].startswith("aten::index_") for o in r["top_ops"]), r["top_ops"]

@@ -5,7 +5,8 @@ against 35-57 ms of kernels) but not what it is made of. This times the step (``
 the eager ``_step``, or ``GraphedStep`` with ``--step-graphs``) alone on real
 sampled batches (the torch sampler on the training device, Cora-SU rows, train_gnn's model, optimizer and
 deterministic settings), back to back and between syncs, then once more under ``torch.profiler``: the ops by self
-CPU time and calls per step, and the CUDA launches per step. JSON (+ PNG of the top ops) to ``--out``.
+CPU time and calls per step, the kernels by GPU time per step (none on the CPU), and the CUDA launches per step.
+JSON (+ PNG of the top ops) to ``--out``.
 
     python scripts/experiments/gnn_step_profile.py --nodes 500000 --steps 20 [--step-graphs]
 """
@@ -70,9 +71,14 @@ def _profile(step: Any, batches: list[Any], top: int, device: torch.device) -> d
            for e in rows[:top]]
     launches = sum(e.count for e in rows if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     aten = [e for e in rows if e.key.startswith("aten::")]
-    return {"top_ops": ops, "launches_per_step": launches / n,
+    gpu = sorted((e for e in rows if e.self_device_time_total > 0), key=lambda e: e.self_device_time_total,
+                 reverse=True)
+    kernels = [{"kernel": e.key[:120], "gpu_us_per_step": e.self_device_time_total / n, "calls_per_step": e.count / n}
+               for e in gpu[:top]]
+    return {"top_ops": ops, "top_kernels": kernels, "launches_per_step": launches / n,
             "aten_calls_per_step": sum(e.count for e in aten) / n,
-            "self_cpu_ms_per_step": sum(e.self_cpu_time_total for e in rows) / n / 1e3}
+            "self_cpu_ms_per_step": sum(e.self_cpu_time_total for e in rows) / n / 1e3,
+            "gpu_ms_per_step": sum(e.self_device_time_total for e in gpu) / n / 1e3}
 
 
 def main() -> int:
@@ -106,9 +112,12 @@ def main() -> int:
             records.append(rec)
             print(f"run {run}: step {rec['step_ms_median']:.2f} ms alone, {rec['steps_back_to_back_ms']:.2f} ms back "
                   f"to back; {rec['launches_per_step']:.0f} launches, {rec['aten_calls_per_step']:.0f} aten calls, "
-                  f"{rec['self_cpu_ms_per_step']:.2f} ms self CPU per step (profiled)")
+                  f"{rec['self_cpu_ms_per_step']:.2f} ms self CPU and {rec['gpu_ms_per_step']:.2f} ms of kernels per "
+                  f"step (profiled)")
             for op in rec["top_ops"][:12]:
                 print(f"  {op['op']:<48s} {op['self_cpu_us_per_step']:8.1f} us  x{op['calls_per_step']:.1f}")
+            for k in rec["top_kernels"][:8]:
+                print(f"  GPU {k['kernel'][:60]:<60s} {k['gpu_us_per_step']:8.1f} us  x{k['calls_per_step']:.1f}")
 
     def plot(recs: list[dict[str, Any]]) -> Any:
         import matplotlib.pyplot as plt
