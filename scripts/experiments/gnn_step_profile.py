@@ -71,8 +71,10 @@ def _profile(step: Any, batches: list[Any], top: int, device: torch.device) -> d
            for e in rows[:top]]
     launches = sum(e.count for e in rows if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     aten = [e for e in rows if e.key.startswith("aten::")]
-    gpu = sorted((e for e in rows if e.self_device_time_total > 0), key=lambda e: e.self_device_time_total,
-                 reverse=True)
+    # kernels and copies: device time and no CPU time (a CPU op's row may carry its GPU annotation's span too,
+    # which would count a kernel twice)
+    gpu = sorted((e for e in rows if e.self_device_time_total > 0 and e.self_cpu_time_total == 0),
+                 key=lambda e: e.self_device_time_total, reverse=True)
     kernels = [{"kernel": e.key[:120], "gpu_us_per_step": e.self_device_time_total / n, "calls_per_step": e.count / n}
                for e in gpu[:top]]
     return {"top_ops": ops, "top_kernels": kernels, "launches_per_step": launches / n,
