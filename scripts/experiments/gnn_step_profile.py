@@ -1,14 +1,15 @@
-"""Where the GraphSAGE training step's host time goes (issue 25: the pipelined epochs are bound by it).
+"""Where the GraphSAGE training step's time goes, on the host and on the GPU (issue 25: a pipelined epoch is bound by
+the training stage's host time with eager steps, by the GPU's work or the stages' overlap with graphed ones).
 
-``scripts/train_gnn.py`` reports the training stage's host time per epoch (128-162 ms for 20 steps on an H200,
-against 35-57 ms of kernels) but not what it is made of. This times the step (``examples.gnn.pipeline.make_step``:
-the eager ``_step``, or ``GraphedStep`` with ``--step-graphs``) alone on real
-sampled batches (the torch sampler on the training device, Cora-SU rows, train_gnn's model, optimizer and
-deterministic settings), back to back and between syncs, then once more under ``torch.profiler``: the ops by self
-CPU time and calls per step, the kernels by GPU time per step (none on the CPU), and the CUDA launches per step.
+``scripts/train_gnn.py`` reports each stage's host and GPU time per epoch, not what they are made of. This times
+the step (``examples.gnn.pipeline.make_step``: ``GraphedStep`` as ``train_gnn.py`` runs it by default, or the eager
+``_step`` with ``--no-step-graphs``) alone on real sampled batches (the torch sampler on the training device,
+Cora-SU rows, train_gnn's model, optimizer and deterministic settings), back to back and between syncs, then once
+more under ``torch.profiler``: the ops by self CPU time and calls per step, the kernels by GPU time per step (none on
+the CPU), and the CUDA launches per step.
 JSON (+ PNG of the top ops) to ``--out``.
 
-    python scripts/experiments/gnn_step_profile.py --nodes 500000 --steps 20 [--step-graphs]
+    python scripts/experiments/gnn_step_profile.py --nodes 500000 --steps 20 [--no-step-graphs]
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--name", default="gnn_step_profile")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run)")
-    p.add_argument("--step-graphs", action="store_true", help="the step as CUDA graphs (model.step_graphs)")
+    p.add_argument("--step-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="the step as CUDA graphs (model.step_graphs; on a GPU)")
     add_out_argument(p)
     args = p.parse_args()
     device = torch.device(args.device)
