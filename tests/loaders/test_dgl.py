@@ -441,6 +441,36 @@ def test_a_padded_batch_changes_no_real_row() -> None:
             assert torch.allclose(g, r, rtol=1e-5, atol=1e-8)
 
 
+def test_padded_steps_keep_gradients_in_one_flat_buffer_and_reduce_it_before_the_optimizer() -> None:
+    """Every parameter's gradient is a view of ``GraphedStep.grads`` (a data-parallel reduce is one call on it);
+    ``reduce`` sees the step's gradient before the optimizer does; a caller that sets the gradients to None gets a
+    new buffer, and the steps go on as if nothing happened."""
+    from examples.gnn import pipeline as gnn
+
+    ds, cpu = gnn.load_gnn_dataset("cora"), torch.device("cpu")
+    cfg, batches = _sampled_batches(gnn, ds, cpu, 3)
+
+    def run(zero_between: bool) -> list[torch.Tensor]:
+        model = _model(gnn, ds, cfg, cpu)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        seen: list[torch.Tensor] = []
+        steps = gnn.GraphedStep(model, opt, cpu, graphs=False, reduce=lambda flat: seen.append(flat.clone()))
+        losses = []
+        for i, b in enumerate(batches):
+            losses.append(steps(b))
+            params = list(model.parameters())
+            assert steps.grads.numel() == sum(p.numel() for p in params)
+            assert all(p.grad.untyped_storage().data_ptr() == steps.grads.untyped_storage().data_ptr()
+                       for p in params)
+            assert torch.equal(seen[i], steps.grads)  # reduce saw the gradient the optimizer used
+            if zero_between:
+                opt.zero_grad(set_to_none=True)
+        assert len(seen) == len(batches)
+        return losses
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
 def test_padded_steps_train_deterministically_and_graphs_need_cuda() -> None:
     from examples.gnn import pipeline as gnn
 
