@@ -47,8 +47,8 @@ rank order, so losses agree to rounding only (``max_abs_loss_diff`` says how far
 (default) every micro-batch is padded and trained by the example's ``GraphedStep`` (forward and backward replayed
 from CUDA graphs on a GPU, the same padded step eagerly on the CPU) in the ranks and in the reference alike, and the
 ranks run without the DDP wrapper: each rank's flat gradient is scaled by 1/W and all-reduced in one call
-(:func:`mean_all_reduce`), the same sum. ``model.step_graphs=false``: eager unpadded steps under DDP. Not expected to match: a
-single-GPU run with one batch of W x B seeds (one sample of the union, mean over all seeds: other rounding).
+(:func:`mean_all_reduce`), the same sum. ``model.step_graphs=false``: eager unpadded steps under DDP. Not expected
+to match: a single-GPU run with one batch of W x B seeds (one sample of the union, mean over all seeds: other rounding).
 Timings: epoch time = mean of epochs 2..N (slowest rank); per stage (sample on the GPU in plain torch, fetch, train
 step) the summed spans of CUDA events on each stage's own stream (no sync in the loop; pipelined, the spans overlap
 and their sum exceeds the epoch); plus a probe of fetch throughput of batches that are all peer hits vs all host
@@ -585,7 +585,8 @@ def train_ddp(job: Job, mode: str) -> EpochRuns:
     model = new_model(job)
     model.use_rank(r, dev)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    step = padded_step(job, model, opt, mean_all_reduce(job.world, job.ranks.distributed))
+    reduce = mean_all_reduce(job.world, job.ranks.distributed)
+    step = padded_step(job, model, opt, reduce)
     options = {} if job.ddp_plain else DDP_OPTIONS
     ddp = (DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, **options)
            if job.ranks.distributed and step is None else model)
@@ -609,8 +610,7 @@ def train_ddp(job: Job, mode: str) -> EpochRuns:
                 if step is not None:  # "forward": the replayed forward and backward; "allreduce": the reduce
                     loss = step.forward_backward(_batch(job, mb))
                     f = ready = timer.mark()
-                    assert step.reduce is not None
-                    step.reduce(step.grads)
+                    reduce(step.grads)
                 else:
                     loss = gnn.cross_entropy(ddp(mb.blocks, mb.x), job.labels[mb.seeds])
                     f = timer.mark()
