@@ -414,6 +414,7 @@ class TrainConfig:
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
     across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_one)
     step_graphs: bool = True  # CUDA: the training step's forward and backward as CUDA graphs (GraphedStep)
+    gil_switch_ms: "float | None" = None  # pipelined: Python's thread switch interval while iterating (None: 5 ms)
 
 
 @dataclass
@@ -660,8 +661,14 @@ def epoch_slices(stream: Iterable[Any], per_epoch: int, epochs: int) -> Iterator
 def _epochs(batches: Any, fetch: _Fetch, cfg: TrainConfig, device: torch.device) -> Any:
     """Re-iterable batches of a run: pipelined (library's PipelinedLoader) or in turn."""
     if cfg.pipelined:
-        return PipelinedLoader(batches, fetch, device=device, prefetch=cfg.prefetch, sample_ahead=cfg.sample_ahead)
+        return PipelinedLoader(batches, fetch, device=device, prefetch=cfg.prefetch, sample_ahead=cfg.sample_ahead,
+                               switch_interval=switch_interval(cfg))
     return _InTurn(batches, fetch)
+
+
+def switch_interval(cfg: TrainConfig) -> "float | None":
+    """``PipelinedLoader``'s ``switch_interval`` (seconds) from ``gil_switch_ms``."""
+    return None if cfg.gil_switch_ms is None else cfg.gil_switch_ms / 1e3
 
 
 def _sync(device: torch.device) -> None:
@@ -1331,7 +1338,12 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        sample_ahead=int(model.get("sample_ahead", base.sample_ahead)),
                        stage_batches=int(model.get("stage_batches", base.stage_batches)),
                        across_epochs=bool(model.get("across_epochs", base.across_epochs)),
-                       step_graphs=bool(model.get("step_graphs", base.step_graphs)))
+                       step_graphs=bool(model.get("step_graphs", base.step_graphs)),
+                       gil_switch_ms=_optional_float(model.get("gil_switch_ms", base.gil_switch_ms)))
+
+
+def _optional_float(value: Any) -> "float | None":
+    return None if value is None else float(value)
 
 
 def dataset_from_config(dataset: Any) -> GnnDataset:

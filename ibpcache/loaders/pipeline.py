@@ -22,6 +22,13 @@ batch, so batches, features and losses equal an unpipelined loop's (given a load
 timing: DGL's and PyG's loaders with seeded workers, :class:`~ibpcache.loaders.sampling.NeighborSampler`). Without
 CUDA the stages still overlap in threads (torch's CPU ops and the cache's Numba passes release the GIL).
 
+Why ``switch_interval`` exists: the three stages share one interpreter lock. Every torch call releases it, and a
+thread that wants it back waits until the holder releases it or Python's switch interval (5 ms by default) runs
+out. A training thread that issues a few short calls per batch can lose up to that long per call to a sampler
+thread running Python between its own calls, so a host-bound pipelined epoch can be slower than the stages in
+turn. A shorter interval (e.g. 0.2 ms) bounds that wait; it is process-wide, so it is opt-in and restored when the
+iteration ends.
+
 Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different
 communicators to be submitted in one order across ranks); the caller's thread issues fetch i+1 before it returns
@@ -33,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
@@ -128,16 +136,25 @@ class PipelinedLoader(Generic[S, B]):
         fetch_thread: fetch in a thread (default) or in the caller's thread, one batch ahead (collective fetches).
         record: ``record(obj, stream)`` marks a batch's CUDA tensors as used on ``stream``; the default walks
             tensors, containers, dataclasses and ``record_stream`` methods (:func:`record_stream`).
+        switch_interval: seconds; while an iteration runs, Python's thread switch interval
+            (``sys.setswitchinterval``) is set to this, and restored afterwards. ``None`` leaves it alone.
     """
 
     def __init__(self, batches: Iterable[S], fetch: "Callable[[S], B] | None" = None, *,
                  device: "str | torch.device | None" = None, prefetch: int = 2, sample_ahead: int = 2,
-                 fetch_thread: bool = True, record: "Callable[[Any, Any], None] | None" = None) -> None:
+                 fetch_thread: bool = True, record: "Callable[[Any, Any], None] | None" = None,
+                 switch_interval: "float | None" = None) -> None:
         if not hasattr(batches, "__iter__"):
             raise InvalidArgumentError(f"PipelinedLoader: batches must be iterable, got {type(batches).__name__}")
         for name, value in (("prefetch", prefetch), ("sample_ahead", sample_ahead)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidArgumentError(f"PipelinedLoader: {name} must be an int >= 1, got {value!r}")
+        if switch_interval is not None and (isinstance(switch_interval, bool)
+                                            or not isinstance(switch_interval, (int, float))
+                                            or not 0 < switch_interval <= 1):
+            raise InvalidArgumentError(
+                f"PipelinedLoader: switch_interval must be seconds in (0, 1] or None, got {switch_interval!r}")
+        self.switch_interval = None if switch_interval is None else float(switch_interval)
         self.batches = batches
         self.fetch = fetch if fetch is not None else _identity
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -180,6 +197,9 @@ class PipelinedLoader(Generic[S, B]):
             source = self._from_thread(fetched, stop)
         else:
             source = self._fetch_here(sampled, stop, fetch_stream)
+        previous = sys.getswitchinterval()
+        if self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
         for t in threads:
             t.start()
         try:
@@ -193,6 +213,8 @@ class PipelinedLoader(Generic[S, B]):
                         with contextlib.suppress(queue.Empty):
                             q.get_nowait()
                     t.join(timeout=_POLL_S)
+            if self.switch_interval is not None:
+                sys.setswitchinterval(previous)
 
     # -- stages ---------------------------------------------------------------------------------------------------
 

@@ -132,6 +132,28 @@ def test_arguments_are_checked() -> None:
         PipelinedLoader([1], sample_ahead=True)
     with pytest.raises(InvalidArgumentError, match="iterable"):
         PipelinedLoader(3)  # type: ignore[arg-type]
+    for bad in (0, -1e-3, 2.0, True, "0.001"):
+        with pytest.raises(InvalidArgumentError, match="switch_interval"):
+            PipelinedLoader([1], switch_interval=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_switch_interval_holds_while_iterating_and_is_restored(stop_early: bool) -> None:
+    import sys
+
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+    loader = PipelinedLoader(_Epochs(6), lambda i: (i, sys.getswitchinterval()), switch_interval=2e-4)
+    for i, in_fetch in loader:
+        seen += [in_fetch, sys.getswitchinterval()]
+        if stop_early and i == 2:
+            break
+    assert seen and all(abs(v - 2e-4) < 1e-9 for v in seen)
+    assert sys.getswitchinterval() == before
+    assert [i for i, _ in PipelinedLoader(_Epochs(4), lambda i: (i, 0))] == [0, 1, 2, 3]
+    assert sys.getswitchinterval() == before
 
 
 def test_record_stream_walks_batches() -> None:
