@@ -70,9 +70,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import hashlib
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -147,8 +149,11 @@ def init_ranks(world: int, device: str) -> Ranks:
     dev = torch.device("cpu") if cpu else torch.device("cuda", local)
     if not cpu:
         torch.cuda.set_device(dev)
-    # long timeout: the other ranks wait while rank 0 runs the reference alone
-    dist.init_process_group("gloo" if cpu else "nccl", timeout=timedelta(minutes=30))
+    # long timeout: the other ranks wait while rank 0 runs the reference alone. device_id binds the NCCL groups to
+    # this rank's GPU (their barriers use it instead of guessing one from the global rank) and creates their
+    # communicators now, not inside the first collective of whichever thread reaches one first.
+    dist.init_process_group("gloo" if cpu else "nccl", timeout=timedelta(minutes=30),
+                            device_id=None if cpu else dev)
     r = Ranks(dist.get_rank(), dist.get_world_size(), True, dev)
     r.host_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
     r.cache_group = dist.new_group(backend="gloo" if cpu else "nccl", timeout=timedelta(minutes=30))
@@ -503,7 +508,8 @@ def make_loop(job: "Job", vranks: list[int], cache_fetch: Callable[[torch.Tensor
         return src, _InTurn(src, fetch)
     batches = gnn.AllEpochs(src, job.cfg.epochs) if _across_epochs(job) else src
     return src, PipelinedLoader(batches, fetch, device=job.ranks.device, prefetch=job.cfg.prefetch,
-                                sample_ahead=job.cfg.sample_ahead, fetch_thread=not collective)
+                                sample_ahead=job.cfg.sample_ahead, fetch_thread=not collective,
+                                switch_interval=gnn.switch_interval(job.cfg))
 
 
 def make_fetch(job: Job, mode: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
@@ -986,9 +992,6 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--interleave", action="store_true",
                    help="one epoch of each mode in turn instead of the modes one after the other (implies "
                         "--epoch-by-epoch: no mode's loader runs ahead while another trains)")
-    p.add_argument("--switch-interval", type=float, default=None,
-                   help="sys.setswitchinterval for this run (seconds; Python's default is 0.005): how long the "
-                        "sampling and fetch threads may hold the GIL while the training thread waits for it")
     p.add_argument("--profile-epoch", type=int, default=None,
                    help="run this epoch (from 0) of every mode under torch.profiler, every thread recorded; records "
                         "gain host_profile (per thread: host ms, ops, launches, top ops); that epoch is not timed")
@@ -1002,8 +1005,8 @@ def main(argv: "list[str] | None" = None) -> int:
                         "a short call (default: the smallest divisor of a rank's micro-batches per epoch >= it)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of configs/bench_gnn.yaml, e.g. dataset.n_nodes=200000")
     args = p.parse_args(argv)
-    if args.switch_interval is not None:
-        sys.setswitchinterval(args.switch_interval)
+    # a rank that stops making progress (a collective no peer joins) shows where every thread is on `kill -USR1 pid`
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     overrides = [*(QUICK if args.quick else []), *args.overrides]
     cfg = _compose(overrides)
     ranks = init_ranks(args.world, args.device)
