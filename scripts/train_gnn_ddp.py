@@ -77,6 +77,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -1077,12 +1078,25 @@ def main(argv: "list[str] | None" = None) -> int:
             write_results(args.out, args.name, records, plot, meta=meta)
         ranks.barrier()
         return 0
+    except BaseException:
+        if ranks.distributed:
+            # Now, not after cleanup: destroying the process group would wait for collectives the other ranks never
+            # join (they wait in them too). Exiting lets torchrun stop every rank.
+            traceback.print_exc()
+            sys.stderr.flush()
+            _unlink(seg)
+            os._exit(1)
+        raise
     finally:
-        if seg is not None:
-            seg.unlink()
-            seg.close()
+        _unlink(seg)
         if ranks.distributed:
             dist.destroy_process_group()
+
+
+def _unlink(seg: Any) -> None:
+    if seg is not None:
+        seg.unlink()
+        seg.close()
 
 
 def _free(dev: torch.device) -> None:
