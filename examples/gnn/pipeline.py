@@ -244,10 +244,14 @@ class Block:
             groups = (*_segments(dst, src, n_dst), *_segments(src, dst, n_src))
         src_by_dst, dst_ptr, dst_by_src, src_ptr = groups
         deg = (dst_ptr[1:] - dst_ptr[:-1]).to(torch.float32)  # in-degrees, from the grouping's offsets
-        inv = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
-        move = {"device": device, "non_blocking": True}
-        return cls(src.to(**move), dst.to(**move), n_src, n_dst, inv.to(**move), src_by_dst.to(**move),
-                   dst_ptr.to(**move), dst_by_src.to(**move), src_ptr.to(**move))
+        # 1 / deg, and 0 for a node without sampled neighbours (1 / 0 = inf): two kernels where a select took five;
+        # the sampling stage's host time is its launches
+        inv = torch.reciprocal(deg).nan_to_num_(posinf=0.0).unsqueeze(1)
+        parts = (src, dst, inv, src_by_dst, dst_ptr, dst_by_src, src_ptr)
+        if any(t.device != device for t in parts):
+            parts = tuple(t.to(device, non_blocking=True) for t in parts)
+        src, dst, inv, src_by_dst, dst_ptr, dst_by_src, src_ptr = parts
+        return cls(src, dst, n_src, n_dst, inv, src_by_dst, dst_ptr, dst_by_src, src_ptr)
 
     @classmethod
     def from_dgl(cls, block: Any, device: torch.device) -> "Block":

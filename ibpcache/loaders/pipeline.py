@@ -26,8 +26,9 @@ Why ``switch_interval`` exists: the three stages share one interpreter lock. Eve
 thread that wants it back waits until the holder releases it or Python's switch interval (5 ms by default) runs
 out. A training thread that issues a few short calls per batch can lose up to that long per call to a sampler
 thread running Python between its own calls, so a host-bound pipelined epoch can be slower than the stages in
-turn. A shorter interval (e.g. 0.2 ms) bounds that wait; it is process-wide, so it is opt-in and restored when the
-iteration ends.
+turn. A shorter interval (e.g. 0.2 ms) bounds that wait but adds switches; it is process-wide, so it is opt-in and
+restored when the iteration ends. Measure before setting it: on the GraphSAGE example (one H100; two H200 ranks)
+0.2 ms gave no faster epoch (docs/results/2026-11-28-h200x2-h100-s42).
 
 Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different

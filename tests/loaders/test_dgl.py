@@ -354,6 +354,20 @@ def _segment_sums_match_index_add(gnn: Any, ds: Any, device: torch.device) -> No
     assert torch.equal(torch.autograd.grad(new, logits)[0], torch.autograd.grad(old, logits)[0])
 
 
+def test_block_inverse_degrees_are_zero_without_neighbours() -> None:
+    """A block's mean weights: 1 / in-degree per destination, bit for bit, and 0 (not inf or NaN) where a
+    destination sampled no neighbour."""
+    from examples.gnn import pipeline as gnn
+
+    src = torch.tensor([3, 4, 4, 5, 6, 3, 1], dtype=torch.int64)
+    dst = torch.tensor([0, 0, 2, 2, 2, 5, 5], dtype=torch.int64)  # destinations 1, 3, 4 have none
+    block = gnn.Block._build(src, dst, 7, 6, torch.device("cpu"))
+    deg = torch.bincount(dst, minlength=6).to(torch.float32)
+    want = torch.where(deg > 0, 1.0 / deg.clamp(min=1), torch.zeros_like(deg)).unsqueeze(1)
+    assert torch.equal(block.inv_deg.view(torch.int32), want.view(torch.int32))
+    assert block.inv_deg[[1, 3, 4], 0].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_segment_sums_equal_index_add_bit_for_bit() -> None:
     from examples.gnn import pipeline as gnn
 
