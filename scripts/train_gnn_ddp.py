@@ -173,9 +173,9 @@ class BlockSampler:
     same blocks."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, n_nodes: int, fanouts: "tuple[int, ...]",
-                 device: torch.device) -> None:
+                 device: torch.device, hop_kernel: bool = False) -> None:
         self.core = NeighborSampler(src, dst, n_nodes, list(reversed(fanouts)), device=device, edge_ids=False,
-                                    groups=True)
+                                    groups=True, hop_kernel=hop_kernel)
         self.fanouts = tuple(int(f) for f in fanouts)
         self.device = device
 
@@ -1047,7 +1047,8 @@ def main(argv: "list[str] | None" = None) -> int:
         t2 = time.perf_counter()
         rows = CompressedRows.attach(name)
         attach_s = time.perf_counter() - t2
-        sampler = BlockSampler(ds.src, ds.dst, ds.num_nodes, train_cfg.fanouts, ranks.device)
+        sampler = BlockSampler(ds.src, ds.dst, ds.num_nodes, train_cfg.fanouts, ranks.device,
+                               hop_kernel=train_cfg.sampler_kernel)
         job = Job(ds, rows, sampler, train_cfg, float(cfg.cache.budget), ranks, ds.labels.to(ranks.device),
                   node_replicate=args.node_replicate if args.node_replicate == "auto" else float(args.node_replicate),
                   across_epochs=not (args.epoch_by_epoch or args.interleave), profile_epoch=args.profile_epoch,

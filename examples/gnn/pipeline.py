@@ -413,6 +413,7 @@ class TrainConfig:
     sampler: str = "dgl"  # one of SAMPLERS
     sampler_device: str = "auto"  # torch sampler: auto (the GPU when the graph fits) | cpu | cuda
     sample_chunk: int = 10  # torch sampler: batches sampled per call (a call's ~445 host ops are paid once per call)
+    sampler_kernel: bool = False  # torch sampler on a GPU: each hop's draws in one kernel (NeighborSampler hop_kernel)
     pipelined: bool = True  # sampling, feature fetch and training overlapped (PipelinedLoader) or in turn
     sample_ahead: int = 2  # sampled batches waiting for the fetch stage
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
@@ -1038,7 +1039,7 @@ def build_torch_sampler(ds: GnnDataset, cfg: TrainConfig, device: torch.device) 
     want = cfg.sampler_device if device.type == "cuda" else "cpu"
     where = choose_sampler_device(ds.num_nodes, ds.num_edges, want, edge_ids=False)
     return NeighborSampler(ds.src, ds.dst, ds.num_nodes, list(reversed(cfg.fanouts)), device=where, edge_ids=False,
-                           groups=True)
+                           groups=True, hop_kernel=cfg.sampler_kernel)
 
 
 def _batches(ds: GnnDataset, g: Any, cfg: TrainConfig, device: torch.device, sampler: "NeighborSampler | None",
@@ -1338,6 +1339,7 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        sampler=str(model.get("sampler", base.sampler)),
                        sampler_device=str(model.get("sampler_device", base.sampler_device)),
                        sample_chunk=int(model.get("sample_chunk", base.sample_chunk)),
+                       sampler_kernel=bool(model.get("sampler_kernel", base.sampler_kernel)),
                        pipelined=bool(model.get("pipelined", base.pipelined)),
                        sample_ahead=int(model.get("sample_ahead", base.sample_ahead)),
                        stage_batches=int(model.get("stage_batches", base.stage_batches)),
