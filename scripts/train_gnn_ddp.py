@@ -76,6 +76,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -248,12 +249,16 @@ class RankedSAGE(gnn.GraphSAGE):
 @dataclass
 class StageTimer:
     """Seconds per stage, from CUDA events read once per epoch (no sync in the loop), or perf_counter on CPU; host
-    spans (``add_host``: seconds measured on the host, on any device) are summed as they are. Stages may be added from
-    several threads (list appends)."""
+    spans (``add_host``: seconds measured on the host, on any device) are summed as they are.
+
+    Stages are added from several threads: the sampler thread keeps recording while the training thread reads an
+    epoch's totals, so ``totals`` takes the spans added so far under a lock and waits on each of their events (a device
+    synchronize does not cover an event recorded after it, and ``elapsed_time`` on one raises)."""
 
     device: torch.device
     marks: list[tuple[str, Any, Any]] = field(default_factory=list)
     host: list[tuple[str, float]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def mark(self) -> Any:
         if self.device.type == "cuda":
@@ -263,22 +268,28 @@ class StageTimer:
         return time.perf_counter()
 
     def add(self, stage: str, start: Any, end: Any) -> None:
-        self.marks.append((stage, start, end))
+        with self._lock:
+            self.marks.append((stage, start, end))
 
     def add_host(self, stage: str, seconds: float) -> None:
-        self.host.append((stage, seconds))
+        with self._lock:
+            self.host.append((stage, seconds))
 
     def totals(self) -> dict[str, float]:
+        with self._lock:
+            marks, self.marks = self.marks, []
+            host, self.host = self.host, []
         out: dict[str, float] = {}
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for stage, a, b in self.marks:
-            sec = a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
+        for stage, a, b in marks:
+            if self.device.type == "cuda":
+                a.synchronize()
+                b.synchronize()
+                sec = a.elapsed_time(b) / 1e3
+            else:
+                sec = b - a
             out[stage] = out.get(stage, 0.0) + sec
-        for stage, sec in self.host:
+        for stage, sec in host:
             out[stage] = out.get(stage, 0.0) + sec
-        self.marks.clear()
-        self.host.clear()
         return out
 
 

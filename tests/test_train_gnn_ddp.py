@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,46 @@ def _reference(out: Path, *extra: str) -> dict[str, Any]:
     doc = json.loads((out / "train_gnn_ddp.json").read_text())
     assert [r["mode"] for r in doc["records"]] == ["reference"]
     return doc["records"][0]
+
+
+class _Event:
+    """A stand-in CUDA event that, like a real one, refuses ``elapsed_time`` until both ends were waited for."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms, self.done = ms, False
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: "_Event") -> float:
+        if not (self.done and end.done):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return end.ms - self.ms
+
+
+def test_stage_timer_waits_on_each_event_and_counts_spans_added_from_threads_once() -> None:
+    """The sampler thread records spans while the training thread reads an epoch's totals: every span lands in
+    exactly one epoch's totals, and an event recorded after any device sync is waited for, not read unfinished."""
+    timer = ddp.StageTimer(torch.device("cuda"))
+    n_threads, per_thread = 4, 500
+
+    def add() -> None:
+        for i in range(per_thread):
+            timer.add("sample", _Event(0.0), _Event(2.0))
+            timer.add_host("wait_batch", 0.001)
+
+    workers = [threading.Thread(target=add) for _ in range(n_threads)]
+    for w in workers:
+        w.start()
+    epochs = []
+    while any(w.is_alive() for w in workers):
+        epochs.append(timer.totals())
+    for w in workers:
+        w.join()
+    epochs.append(timer.totals())
+    assert sum(e.get("sample", 0.0) for e in epochs) == pytest.approx(n_threads * per_thread * 2e-3)
+    assert sum(e.get("wait_batch", 0.0) for e in epochs) == pytest.approx(n_threads * per_thread * 1e-3)
+    assert timer.totals() == {}
 
 
 def test_reference_alone_without_torchrun_pipelined_or_not(tmp_path: Path) -> None:
