@@ -174,7 +174,7 @@ class BlockSampler:
     same blocks."""
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, n_nodes: int, fanouts: "tuple[int, ...]",
-                 device: torch.device, hop_kernel: bool = False) -> None:
+                 device: torch.device, hop_kernel: bool = True) -> None:
         self.core = NeighborSampler(src, dst, n_nodes, list(reversed(fanouts)), device=device, edge_ids=False,
                                     groups=True, hop_kernel=hop_kernel)
         self.fanouts = tuple(int(f) for f in fanouts)

@@ -413,7 +413,7 @@ class TrainConfig:
     sampler: str = "dgl"  # one of SAMPLERS
     sampler_device: str = "auto"  # torch sampler: auto (the GPU when the graph fits) | cpu | cuda
     sample_chunk: int = 10  # torch sampler: batches sampled per call (a call's ~445 host ops are paid once per call)
-    sampler_kernel: bool = False  # torch sampler on a GPU: each hop's draws in one kernel (NeighborSampler hop_kernel)
+    sampler_kernel: bool = True  # torch sampler on a GPU: each hop's draws in one kernel (NeighborSampler hop_kernel)
     pipelined: bool = True  # sampling, feature fetch and training overlapped (PipelinedLoader) or in turn
     sample_ahead: int = 2  # sampled batches waiting for the fetch stage
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass

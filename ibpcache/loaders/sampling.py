@@ -233,12 +233,13 @@ class NeighborSampler:
             ``Hop.src_ptr``): one sort per hop for all the call's batches, instead of one per batch and hop in the
             caller.
         hop_kernel: on a CUDA device, draw each hop's neighbours (fanout -1..64) in one kernel
-            (``ibpcache.cache.sampling_hop``) instead of about 100 torch ops: the same samples. Ignored on the CPU.
+            (``ibpcache.cache.sampling_hop``) instead of about 100 torch ops: the same samples, with about a third
+            less host time per sampler call. ``False`` keeps the torch ops (the reference). Ignored on the CPU.
     """
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, num_nodes: int, fanouts: Sequence[int], *,
                  device: "str | torch.device" = "cpu", frontier: bool = False, edge_ids: bool = True,
-                 groups: bool = False, hop_kernel: bool = False) -> None:
+                 groups: bool = False, hop_kernel: bool = True) -> None:
         for name, t in (("src", src), ("dst", dst)):
             if not isinstance(t, torch.Tensor):
                 raise InvalidTypeError(f"NeighborSampler: {name}: expected an integer torch.Tensor, got "

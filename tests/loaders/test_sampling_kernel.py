@@ -156,8 +156,8 @@ def test_gpu_hop_kernel_samples_equal_the_torch_paths(cora: Any, frontier: bool,
     from ibpcache.loaders.sampling import NeighborSampler
 
     for src, dst, n in ((cora.src, cora.dst, cora.num_nodes), (*power_law_graph(100_000, 20.0, seed=2), 100_000)):
-        ref = NeighborSampler(src, dst, n, fanouts, device="cuda", frontier=frontier, groups=True)
-        fused = NeighborSampler(src, dst, n, fanouts, device="cuda", frontier=frontier, groups=True, hop_kernel=True)
+        ref = NeighborSampler(src, dst, n, fanouts, device="cuda", frontier=frontier, groups=True, hop_kernel=False)
+        fused = NeighborSampler(src, dst, n, fanouts, device="cuda", frontier=frontier, groups=True)  # the default
         cpu = NeighborSampler(src, dst, n, fanouts, frontier=frontier, groups=True)
         assert fused.hop_kernel
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(3))
