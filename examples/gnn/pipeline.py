@@ -435,6 +435,9 @@ class EpochTimes:
     overlap works, one near their sum that it does not. That holds for stages on separate resources (DGL's sampler in
     CPU worker processes); stages that share the GPU (the torch sampler on it, the fetch, the step) cannot beat the
     sum of their GPU time either, which the records report beside it (``gpu_busy_ms``, :func:`_bound`).
+    ``graph_captures`` / ``graph_replays``: training steps captured / replayed as CUDA graphs this epoch (a new
+    padded shape, or a grown feature buffer, is captured anew); a capture costs far more than a replay, so these say
+    whether a slow epoch was still capturing.
     """
 
     epoch: float = 0.0
@@ -444,6 +447,8 @@ class EpochTimes:
     wait: float = 0.0
     batches: int = 0
     input_rows: int = 0
+    graph_captures: int = 0
+    graph_replays: int = 0
 
 
 @dataclass
@@ -1126,8 +1131,13 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
         storage.reset_stats()
         for epoch, batches in enumerate(epochs):
             np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
+            graphs = step.graphs if isinstance(step, GraphedStep) else None
+            captured, replayed = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
             times, losses = _train_epoch(model, step, batches, device, cfg, threads,
                                          verify=ds if epoch == 0 else None)
+            if graphs is not None:
+                times.graph_captures = graphs.captures - captured
+                times.graph_replays = graphs.replays - replayed
             result.epochs.append(times)
             result.losses.append(losses)
             if progress is not None:

@@ -541,6 +541,10 @@ def test_gpu_step_graphs_give_every_mode_the_same_losses(dgl: Any, cora: Any) ->
     recs = gnn.compare_modes(ds, ["dgl", "ibp_cm"], cfg, device=torch.device("cuda"),
                              variants=[("torch", False), ("torch", True)])
     assert all(r["identical_losses"] and r["identical_predictions"] for r in recs)
+    for r in recs:  # each epoch says how many steps it captured and replayed (a slow epoch may still be capturing)
+        epochs = r["run"]["epochs"]
+        assert all(0 <= e["graph_replays"] <= e["batches"] and e["graph_captures"] >= 0 for e in epochs)
+        assert sum(e["graph_captures"] + e["graph_replays"] for e in epochs) > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -563,6 +567,7 @@ def test_training_losses_identical_with_and_without_ibpcache(dgl: Any, cora: Any
     summary = gnn.stats_summary(ibp, ds)
     assert summary["ratio"] > 10 and summary["bytes_moved"] < summary["raw_bytes"]
     assert base.losses[0] != base.losses[1]
+    assert all(e.graph_captures == 0 == e.graph_replays for e in base.epochs + ibp.epochs)  # eager steps on a CPU
 
 
 @pytest.mark.gpu
