@@ -501,20 +501,32 @@ def test_padded_steps_train_deterministically_and_graphs_need_cuda() -> None:
         gnn.GraphedStep(model, torch.optim.Adam(model.parameters()), cpu)
     assert isinstance(gnn.make_step(model, torch.optim.Adam(model.parameters()), replace(cfg, step_graphs=True), cpu),
                       functools.partial)  # graphs are for CUDA; the CPU steps eagerly
+    # a capturable Adam (stepped inside the step's graph) only where steps are graphed: CUDA, step_graphs on
+    for graphed in (False, True):
+        opt = gnn.new_optimizer(model, replace(cfg, step_graphs=graphed, optimizer_in_graph=True), cpu)
+        assert not opt.param_groups[0]["capturable"]
 
 
 @pytest.mark.gpu
-def test_gpu_step_graphs_equal_the_same_padded_steps_taken_eagerly() -> None:
+@pytest.mark.parametrize("capturable", [False, True])
+def test_gpu_step_graphs_equal_the_same_padded_steps_taken_eagerly(capturable: bool) -> None:
     """Replayed graphs give the eager padded step's losses and weights bit for bit (dropout on), capture once per
-    padded shape, and replay without a host sync."""
+    padded shape, and replay without a host sync; a capturable Adam steps inside the graph (the whole step one
+    replay) and gives the same bits as its eager steps."""
     from examples.gnn import pipeline as gnn
 
     ds, dev = gnn.load_gnn_dataset("cora"), torch.device("cuda", torch.cuda.current_device())
     cfg, batches = _sampled_batches(gnn, ds, dev, 6)
     with gnn.deterministic_cuda(True, tf32=True):
         eager_model, graph_model = _model(gnn, ds, cfg, dev), _model(gnn, ds, cfg, dev)
-        eager = gnn.GraphedStep(eager_model, torch.optim.Adam(eager_model.parameters(), lr=0.01), dev, graphs=False)
-        graphs = gnn.GraphedStep(graph_model, torch.optim.Adam(graph_model.parameters(), lr=0.01), dev)
+        eager = gnn.GraphedStep(eager_model, torch.optim.Adam(eager_model.parameters(), lr=0.01,
+                                                              capturable=capturable), dev, graphs=False)
+        graphs = gnn.GraphedStep(graph_model, torch.optim.Adam(graph_model.parameters(), lr=0.01,
+                                                               capturable=capturable), dev)
+        assert graphs.optimizer_in_graph == capturable and not eager.optimizer_in_graph
+        if capturable:
+            with pytest.raises(ConfigError, match="inside the graph"):
+                graphs.forward_backward(batches[0])
         want = [eager(b) for b in batches * 3]
         got = [graphs(b) for b in batches * 2]  # a shape's first batch steps eagerly, its second is captured
         torch.cuda.synchronize()
@@ -532,12 +544,13 @@ def test_gpu_step_graphs_equal_the_same_padded_steps_taken_eagerly() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_step_graphs_give_every_mode_the_same_losses(dgl: Any, cora: Any) -> None:
+@pytest.mark.parametrize("optimizer_in_graph", [False, True])
+def test_gpu_step_graphs_give_every_mode_the_same_losses(dgl: Any, cora: Any, optimizer_in_graph: bool) -> None:
     from examples.gnn import pipeline as gnn
 
     ds = gnn.load_gnn_dataset("cora")
     cfg = gnn.TrainConfig(batch_size=64, epochs=2, hidden=64, lr=0.01, num_workers=1, sampler="torch",
-                          sampler_device="cuda", step_graphs=True)
+                          sampler_device="cuda", step_graphs=True, optimizer_in_graph=optimizer_in_graph)
     recs = gnn.compare_modes(ds, ["dgl", "ibp_cm"], cfg, device=torch.device("cuda"),
                              variants=[("torch", False), ("torch", True)])
     assert all(r["identical_losses"] and r["identical_predictions"] for r in recs)
