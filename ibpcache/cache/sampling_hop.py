@@ -1,9 +1,9 @@
 """The GPU sampler's fused hop: the engine side of ``kernels/sampling.cu``.
 
-``ibpcache.loaders.sampling.NeighborSampler`` (``hop_kernel=True``, its default) calls :func:`hop_positions` on a
-CUDA device for each hop whose fanout is at most :data:`KMAX`: one launch draws what its torch path draws with about 100 small ops
-(the hash and Floyd's algorithm), the same samples bit for bit. Why it matters: a GPU sampler's host time is its
-launches, and in a pipelined GNN epoch the stages' host work shares one interpreter.
+``ibpcache.loaders.sampling.NeighborSampler`` (``hop_kernel=True``, its default) calls :func:`hop_positions` on a CUDA
+device for each hop whose fanout is at most :data:`KMAX`: one launch draws what its torch path draws with about 100
+small ops (the hash and Floyd's algorithm), the same samples bit for bit. Why it matters: a GPU sampler's host time is
+its launches, and in a pipelined GNN epoch the stages' host work shares one interpreter.
 """
 
 from __future__ import annotations

@@ -233,8 +233,9 @@ class NeighborSampler:
             ``Hop.src_ptr``): one sort per hop for all the call's batches, instead of one per batch and hop in the
             caller.
         hop_kernel: on a CUDA device, draw each hop's neighbours (fanout -1..64) in one kernel
-            (``ibpcache.cache.sampling_hop``) instead of about 100 torch ops: the same samples, with about a third
-            less host time per sampler call. ``False`` keeps the torch ops (the reference). Ignored on the CPU.
+            (``ibpcache.cache.sampling_hop``) instead of about 100 torch ops: the same samples, with a fifth to a
+            half less sampler host time (measured on an H100). ``False`` keeps the torch ops (the reference).
+            Ignored on the CPU.
     """
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, num_nodes: int, fanouts: Sequence[int], *,
