@@ -98,7 +98,7 @@ if str(ROOT) not in sys.path:  # examples.gnn and scripts.* live in the reposito
 from examples.gnn import pipeline as gnn  # noqa: E402
 from ibpcache import CompressedRows, FeatureCache  # noqa: E402
 from ibpcache.cache.partitioned import HOST, LOCAL, PEER, PartitionedFeatureCache  # noqa: E402
-from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight  # noqa: E402
+from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight, frozen_gc  # noqa: E402
 from ibpcache.loaders.sampling import NeighborSampler, batch_key  # noqa: E402
 from ibpcache.testing import add_out_argument, format_table, write_results  # noqa: E402
 from ibpcache.testing.stages import all_threads_profile, thread_summary  # noqa: E402
@@ -1072,7 +1072,8 @@ def main(argv: "list[str] | None" = None) -> int:
                   f"{train_cfg.epochs} epochs, cache budget {cfg.cache.budget} per GPU; modes {modes}; "
                   f"{job.sample_chunk()} micro-batches per sampler call; DDP "
                   f"{'defaults' if job.ddp_plain else DDP_OPTIONS}", flush=True)
-        runs = run_modes(job, modes, args.interleave)
+        with frozen_gc(job.cfg.gc_freeze):  # every mode alike (model.gc_freeze)
+            runs = run_modes(job, modes, args.interleave)
         if ranks.rank == 0:
             records, summary = summarize(runs, ranks.world)
             summary["interleaved"] = bool(args.interleave)

@@ -38,7 +38,7 @@ from torch import nn
 
 from ibpcache.errors import ConfigError, IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
-from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight
+from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight, frozen_gc
 from ibpcache.loaders.sampling import Hop, NeighborSampler, batch_key, choose_sampler_device
 
 __all__ = [
@@ -420,6 +420,7 @@ class TrainConfig:
     across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_one)
     step_graphs: bool = True  # CUDA: the training step's forward and backward as CUDA graphs (GraphedStep)
     optimizer_in_graph: bool = False  # step_graphs: Adam(capturable=True), its step replayed in the same graph
+    gc_freeze: bool = False  # every mode's epochs: the objects alive at their start frozen (ibpcache frozen_gc)
     gil_switch_ms: "float | None" = None  # pipelined: Python's thread switch interval while iterating (None: 5 ms)
 
 
@@ -1163,19 +1164,20 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
         epochs = (epoch_slices(loop, len(train_batches), cfg.epochs) if across
                   else (loop for _ in range(cfg.epochs)))
         storage.reset_stats()
-        for epoch, batches in enumerate(epochs):
-            np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
-            graphs = step.graphs if isinstance(step, GraphedStep) else None
-            captured, replayed = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
-            times, losses = _train_epoch(model, step, batches, device, cfg, threads,
-                                         verify=ds if epoch == 0 else None)
-            if graphs is not None:
-                times.graph_captures = graphs.captures - captured
-                times.graph_replays = graphs.replays - replayed
-            result.epochs.append(times)
-            result.losses.append(losses)
-            if progress is not None:
-                progress(1)
+        with frozen_gc(cfg.gc_freeze):  # every mode alike, pipelined or not: GC pauses are not the cache's
+            for epoch, batches in enumerate(epochs):
+                np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
+                graphs = step.graphs if isinstance(step, GraphedStep) else None
+                captured, replayed = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
+                times, losses = _train_epoch(model, step, batches, device, cfg, threads,
+                                             verify=ds if epoch == 0 else None)
+                if graphs is not None:
+                    times.graph_captures = graphs.captures - captured
+                    times.graph_replays = graphs.replays - replayed
+                result.epochs.append(times)
+                result.losses.append(losses)
+                if progress is not None:
+                    progress(1)
         result.stats = storage.stats()
         test_batches = _batches(ds, g, cfg, device, sampler, train=False)
         result.accuracy, result.predictions_sha1 = _evaluate(model, _epochs(test_batches, fetch, cfg, device))
@@ -1390,6 +1392,7 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        across_epochs=bool(model.get("across_epochs", base.across_epochs)),
                        step_graphs=bool(model.get("step_graphs", base.step_graphs)),
                        optimizer_in_graph=bool(model.get("optimizer_in_graph", base.optimizer_in_graph)),
+                       gc_freeze=bool(model.get("gc_freeze", base.gc_freeze)),
                        gil_switch_ms=_optional_float(model.get("gil_switch_ms", base.gil_switch_ms)))
 
 

@@ -30,6 +30,14 @@ turn. A shorter interval (e.g. 0.2 ms) bounds that wait but adds switches; it is
 restored when the iteration ends. Measure before setting it: on the GraphSAGE example (one H100; two H200 ranks)
 0.2 ms gave no faster epoch (docs/results/2026-11-28-h200x2-h100-s42).
 
+Why ``freeze_gc`` exists: Python's cyclic collector, when enough objects have outlived its younger generations,
+walks every tracked object of the process while holding the interpreter lock, so every stage stops. With torch, DGL
+and a training script loaded that is about 270k objects, 117 ms a walk on a 2-core host, and it came about every two
+epochs in a CPU run of the GraphSAGE example, where a pipelined epoch on an H100 takes 60-100 ms. ``freeze_gc``
+moves the objects alive when an iteration starts to the collector's permanent generation (``gc.freeze``) until it
+ends, so a collection inside the loop walks only the loop's own objects. It is process-wide, so it is opt-in, and
+left to the process when something else has frozen objects already.
+
 Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different
 communicators to be submitted in one order across ranks); the caller's thread issues fetch i+1 before it returns
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import queue
 import sys
 import threading
@@ -50,7 +59,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["PipelinedLoader", "StepsInFlight", "record_stream"]
+__all__ = ["PipelinedLoader", "StepsInFlight", "frozen_gc", "record_stream"]
 
 S = TypeVar("S")
 B = TypeVar("B")
@@ -122,6 +131,21 @@ def _get(q: "queue.Queue[Any]", stop: threading.Event) -> Any:
     return _End
 
 
+@contextlib.contextmanager
+def frozen_gc(enabled: bool = True) -> Iterator[None]:
+    """Inside, the objects alive on entry sit in the cyclic collector's permanent generation (``gc.freeze``), so a
+    collection walks only objects made since; unfrozen on exit. Does nothing when ``enabled`` is false or the
+    process has frozen objects of its own (it keeps its policy). Why: module docstring (``freeze_gc``)."""
+    frozen = enabled and gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.unfreeze()
+
+
 class PipelinedLoader(Generic[S, B]):
     """Iterate ``batches`` with sampling, fetching and the caller's training step overlapped (module docstring).
 
@@ -139,12 +163,14 @@ class PipelinedLoader(Generic[S, B]):
             tensors, containers, dataclasses and ``record_stream`` methods (:func:`record_stream`).
         switch_interval: seconds; while an iteration runs, Python's thread switch interval
             (``sys.setswitchinterval``) is set to this, and restored afterwards. ``None`` leaves it alone.
+        freeze_gc: while an iteration runs, the objects alive when it started are frozen (``gc.freeze``; unfrozen
+            when it ends), unless the process has frozen objects of its own.
     """
 
     def __init__(self, batches: Iterable[S], fetch: "Callable[[S], B] | None" = None, *,
                  device: "str | torch.device | None" = None, prefetch: int = 2, sample_ahead: int = 2,
                  fetch_thread: bool = True, record: "Callable[[Any, Any], None] | None" = None,
-                 switch_interval: "float | None" = None) -> None:
+                 switch_interval: "float | None" = None, freeze_gc: bool = False) -> None:
         if not hasattr(batches, "__iter__"):
             raise InvalidArgumentError(f"PipelinedLoader: batches must be iterable, got {type(batches).__name__}")
         for name, value in (("prefetch", prefetch), ("sample_ahead", sample_ahead)):
@@ -156,6 +182,9 @@ class PipelinedLoader(Generic[S, B]):
             raise InvalidArgumentError(
                 f"PipelinedLoader: switch_interval must be seconds in (0, 1] or None, got {switch_interval!r}")
         self.switch_interval = None if switch_interval is None else float(switch_interval)
+        if not isinstance(freeze_gc, bool):
+            raise InvalidArgumentError(f"PipelinedLoader: freeze_gc must be a bool, got {freeze_gc!r}")
+        self.freeze_gc = freeze_gc
         self.batches = batches
         self.fetch = fetch if fetch is not None else _identity
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -201,6 +230,8 @@ class PipelinedLoader(Generic[S, B]):
         previous = sys.getswitchinterval()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
+        thaw = contextlib.ExitStack()
+        thaw.enter_context(frozen_gc(self.freeze_gc))
         for t in threads:
             t.start()
         try:
@@ -216,6 +247,7 @@ class PipelinedLoader(Generic[S, B]):
                     t.join(timeout=_POLL_S)
             if self.switch_interval is not None:
                 sys.setswitchinterval(previous)
+            thaw.close()
 
     # -- stages ---------------------------------------------------------------------------------------------------
 

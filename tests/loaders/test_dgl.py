@@ -583,6 +583,33 @@ def test_training_losses_identical_with_and_without_ibpcache(dgl: Any, cora: Any
     assert all(e.graph_captures == 0 == e.graph_replays for e in base.epochs + ibp.epochs)  # eager steps on a CPU
 
 
+def test_gc_freeze_holds_over_every_mode_s_epochs_and_changes_no_loss(dgl: Any, cora: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from examples.gnn import pipeline as gnn
+
+    ds = gnn.load_gnn_dataset("cora")
+    g = gnn.build_graph(ds)
+    counts: list[int] = []
+    train_epoch = gnn._train_epoch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts.append(gc.get_freeze_count())
+        return train_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(gnn, "_train_epoch", counted)
+    runs = []
+    for freeze, pipelined in ((False, False), (True, False), (True, True)):
+        cfg = gnn.TrainConfig(batch_size=32, epochs=2, hidden=16, lr=0.01, num_workers=1, gc_freeze=freeze,
+                              pipelined=pipelined, stage_batches=0)
+        counts.clear()
+        runs.append(gnn.run_mode(ds, g, "ibp_cm", cfg, device=torch.device("cpu"), budget=0.01))
+        assert len(counts) == 2 and all((n > 0) == freeze for n in counts), counts
+        assert gc.get_freeze_count() == 0
+    assert runs[0].losses == runs[1].losses == runs[2].losses
+
+
 @pytest.mark.gpu
 def test_gpu_every_mode_bit_identical_and_same_losses(dgl: Any, cora: Any) -> None:
     from examples.gnn import pipeline as gnn

@@ -135,6 +135,9 @@ def test_arguments_are_checked() -> None:
     for bad in (0, -1e-3, 2.0, True, "0.001"):
         with pytest.raises(InvalidArgumentError, match="switch_interval"):
             PipelinedLoader([1], switch_interval=bad)  # type: ignore[arg-type]
+    for bad in (1, None, "yes"):
+        with pytest.raises(InvalidArgumentError, match="freeze_gc"):
+            PipelinedLoader([1], freeze_gc=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("stop_early", [False, True])
@@ -154,6 +157,33 @@ def test_switch_interval_holds_while_iterating_and_is_restored(stop_early: bool)
     assert sys.getswitchinterval() == before
     assert [i for i, _ in PipelinedLoader(_Epochs(4), lambda i: (i, 0))] == [0, 1, 2, 3]
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_freeze_gc_freezes_while_iterating_and_leaves_a_process_s_own_freeze(stop_early: bool) -> None:
+    """The objects alive at the start are frozen during the iteration (the sampler and fetch threads see it too)
+    and thawed after, also when the loop stops early; a process that froze objects itself keeps its freeze."""
+    import gc
+
+    from ibpcache.loaders.pipeline import PipelinedLoader
+
+    assert gc.get_freeze_count() == 0
+    seen: list[int] = []
+    for i, in_fetch in PipelinedLoader(_Epochs(6), lambda i: (i, gc.get_freeze_count()), freeze_gc=True):
+        seen += [in_fetch, gc.get_freeze_count()]
+        if stop_early and i == 2:
+            break
+    assert seen and all(n > 0 for n in seen)
+    assert gc.get_freeze_count() == 0
+    assert all(n == 0 for _, n in PipelinedLoader(_Epochs(3), lambda i: (i, gc.get_freeze_count())))
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        for _ in PipelinedLoader(_Epochs(3), freeze_gc=True):
+            assert gc.get_freeze_count() == mine
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.unfreeze()
 
 
 def test_record_stream_walks_batches() -> None:
