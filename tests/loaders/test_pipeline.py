@@ -178,10 +178,10 @@ def test_freeze_gc_freezes_while_iterating_and_leaves_a_process_s_own_freeze(sto
     assert all(n == 0 for _, n in PipelinedLoader(_Epochs(3), lambda i: (i, gc.get_freeze_count())))
     gc.freeze()
     try:
-        mine = gc.get_freeze_count()
+        mine = gc.get_freeze_count()  # frozen objects that die leave the count: it may only fall
         for _ in PipelinedLoader(_Epochs(3), freeze_gc=True):
-            assert gc.get_freeze_count() == mine
-        assert gc.get_freeze_count() == mine
+            assert 0 < gc.get_freeze_count() <= mine  # nothing frozen on top (the loader is newer than the freeze)
+        assert 0 < gc.get_freeze_count() <= mine  # and nothing thawed
     finally:
         gc.unfreeze()
 
