@@ -146,6 +146,21 @@ def frozen_gc(enabled: bool = True) -> Iterator[None]:
             gc.unfreeze()
 
 
+@contextlib.contextmanager
+def _switch_interval(seconds: "float | None") -> Iterator[None]:
+    """Python's thread switch interval set to ``seconds`` inside, restored on exit; ``None`` leaves it alone. Why:
+    module docstring (``switch_interval``)."""
+    if seconds is None:
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
 class PipelinedLoader(Generic[S, B]):
     """Iterate ``batches`` with sampling, fetching and the caller's training step overlapped (module docstring).
 
@@ -227,11 +242,9 @@ class PipelinedLoader(Generic[S, B]):
             source = self._from_thread(fetched, stop)
         else:
             source = self._fetch_here(sampled, stop, fetch_stream)
-        previous = sys.getswitchinterval()
-        if self.switch_interval is not None:
-            sys.setswitchinterval(self.switch_interval)
-        thaw = contextlib.ExitStack()
-        thaw.enter_context(frozen_gc(self.freeze_gc))
+        interpreter = contextlib.ExitStack()  # the process-wide settings of an iteration, restored when it ends
+        interpreter.enter_context(_switch_interval(self.switch_interval))
+        interpreter.enter_context(frozen_gc(self.freeze_gc))
         for t in threads:
             t.start()
         try:
@@ -245,9 +258,7 @@ class PipelinedLoader(Generic[S, B]):
                         with contextlib.suppress(queue.Empty):
                             q.get_nowait()
                     t.join(timeout=_POLL_S)
-            if self.switch_interval is not None:
-                sys.setswitchinterval(previous)
-            thaw.close()
+            interpreter.close()
 
     # -- stages ---------------------------------------------------------------------------------------------------
 
