@@ -310,11 +310,12 @@ def _limits_note(records: list[dict[str, Any]]) -> list[str]:
         each = r.get("run", {}).get("epochs", [])  # the first is warm-up; a slow later one may still be capturing
         epochs = " / ".join(ms(e["epoch"] * 1e3) for e in each)
         captures = " / ".join(str(e.get("graph_captures", 0)) for e in each)
+        full_gc = " / ".join(f"{e.get('gc_full', 0)} ({ms(e.get('gc_seconds', 0.0) * 1e3)} ms)" for e in each)
         lines.append(f"{r['dataset']} {r['sampler']}{again}: epoch {ms(lim['epoch_ms'])} = "
                      f"{x(lim['epoch_vs_slowest_stage'])} slowest stage alone ({lim['slowest_stage']} "
                      f"{ms(lim['slowest_stage_ms'])}), {x(lim['epoch_vs_gpu_busy'])} GPU busy {ms(lim['gpu_busy_ms'])} "
                      f"({gpu}); host {ms(lim['host_busy_ms'])} ({host}) -> bounded by {lim['by']}; "
-                     f"each epoch {epochs} ms, steps captured {captures}")
+                     f"each epoch {epochs} ms, steps captured {captures}, full GCs {full_gc}")
     return lines
 
 

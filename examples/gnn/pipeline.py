@@ -38,7 +38,7 @@ from torch import nn
 
 from ibpcache.errors import ConfigError, IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
-from ibpcache.loaders.pipeline import PipelinedLoader, StepsInFlight, frozen_gc
+from ibpcache.loaders.pipeline import GcPauses, PipelinedLoader, StepsInFlight, frozen_gc
 from ibpcache.loaders.sampling import Hop, NeighborSampler, batch_key, choose_sampler_device
 
 __all__ = [
@@ -439,7 +439,9 @@ class EpochTimes:
     sum of their GPU time either, which the records report beside it (``gpu_busy_ms``, :func:`_bound`).
     ``graph_captures`` / ``graph_replays``: training steps captured / replayed as CUDA graphs this epoch (a new
     padded shape, or a grown feature buffer, is captured anew); a capture costs far more than a replay, so these say
-    whether a slow epoch was still capturing.
+    whether a slow epoch was still capturing. ``gc_full`` / ``gc_young`` / ``gc_seconds``: the cyclic collector's
+    full and younger collections in the epoch and their summed wall time; a collection stops every thread, so they
+    say whether a slow epoch was paused by the collector.
     """
 
     epoch: float = 0.0
@@ -451,6 +453,9 @@ class EpochTimes:
     input_rows: int = 0
     graph_captures: int = 0
     graph_replays: int = 0
+    gc_full: int = 0
+    gc_young: int = 0
+    gc_seconds: float = 0.0
 
 
 @dataclass
@@ -1169,8 +1174,10 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
                 np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
                 graphs = step.graphs if isinstance(step, GraphedStep) else None
                 captured, replayed = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
-                times, losses = _train_epoch(model, step, batches, device, cfg, threads,
-                                             verify=ds if epoch == 0 else None)
+                with GcPauses() as pauses:
+                    times, losses = _train_epoch(model, step, batches, device, cfg, threads,
+                                                 verify=ds if epoch == 0 else None)
+                times.gc_full, times.gc_young, times.gc_seconds = pauses.full, pauses.young, pauses.seconds
                 if graphs is not None:
                     times.graph_captures = graphs.captures - captured
                     times.graph_replays = graphs.replays - replayed

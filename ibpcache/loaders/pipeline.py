@@ -52,6 +52,7 @@ import gc
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -59,7 +60,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["PipelinedLoader", "StepsInFlight", "frozen_gc", "record_stream"]
+__all__ = ["GcPauses", "PipelinedLoader", "StepsInFlight", "frozen_gc", "record_stream"]
 
 S = TypeVar("S")
 B = TypeVar("B")
@@ -144,6 +145,43 @@ def frozen_gc(enabled: bool = True) -> Iterator[None]:
     finally:
         if frozen:
             gc.unfreeze()
+
+
+class GcPauses:
+    """Counts the cyclic collector's collections, and the seconds they held the interpreter, while entered.
+
+    ``full``: collections of the oldest generation (they walk every tracked, unfrozen object); ``young``: the rest;
+    ``seconds``: their wall time summed. Why: a collection stops every thread of a pipelined loop, so an epoch that
+    ran long with a full collection inside it was paused by the collector, not by a stage. Installed as a
+    ``gc.callbacks`` entry; the start time is kept per thread, as any thread may trigger a collection.
+    """
+
+    def __init__(self) -> None:
+        self.full = 0
+        self.young = 0
+        self.seconds = 0.0
+        self._started = threading.local()
+
+    def _callback(self, phase: str, info: Mapping[str, Any]) -> None:
+        if phase == "start":
+            self._started.t = time.perf_counter()
+            return
+        t0 = getattr(self._started, "t", None)
+        if t0 is None:  # entered while a collection ran: its start was not seen
+            return
+        self._started.t = None
+        self.seconds += time.perf_counter() - t0
+        if info.get("generation") == len(gc.get_count()) - 1:  # the oldest generation
+            self.full += 1
+        else:
+            self.young += 1
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 @contextlib.contextmanager

@@ -607,6 +607,9 @@ def test_gc_freeze_holds_over_every_mode_s_epochs_and_changes_no_loss(dgl: Any, 
         runs.append(gnn.run_mode(ds, g, "ibp_cm", cfg, device=torch.device("cpu"), budget=0.01))
         assert len(counts) == 2 and all((n > 0) == freeze for n in counts), counts
         assert gc.get_freeze_count() == 0
+        for e in runs[-1].epochs:  # the collector's pauses per epoch (a frozen heap may see none)
+            assert e.gc_full >= 0 and e.gc_young >= 0 and e.gc_seconds >= 0.0
+            assert (e.gc_seconds > 0.0) == (e.gc_full + e.gc_young > 0)
     assert runs[0].losses == runs[1].losses == runs[2].losses
 
 

@@ -186,6 +186,25 @@ def test_freeze_gc_freezes_while_iterating_and_leaves_a_process_s_own_freeze(sto
         gc.unfreeze()
 
 
+def test_gc_pauses_counts_collections_by_generation_from_any_thread() -> None:
+    """Full and younger collections are told apart, counted from the thread that ran them, timed, and nothing is
+    counted once the block is left (its callback is gone)."""
+    import gc
+
+    from ibpcache.loaders.pipeline import GcPauses
+
+    before = list(gc.callbacks)
+    with GcPauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+        worker = threading.Thread(target=gc.collect, args=(1,))
+        worker.start()
+        worker.join()
+    assert (pauses.full, pauses.young) == (1, 2) and pauses.seconds > 0.0
+    gc.collect()
+    assert pauses.full == 1 and gc.callbacks == before
+
+
 def test_record_stream_walks_batches() -> None:
     from ibpcache.loaders.pipeline import record_stream
 
