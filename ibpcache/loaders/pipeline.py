@@ -36,7 +36,9 @@ and a training script loaded that is about 270k objects, 117 ms a walk on a 2-co
 epochs in a CPU run of the GraphSAGE example, where a pipelined epoch on an H100 takes 60-100 ms. ``freeze_gc``
 moves the objects alive when an iteration starts to the collector's permanent generation (``gc.freeze``) until it
 ends, so a collection inside the loop walks only the loop's own objects. It is process-wide, so it is opt-in, and
-left to the process when something else has frozen objects already.
+left to the process when something else has frozen objects already. Measure before setting it (:class:`GcPauses`
+counts the collections of a block): on the GraphSAGE example on H200s no timed epoch had a full collection, and
+freezing gave no faster epoch, one GPU or two (docs/results/2026-11-28-h200-h200x2-s44).
 
 Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different
