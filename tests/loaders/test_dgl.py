@@ -288,6 +288,38 @@ def test_pipelined_dataloader_same_batches(dgl: Any, mod: Any, cora: Any, mode: 
         assert torch.equal(blocks_b[-1].dstdata["label"], cora.labels[out_b])
 
 
+def test_pipelined_dataloader_over_a_shared_store(dgl: Any, mod: Any, cora: Any) -> None:
+    """A FeatureCache whose host rows are another process's shared segment feeds the pipelined loader the same
+    bytes as the plain loop (the fetch runs in the pipeline's thread)."""
+    import os
+    import secrets
+
+    import numpy as np
+
+    from ibpcache import Codec, CompressedRows
+    from ibpcache.cache.feature_cache import FeatureCache
+
+    name = f"test-dgl-{os.getpid()}-{secrets.token_hex(3)}"
+    seg = Codec.fit(cora.features).compress(cora.features, layout="packed", pin=False).share(name)
+    try:
+        g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
+        mod.attach(g, {"feat": FeatureCache(CompressedRows.attach(name), budget_bytes=64 * 1024, device="cpu")})
+        fetch = mod.FeatureFetch(g, ["feat"], ["label"], device="cpu")
+        np.random.seed(0)
+        plain = [fetch(b) for b in _seeded_loader(dgl, g, cora.num_nodes, 1)]
+        np.random.seed(0)
+        piped = list(mod.pipelined(_seeded_loader(dgl, g, cora.num_nodes, 1), ["feat"], ["label"], device="cpu"))
+    finally:
+        seg.unlink()
+        seg.close()
+    assert len(plain) == len(piped) == -(-cora.num_nodes // 256)
+    for (in_a, _, blocks_a), (in_b, _, blocks_b) in zip(plain, piped):
+        assert torch.equal(in_a, in_b)
+        x = blocks_b[0].srcdata["feat"]
+        assert torch.equal(_bytes(x), _bytes(blocks_a[0].srcdata["feat"]))
+        assert torch.equal(_bytes(x), _bytes(cora.features[in_b]))
+
+
 def test_pipelined_refuses_features_fetched_twice(dgl: Any, mod: Any, cora: Any) -> None:
     g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
     loader = _loader(dgl, g, torch.arange(100), 50, prefetch_node_feats=["feat"])

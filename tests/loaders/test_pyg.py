@@ -99,11 +99,12 @@ def test_graphsage_training_identical_with_shared_store(cora: Any) -> None:
         store = _store(cora, CompressedRows.attach(name))
         ref_losses, ref_feats = _train(data, data)
         losses, feats = _train(data, (store, data))
+        piped_losses, piped_feats = _train(data, (store, data), pipelined=True)  # fetched in the pipeline's thread
     finally:
         seg.unlink()
         seg.close()
-    assert losses == ref_losses  # bit-identical features -> identical arithmetic -> identical losses
-    assert all(torch.equal(a, b) for a, b in zip(ref_feats, feats))
+    assert losses == ref_losses == piped_losses  # bit-identical features -> identical arithmetic -> same losses
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(ref_feats, feats, piped_feats))
     assert ref_losses[-1] < ref_losses[0]  # it does learn
 
 
