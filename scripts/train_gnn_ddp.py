@@ -531,11 +531,12 @@ def make_fetch(job: Job, mode: str) -> tuple[Callable[[torch.Tensor], torch.Tens
     if mode == "partitioned":
         cache = PartitionedFeatureCache(job.rows, hot, budget_bytes=budget, device=job.ranks.device,
                                         group=job.ranks.cache_group, replicate=job.node_replicate,
-                                        track_sources=job.track_sources)
+                                        track_sources=job.track_sources,
+                                        fetch_blocks_per_sm=job.cfg.fetch_blocks_per_sm)
     else:  # lazy on CUDA as the node cache is: no host sync per fetch in any mode, so the fetch threads run alike
         lazy = {"validate": "lazy"} if job.ranks.device.type == "cuda" else {}
         cache = FeatureCache(job.rows, budget_bytes=budget, policy="static", hotness=hot, device=job.ranks.device,
-                             **lazy)
+                             fetch_blocks_per_sm=job.cfg.fetch_blocks_per_sm, **lazy)
     return cache.fetch, cache
 
 

@@ -422,6 +422,7 @@ class TrainConfig:
     optimizer_in_graph: bool = False  # step_graphs: Adam(capturable=True), its step replayed in the same graph
     gc_freeze: bool = False  # every mode's epochs: the objects alive at their start frozen (ibpcache frozen_gc)
     gil_switch_ms: "float | None" = None  # pipelined: Python's thread switch interval while iterating (None: 5 ms)
+    fetch_blocks_per_sm: "int | None" = None  # cached modes: the fetch kernel's grid bound (FeatureCache; None: 16)
 
 
 @dataclass
@@ -1122,9 +1123,13 @@ def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence
     for cfg in cfgs:
         _check_config(cfg)
     t0 = time.perf_counter()
+    blocks = {c.fetch_blocks_per_sm for c in cfgs}
+    if len(blocks) > 1:
+        raise ConfigError(f"run_variants: one storage serves every config, so they need one fetch_blocks_per_sm, "
+                          f"got {sorted(blocks, key=str)}")
     storage = make_storage(ds.features, mode, device=device, budget=budget, policy=policy, codec=codec,
                            hotness=_degree_scores(g) if mode.uses_cache and policy == "static" else None,
-                           name=ds.name)
+                           name=ds.name, fetch_blocks_per_sm=blocks.pop() if blocks else None)
     attach(g, {"feat": storage})
     _sync(device)
     setup_s = time.perf_counter() - t0
@@ -1400,11 +1405,16 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        step_graphs=bool(model.get("step_graphs", base.step_graphs)),
                        optimizer_in_graph=bool(model.get("optimizer_in_graph", base.optimizer_in_graph)),
                        gc_freeze=bool(model.get("gc_freeze", base.gc_freeze)),
-                       gil_switch_ms=_optional_float(model.get("gil_switch_ms", base.gil_switch_ms)))
+                       gil_switch_ms=_optional_float(model.get("gil_switch_ms", base.gil_switch_ms)),
+                       fetch_blocks_per_sm=_optional_int(model.get("fetch_blocks_per_sm", base.fetch_blocks_per_sm)))
 
 
 def _optional_float(value: Any) -> "float | None":
     return None if value is None else float(value)
+
+
+def _optional_int(value: Any) -> "int | None":
+    return None if value is None else int(value)
 
 
 def dataset_from_config(dataset: Any) -> GnnDataset:

@@ -66,6 +66,18 @@ def mode_name(compress_cache: bool, compress_host: bool) -> str:
             (True, True): "IBP(C/M)"}[(bool(compress_cache), bool(compress_host))]
 
 
+def _blocks_per_sm(value: object) -> int:
+    """``fetch_blocks_per_sm`` checked: None -> the lookup's full grid; else an int in 1..16."""
+    from ..kernels.lookup import ROWS_BLOCKS_PER_SM
+
+    if value is None:
+        return ROWS_BLOCKS_PER_SM
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 1 <= value <= ROWS_BLOCKS_PER_SM:
+        raise InvalidArgumentError(f"fetch_blocks_per_sm must be None or an int in 1..{ROWS_BLOCKS_PER_SM}, "
+                                   f"got {value!r}")
+    return int(value)
+
+
 class FeatureCache:
     """Rows of a dataset, served by id from a byte-budgeted cache slab plus a host store.
 
@@ -111,6 +123,12 @@ class FeatureCache:
         slab_id: the id (0..7) this cache's own slab carries in its entries. Caches whose indexes also hold rows
             of other caches' slabs (:meth:`add_peer_rows`: the GPUs of one node, ``cache/partitioned.py``) give
             every slab its own id; a lone cache keeps 0.
+        fetch_blocks_per_sm: CUDA, static policy: at most this many blocks (of 8 warps) per multiprocessor in a
+            fetch's lookup kernel (1..16; ``None``: 16, which fills the GPU). Why: a fetch whose misses are read
+            from host memory is bound by the link, not by the multiprocessors, yet a full grid holds them all until
+            it ends, so a training step's kernels on another stream (a pipelined loader) wait behind it instead of
+            running beside it. A few blocks per multiprocessor keep enough host reads in flight for the link with
+            the rest of the GPU free. Output bytes do not depend on it.
     """
 
     def __init__(
@@ -130,8 +148,10 @@ class FeatureCache:
         validate: str = "eager",
         transfer: str = "auto",
         slab_id: int = 0,
+        fetch_blocks_per_sm: "int | None" = None,
     ) -> None:
         self.device = resolve_device(device)
+        self.fetch_blocks_per_sm = _blocks_per_sm(fetch_blocks_per_sm)
         if validate not in ("eager", "lazy"):
             raise InvalidArgumentError(f"validate must be 'eager' or 'lazy', got {validate!r}")
         self.validate = validate
@@ -489,7 +509,8 @@ class FeatureCache:
             h = self.host.host_args()
             self._source = RowSource(self.index.kernel_args(), self.slab_bases, h.base, h.offsets, h.stride,
                                      h.lengths, self.n_rows)
-        lookup_rows(ids, out_u8, self._source, self._tables, self.stats_.counters, self._errors.ptr)
+        lookup_rows(ids, out_u8, self._source, self._tables, self.stats_.counters, self._errors.ptr,
+                    blocks_per_sm=self.fetch_blocks_per_sm)
 
     @property
     def _host_gathers_enabled(self) -> bool:
@@ -762,6 +783,7 @@ class FeatureCache:
             "index": self.index.status(),
             "metadata_bytes": self.metadata_nbytes,
             "kernel_status": status,
+            "fetch_blocks_per_sm": self.fetch_blocks_per_sm,
         }
 
     @property

@@ -253,20 +253,31 @@ def _check(ids: torch.Tensor, out: torch.Tensor, tables: Tables, err_ptr: int,
     return kind
 
 
+ROWS_BLOCKS_PER_SM = 16
+"""The rows lookup's grid: at most this many blocks of ``_ROWS_WARPS`` warps per streaming multiprocessor."""
+
+
+def rows_grid(n: int, sms: int, blocks_per_sm: int = ROWS_BLOCKS_PER_SM) -> int:
+    """Blocks of the rows lookup for ``n`` ids on a GPU of ``sms`` multiprocessors: a warp per row, grid-stride,
+    at most ``blocks_per_sm`` blocks per multiprocessor."""
+    return max(1, min(-(-n // _ROWS_WARPS), sms * blocks_per_sm))
+
+
 def lookup_rows(ids: torch.Tensor, out: torch.Tensor, src: RowSource, tables: Tables,
                 counters: Optional[torch.Tensor], err_ptr: int, freq: Optional[torch.Tensor] = None,
                 layout: Optional[BagLayout] = None, staging: Optional[Staging] = None,
-                out_ref: Optional[torch.Tensor] = None) -> None:
+                out_ref: Optional[torch.Tensor] = None, blocks_per_sm: int = ROWS_BLOCKS_PER_SM) -> None:
     """``out`` (uint8, one ``row_bytes`` row per id, in ``layout``'s output order) = the rows of ``ids``.
     With ``staging``: three launches that read every missed row from host memory once (else one launch). Raw
     stores (``tables.raw``) take the kernel with several rows per warp. ``out_ref`` (int64 [1] on the device, or
-    None): the kernel writes to the address it holds when it runs, ``out`` giving only the shape (see lookup.cu)."""
+    None): the kernel writes to the address it holds when it runs, ``out`` giving only the shape (see lookup.cu).
+    ``blocks_per_sm``: the lookup's grid bound (:func:`rows_grid`)."""
     kind = _check(ids, out, tables, err_ptr, staging, out_ref)
     dev = device_index(out)
     n = ids.numel()
     if n == 0:
         return
-    grid = max(1, min(-(-n // _ROWS_WARPS), sm_count(dev) * 16))
+    grid = rows_grid(n, sm_count(dev), blocks_per_sm)
     args = _common_args(ids, None, 1, n, False, layout, out, src, tables, counters, err_ptr, freq, staging,
                         out_ref=out_ref)
     if staging is not None:

@@ -532,6 +532,7 @@ def make_storage(
     policy: str = "static",
     codec: Any = "auto",
     name: str = "",
+    fetch_blocks_per_sm: "int | None" = None,
 ) -> Any:
     """Wrap feature rows in an :class:`IBPFeatureStorage` for one of the six :class:`FetchMode` paths.
 
@@ -539,7 +540,9 @@ def make_storage(
     if there is one). ``budget``: GPU cache size, bytes (int) or a fraction of the raw feature bytes (float in
     (0, 1]); the paper uses 1%. ``hotness``: per-row score for the static cache (e.g. :func:`degree_hotness`).
     ``codec``: ``"auto"`` fits one on the rows, or pass a fitted ``Codec`` to share it between modes.
-    DGL modes ignore budget, hotness, policy and codec.
+    ``fetch_blocks_per_sm``: the cache's lookup grid bound (:class:`FeatureCache`), leaving multiprocessors to a
+    training step that runs beside a pipelined fetch. DGL modes ignore budget, hotness, policy, codec and
+    ``fetch_blocks_per_sm``.
     """
     mode = FetchMode.from_str(mode)
     rows = check_rows(rows, "rows")
@@ -557,7 +560,7 @@ def make_storage(
     compress = mode.compress_cache or mode.compress_host
     cache = FeatureCache(rows, budget_bytes=budget, hotness=hotness, policy=policy, device=dev,
                          codec=codec if compress else None, compress_cache=mode.compress_cache,
-                         compress_host=mode.compress_host)
+                         compress_host=mode.compress_host, fetch_blocks_per_sm=fetch_blocks_per_sm)
     return _new_storage(_CacheBackend(cache), n_rows, row_shape, dtype, mode, dev, name)
 
 

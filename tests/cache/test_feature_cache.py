@@ -291,3 +291,18 @@ def test_concurrent_fetches_from_threads_are_exact(cora_x, cora_codec, cora_degr
     st = fc.stats()
     assert st["requests"] == 4 * 40 * 2000 and st["hits"] + st["misses"] == st["requests"]
     assert st["hits"] > 0
+
+
+def test_fetch_blocks_per_sm_is_checked_and_reported(cora_x) -> None:
+    """The lookup's grid bound: None is the full grid (16 blocks per multiprocessor), 1..16 are kept, anything else
+    is refused naming the value; rows_grid never exceeds the bound and never launches an empty grid."""
+    from ibpcache.kernels.lookup import ROWS_BLOCKS_PER_SM, rows_grid
+
+    x = cora_x[:300].contiguous()
+    assert FeatureCache(x, 0.1, device="cpu").stats()["fetch_blocks_per_sm"] == ROWS_BLOCKS_PER_SM == 16
+    assert FeatureCache(x, 0.1, device="cpu", fetch_blocks_per_sm=2).stats()["fetch_blocks_per_sm"] == 2
+    for bad in (0, 17, -1, True, 2.5, "4"):
+        with pytest.raises(InvalidArgumentError, match="fetch_blocks_per_sm"):
+            FeatureCache(x, 0.1, device="cpu", fetch_blocks_per_sm=bad)
+    assert rows_grid(10**6, 132) == 132 * 16 and rows_grid(10**6, 132, 1) == 132
+    assert rows_grid(9, 132, 1) == 2 and rows_grid(1, 132) == 1 and rows_grid(0, 132) == 1

@@ -143,6 +143,23 @@ def test_minilm_fetch_is_bit_exact_on_cuda(minilm_x, minilm_codec, combo, policy
     _ok(fc, 12000)
 
 
+@pytest.mark.parametrize("combo", COMBOS, ids=[mode_name(*c) for c in COMBOS])
+def test_fetch_with_a_bounded_grid_is_bit_exact(cora_x, cora_codec, cora_degrees, minilm_x, minilm_codec,
+                                                combo) -> None:
+    """One block per multiprocessor walks many rows per warp (the grid-stride loop): the same bytes as the full
+    grid, for batches far larger than the grid and for one smaller than it."""
+    for x, codec, hot in ((cora_x, cora_codec, cora_degrees), (minilm_x, minilm_codec, None)):
+        full = _cache(x, codec, combo, hotness=hot)
+        small = _cache(x, codec, combo, hotness=hot, fetch_blocks_per_sm=1)
+        assert small.stats()["fetch_blocks_per_sm"] == 1 and full.stats()["fetch_blocks_per_sm"] == 16
+        for n, seed in ((40_000, 1), (40_000, 2), (5, 3)):
+            ids = zipf(x.shape[0], n, seed).to(CUDA)
+            a, b = full.fetch(ids), small.fetch(ids)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            assert_same_rows(b, x, ids.cpu())
+        _ok(small, 80_005)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_dynamic_hash_index_churn_on_cuda(cora_x, cora_codec, policy) -> None:
     fc = _cache(cora_x, cora_codec, (True, True), policy=policy, budget_bytes=0.005, index="hash")

@@ -652,6 +652,29 @@ def test_gc_freeze_holds_over_every_mode_s_epochs_and_changes_no_loss(dgl: Any, 
     assert runs[0].losses == runs[1].losses == runs[2].losses
 
 
+def test_fetch_blocks_per_sm_reaches_the_cache_from_the_model_config(dgl: Any, mod: Any, cora: Any) -> None:
+    """``model.fetch_blocks_per_sm`` (configs/model/sage.yaml) -> TrainConfig -> make_storage -> FeatureCache; one
+    storage serves a mode's configs, so configs that disagree are refused."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from examples.gnn import pipeline as gnn
+    from ibpcache.errors import ConfigError
+
+    model = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs" / "model" / "sage.yaml")
+    data = {"batch_size": 32}
+    assert gnn.train_config(model, data, epochs=1, seed=0).fetch_blocks_per_sm is None
+    model.fetch_blocks_per_sm = 4
+    assert gnn.train_config(model, data, epochs=1, seed=0).fetch_blocks_per_sm == 4
+    storage = mod.make_storage(cora.features, "ibp_cm", device="cpu", budget=0.05, fetch_blocks_per_sm=3)
+    assert storage.stats()["fetch_blocks_per_sm"] == 3
+    ds = gnn.load_gnn_dataset("cora")
+    cfgs = [gnn.TrainConfig(epochs=1, fetch_blocks_per_sm=b) for b in (None, 2)]
+    with pytest.raises(ConfigError, match="fetch_blocks_per_sm"):
+        gnn.run_variants(ds, gnn.build_graph(ds), "ibp_cm", cfgs, device=torch.device("cpu"))
+
+
 @pytest.mark.gpu
 def test_gpu_every_mode_bit_identical_and_same_losses(dgl: Any, cora: Any) -> None:
     from examples.gnn import pipeline as gnn
