@@ -149,6 +149,9 @@ def frozen_gc(enabled: bool = True) -> Iterator[None]:
             gc.unfreeze()
 
 
+_OLDEST_GENERATION = len(gc.get_count()) - 1
+
+
 class GcPauses:
     """Counts the cyclic collector's collections, and the seconds they held the interpreter, while entered.
 
@@ -173,7 +176,7 @@ class GcPauses:
             return
         self._started.t = None
         self.seconds += time.perf_counter() - t0
-        if info.get("generation") == len(gc.get_count()) - 1:  # the oldest generation
+        if info.get("generation") == _OLDEST_GENERATION:
             self.full += 1
         else:
             self.young += 1

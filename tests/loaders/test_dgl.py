@@ -267,17 +267,23 @@ def _seeded_loader(dgl: Any, g: Any, n: int, workers: int) -> Any:
                                       num_workers=workers, worker_init_fn=_Seed(dgl))
 
 
-@pytest.mark.parametrize("mode", ["dgl", "dgl_pinned", "ibp_c", "ibp_cm"])
-def test_pipelined_dataloader_same_batches(dgl: Any, mod: Any, cora: Any, mode: str) -> None:
+def _plain_and_pipelined(dgl: Any, mod: Any, g: Any, n: int) -> tuple[list, list]:
+    """The seeded loader's batches over ``g``'s attached features, fetched in turn and through ``mod.pipelined``
+    (DGL shuffles with NumPy's global generator, reseeded before each)."""
     import numpy as np
 
-    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
-    mod.attach(g, {"feat": cora.features}, mode=mode, device="cpu", budget=0.02)
     fetch = mod.FeatureFetch(g, ["feat"], ["label"], device="cpu")
     np.random.seed(0)
-    plain = [fetch(b) for b in _seeded_loader(dgl, g, cora.num_nodes, 1)]
+    plain = [fetch(b) for b in _seeded_loader(dgl, g, n, 1)]
     np.random.seed(0)
-    piped = list(mod.pipelined(_seeded_loader(dgl, g, cora.num_nodes, 1), ["feat"], ["label"], device="cpu"))
+    return plain, list(mod.pipelined(_seeded_loader(dgl, g, n, 1), ["feat"], ["label"], device="cpu"))
+
+
+@pytest.mark.parametrize("mode", ["dgl", "dgl_pinned", "ibp_c", "ibp_cm"])
+def test_pipelined_dataloader_same_batches(dgl: Any, mod: Any, cora: Any, mode: str) -> None:
+    g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
+    mod.attach(g, {"feat": cora.features}, mode=mode, device="cpu", budget=0.02)
+    plain, piped = _plain_and_pipelined(dgl, mod, g, cora.num_nodes)
     assert len(plain) == len(piped) == -(-cora.num_nodes // 256)
     for (in_a, out_a, blocks_a), (in_b, out_b, blocks_b) in zip(plain, piped):
         assert torch.equal(in_a, in_b) and torch.equal(out_a, out_b)
@@ -294,8 +300,6 @@ def test_pipelined_dataloader_over_a_shared_store(dgl: Any, mod: Any, cora: Any)
     import os
     import secrets
 
-    import numpy as np
-
     from ibpcache import Codec, CompressedRows
     from ibpcache.cache.feature_cache import FeatureCache
 
@@ -304,11 +308,7 @@ def test_pipelined_dataloader_over_a_shared_store(dgl: Any, mod: Any, cora: Any)
     try:
         g = _graph(dgl, cora.src, cora.dst, cora.num_nodes, cora.labels)
         mod.attach(g, {"feat": FeatureCache(CompressedRows.attach(name), budget_bytes=64 * 1024, device="cpu")})
-        fetch = mod.FeatureFetch(g, ["feat"], ["label"], device="cpu")
-        np.random.seed(0)
-        plain = [fetch(b) for b in _seeded_loader(dgl, g, cora.num_nodes, 1)]
-        np.random.seed(0)
-        piped = list(mod.pipelined(_seeded_loader(dgl, g, cora.num_nodes, 1), ["feat"], ["label"], device="cpu"))
+        plain, piped = _plain_and_pipelined(dgl, mod, g, cora.num_nodes)
     finally:
         seg.unlink()
         seg.close()
