@@ -419,7 +419,7 @@ class TrainConfig:
     stage_batches: int = -1  # batches of the separate stage-timing pass: -1 one epoch's, 0 no pass
     across_epochs: bool = True  # pipelined, torch sampler: one loader run over every epoch (see _run_one)
     step_graphs: bool = True  # CUDA: the training step's forward and backward as CUDA graphs (GraphedStep)
-    optimizer_in_graph: bool = False  # step_graphs: Adam(capturable=True), its step replayed in the same graph
+    optimizer_in_graph: bool = True  # step_graphs: Adam(capturable=True), its step replayed in the same graph
     gc_freeze: bool = False  # every mode's epochs: the objects alive at their start frozen (ibpcache frozen_gc)
     gil_switch_ms: "float | None" = None  # pipelined: Python's thread switch interval while iterating (None: 5 ms)
     fetch_blocks_per_sm: "int | None" = None  # cached modes: the fetch kernel's grid bound (FeatureCache; None: 16)

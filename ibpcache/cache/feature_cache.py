@@ -127,8 +127,10 @@ class FeatureCache:
             fetch's lookup kernel (1..16; ``None``: 16, which fills the GPU). Why: a fetch whose misses are read
             from host memory is bound by the link, not by the multiprocessors, yet a full grid holds them all until
             it ends, so a training step's kernels on another stream (a pipelined loader) wait behind it instead of
-            running beside it. A few blocks per multiprocessor keep enough host reads in flight for the link with
-            the rest of the GPU free. Output bytes do not depend on it.
+            running beside it. A few blocks per multiprocessor keep most host reads in flight (1 per SM: 91% of
+            the full grid's throughput on an H200) with the rest of the GPU free, for kernels that can use it:
+            cuBLAS matmuls gained little (overlap 1.08x -> 1.2x) and GraphSAGE epochs nothing
+            (docs/results/2026-11-28-h200-s45), hence the default. Output bytes do not depend on it.
     """
 
     def __init__(
