@@ -432,7 +432,8 @@ class EpochTimes:
     ``epoch``: wall time of the training loop (sampling, fetching and training, overlapped when pipelined);
     ``wait``: host time the trainer waited for its next batch. ``sample`` / ``fetch`` / ``train``: each stage ALONE
     for an epoch's batches, from a separate pass after training (sampling an epoch with the sampler's own workers;
-    then per batch the fetch and the training step, each timed between device syncs). Timing stages inside the
+    then in windows of a few batches the fetches, then the training steps, synced around each window's fetches
+    and steps, not per batch: a stage alone runs ahead of the GPU as in training). Timing stages inside the
     pipelined loop would need syncs that serialize it, so the stage times of a mode come from that pass and are the
     same in its pipelined and unpipelined records; a pipelined epoch near ``max(sample, fetch, train)`` means the
     overlap works, one near their sum that it does not. That holds for stages on separate resources (DGL's sampler in
@@ -985,9 +986,15 @@ def _evaluate(model: GraphSAGE, batches: Any) -> tuple[float, str]:
 def _stage_times(batches: Any, fetch: _Fetch, new_model: "Callable[[], tuple[GraphSAGE, Callable[[_Batch], Any]]]",
                  device: torch.device, cfg: TrainConfig, threads: int) -> dict[str, Any]:
     """Each stage alone, seconds per epoch: sampling an epoch's batches (with the sampler's own workers or chunks,
-    as in training), then per batch the fetch and one training step (of a throwaway model), each between device
-    syncs. ``cfg.stage_batches`` > 0 times that many batches and scales to an epoch. Then the same stages once more
-    under the profiler, for what they cost the resources they share (:func:`_stage_shares`)."""
+    as in training), then in windows of :data:`_STAGE_WINDOW` batches the window's fetches back to back, then its
+    training steps (of a throwaway model; at most two ahead of the GPU, as in training), the device synced only
+    around each window's fetches and steps. ``cfg.stage_batches`` > 0 times that many batches and scales to an
+    epoch. Then the same stages once more under the profiler, for what they cost the resources they share
+    (:func:`_stage_shares`).
+
+    Why windows: a stage synced after every batch costs its host time plus its GPU time, while running alone it
+    costs about the larger of the two, so per-batch syncs overstate the slowest stage and flatter
+    ``epoch_vs_slowest_stage``; one window's fetched batches (not an epoch's) are held on the device at a time."""
     per_epoch = len(batches)
     limit = cfg.stage_batches if cfg.stage_batches > 0 else per_epoch
     _sync(device)
@@ -1007,22 +1014,30 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: "Callable[[], tuple[Gra
     for s in items * 2 if isinstance(step, GraphedStep) else items[:1]:
         step(fetch(s))  # warm-up: optimizer state, allocator; graphs: every shape's eager step and capture
     fetch_s = train_s = 0.0
-    for s in items:
+    for at in range(0, len(items), _STAGE_WINDOW):
         _sync(device)
         t0 = time.perf_counter()
-        batch = fetch(s)
+        window = [fetch(s) for s in items[at:at + _STAGE_WINDOW]]
         _sync(device)
         t1 = time.perf_counter()
         _pin_cpu_threads(device, threads)
-        step(batch)
+        in_flight = StepsInFlight(device, limit=2)
+        for batch in window:
+            step(batch)
+            in_flight.step_done()
         _sync(device)
         fetch_s += t1 - t0
         train_s += time.perf_counter() - t1
+        del window
     scale = per_epoch / len(items)
     walls = {"sample": sample_s * scale, "fetch": fetch_s * scale, "train": train_s * scale}
     return {**walls, "batches": len(items),
             **_stage_shares(batches, items, fetch, step, device, threads, walls)}
 
+
+#: batches fetched, then trained, between device syncs in the timed stage pass (:func:`_stage_times`): enough that
+#: the sync's bubble is a small part of a window, few enough that their features fit beside training
+_STAGE_WINDOW = 8
 
 #: batches of the profiled stage pass (two of the torch sampler's default chunks): enough for per-batch shares, few
 #: enough that the profile's events take a second, not ten, to read

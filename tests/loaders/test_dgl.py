@@ -745,3 +745,42 @@ def test_gpu_storage_takes_ids_from_a_gpu_sampler(dgl: Any, mod: Any, cora: Any,
     ids = torch.tensor([2707, 0, 0, 5, 1000], device="cuda")
     got = storage.fetch(ids, "cuda")
     assert got.device.type == "cuda" and torch.equal(_bytes(got.cpu()), _bytes(cora.features[ids.cpu()]))
+
+
+def test_stage_pass_fetches_then_steps_a_window_at_a_time(dgl: Any) -> None:
+    """The timed stage pass fetches a window of batches, then steps them (so a stage runs ahead of the GPU as it
+    does alone, not synced per batch), covering every batch once and holding at most one window's batches."""
+    from examples.gnn import pipeline as gnn
+
+    calls: list[tuple[str, int]] = []
+    live: set[int] = set()
+    most_live = [0]
+
+    class Fetched:
+        def __init__(self, i: int) -> None:
+            self.i = i
+            live.add(i)
+            most_live[0] = max(most_live[0], len(live))
+
+        def __del__(self) -> None:
+            live.discard(self.i)
+
+    def fetch(i: int) -> Fetched:
+        calls.append(("fetch", i))
+        return Fetched(i)
+
+    def step(batch: Fetched) -> None:
+        calls.append(("step", batch.i))
+
+    n = 2 * gnn._STAGE_WINDOW + 3
+    cfg = gnn.TrainConfig(batch_size=4, epochs=1, hidden=8, lr=0.01, num_workers=1, stage_batches=-1)
+    out = gnn._stage_times(list(range(n)), fetch, lambda: (torch.nn.Linear(1, 1), step), torch.device("cpu"),
+                           cfg, threads=torch.get_num_threads())
+    assert out["batches"] == n
+    timed = calls[2:2 + 2 * n]  # after the warm-up's fetch and step of batch 0; the profiled pass follows
+    expected: list[tuple[str, int]] = []
+    for at in range(0, n, gnn._STAGE_WINDOW):
+        window = range(at, min(at + gnn._STAGE_WINDOW, n))
+        expected += [("fetch", i) for i in window] + [("step", i) for i in window]
+    assert timed == expected
+    assert most_live[0] <= gnn._STAGE_WINDOW + 1  # a window, plus the warm-up's batch until it is dropped
