@@ -315,8 +315,21 @@ def _limits_note(records: list[dict[str, Any]]) -> list[str]:
                      f"{x(lim['epoch_vs_slowest_stage'])} slowest stage alone ({lim['slowest_stage']} "
                      f"{ms(lim['slowest_stage_ms'])}), {x(lim['epoch_vs_gpu_busy'])} GPU busy {ms(lim['gpu_busy_ms'])} "
                      f"({gpu}); host {ms(lim['host_busy_ms'])} ({host}) -> bounded by {lim['by']}; "
-                     f"each epoch {epochs} ms, steps captured {captures}, full GCs {full_gc}")
+                     f"each epoch {epochs} ms, steps captured {captures}, full GCs {full_gc}; "
+                     f"{_threads_note(r)}")
     return lines
+
+
+def _threads_note(r: dict[str, Any]) -> str:
+    """The stage threads' time per timed epoch (StageClock): a starved stage waits on the one before it, a blocked
+    one on the one after it, and the trainer's wait is its own starvation."""
+    def ms(key: str) -> str:
+        v = r.get(key)
+        return "-" if v is None else f"{v:.1f}"
+
+    return (f"threads (ms an epoch): sampler busy {ms('sample_busy_ms')} blocked {ms('sample_blocked_ms')}, "
+            f"fetch starved {ms('fetch_starved_ms')} busy {ms('fetch_busy_ms')} blocked {ms('fetch_blocked_ms')}, "
+            f"trainer waited {ms('wait_ms')}")
 
 
 def _plot(records: list[dict[str, Any]]) -> Any:

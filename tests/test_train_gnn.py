@@ -46,6 +46,12 @@ def test_quick_run_on_cpu_writes_every_variant(tmp_path: Path) -> None:
         # the profiled stage pass: host shares on the CPU (no GPU numbers, so no GPU bound)
         assert all(r[f"{n}_host_ms"] is not None and r[f"{n}_host_ms"] >= 0 for n in ("sample", "fetch", "train"))
         assert r["host_busy_ms"] > 0 and r["gpu_busy_ms"] is None and r["bound_ms"] is None
+        clock = [f"{n}_ms" for n in ("sample_busy", "sample_blocked", "fetch_starved", "fetch_busy", "fetch_blocked")]
+        if r["pipelined"]:  # the stage threads' clock (run ahead across epochs, a tiny run's work may all land in one)
+            assert all(r[k] >= 0 for k in clock)
+            assert all(sum(e[k] for e in r["run"]["epochs"]) > 0 for k in ("sample_busy", "fetch_busy"))
+        else:
+            assert not set(clock) & set(r) and all(e["fetch_busy"] == 0.0 for e in r["run"]["epochs"])
     assert doc["meta"]["all_modes_identical"]
     assert doc["meta"]["datasets"]["cora_su"]["variants"] == [["dgl", False], ["dgl", True], ["torch", False],
                                                               ["torch", True]]
@@ -55,7 +61,8 @@ def test_quick_run_on_cpu_writes_every_variant(tmp_path: Path) -> None:
     assert (tmp_path / "train_gnn.png").stat().st_size > 0
     assert "Targets of issue 25" in res.stdout
     assert len(doc["meta"]["limits"]) == 2 and "What bounds the pipelined" in res.stdout  # ibp_cm pipelined x 2
-    assert all("each epoch " in line and "steps captured 0 / 0, full GCs " in line for line in doc["meta"]["limits"])
+    assert all("each epoch " in line and "steps captured 0 / 0, full GCs " in line and "fetch starved " in line
+               for line in doc["meta"]["limits"])
     assert goals["torch"]["limit"]["by"] in {"GPU", "host", "overlap"} or goals["torch"]["limit"]["by"].startswith(
         "slowest stage")
 

@@ -443,7 +443,10 @@ class EpochTimes:
     padded shape, or a grown feature buffer, is captured anew); a capture costs far more than a replay, so these say
     whether a slow epoch was still capturing. ``gc_full`` / ``gc_young`` / ``gc_seconds``: the cyclic collector's
     full and younger collections in the epoch and their summed wall time; a collection stops every thread, so they
-    say whether a slow epoch was paused by the collector.
+    say whether a slow epoch was paused by the collector. ``sample_busy`` / ``sample_blocked`` / ``fetch_starved`` /
+    ``fetch_busy`` / ``fetch_blocked``: pipelined runs, the stage threads' time in the epoch
+    (:class:`~ibpcache.loaders.pipeline.StageClock`; with ``across_epochs`` the sampler's run-ahead into the next
+    epoch counts where it happens); with ``wait`` (the trainer starved) they say which stage held the epoch back.
     """
 
     epoch: float = 0.0
@@ -458,6 +461,11 @@ class EpochTimes:
     gc_full: int = 0
     gc_young: int = 0
     gc_seconds: float = 0.0
+    sample_busy: float = 0.0
+    sample_blocked: float = 0.0
+    fetch_starved: float = 0.0
+    fetch_busy: float = 0.0
+    fetch_blocked: float = 0.0
 
 
 @dataclass
@@ -481,7 +489,7 @@ class RunResult:
         separate pass."""
         timed = self.epochs[1:] or self.epochs
         out = EpochTimes()
-        for name in ("epoch", "wait"):
+        for name in ("epoch", "wait", *_CLOCK_FIELDS):
             setattr(out, name, sum(getattr(e, name) for e in timed) / len(timed))
         for name in ("sample", "fetch", "train"):
             setattr(out, name, float(self.stages.get(name, math.nan)))
@@ -1035,6 +1043,9 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: "Callable[[], tuple[Gra
             **_stage_shares(batches, items, fetch, step, device, threads, walls)}
 
 
+#: the pipelined loader's stage-thread times kept per epoch (EpochTimes, StageClock)
+_CLOCK_FIELDS = ("sample_busy", "sample_blocked", "fetch_starved", "fetch_busy", "fetch_blocked")
+
 #: batches fetched, then trained, between device syncs in the timed stage pass (:func:`_stage_times`): enough that
 #: the sync's bubble is a small part of a window, few enough that their features fit beside training
 _STAGE_WINDOW = 8
@@ -1194,10 +1205,15 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
                 np.random.seed((cfg.seed * 1000 + epoch) % 2**32)  # DGL shuffles with NumPy's global generator
                 graphs = step.graphs if isinstance(step, GraphedStep) else None
                 captured, replayed = (graphs.captures, graphs.replays) if graphs is not None else (0, 0)
+                clock = loop.clock.snapshot() if isinstance(loop, PipelinedLoader) else None
                 with GcPauses() as pauses:
                     times, losses = _train_epoch(model, step, batches, device, cfg, threads,
                                                  verify=ds if epoch == 0 else None)
                 times.gc_full, times.gc_young, times.gc_seconds = pauses.full, pauses.young, pauses.seconds
+                if clock is not None:
+                    spent = loop.clock.since(clock)
+                    for name in _CLOCK_FIELDS:
+                        setattr(times, name, getattr(spent, name))
                 if graphs is not None:
                     times.graph_captures = graphs.captures - captured
                     times.graph_replays = graphs.replays - replayed
@@ -1349,7 +1365,9 @@ def _records(ds: GnnDataset, results: list[RunResult], fit_s: float) -> list[dic
             "dataset": ds.name, "mode": r.mode, "label": r.label, "sampler": r.sampler,
             "sampler_device": r.sampler_device, "pipelined": r.pipelined,
             "epoch_ms": mean.epoch * 1e3, "sample_ms": mean.sample * 1e3, "fetch_ms": mean.fetch * 1e3,
-            "train_ms": mean.train * 1e3, "wait_ms": mean.wait * 1e3, "slowest_stage_ms": slowest * 1e3,
+            "train_ms": mean.train * 1e3, "wait_ms": mean.wait * 1e3,
+            **({f"{n}_ms": getattr(mean, n) * 1e3 for n in _CLOCK_FIELDS} if r.pipelined else {}),
+            "slowest_stage_ms": slowest * 1e3,
             "epoch_vs_slowest_stage": mean.epoch / slowest if slowest > 0 else None,
             **_bound(r, mean.epoch),
             "batches": mean.batches,

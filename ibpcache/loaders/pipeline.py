@@ -40,6 +40,11 @@ left to the process when something else has frozen objects already. Measure befo
 counts the collections of a block): on the GraphSAGE example on H200s no timed epoch had a full collection, and
 freezing gave no faster epoch, one GPU or two (docs/results/2026-11-28-h200-h200x2-s44).
 
+Why :class:`StageClock` exists: a pipelined epoch longer than both its stages' host time and their GPU time summed
+has lost overlap somewhere, and only the stage threads know where: a stage starved (waiting for its input) while the
+one before it was busy names the stage that holds the epoch back; a stage blocked (waiting to hand a batch on) names
+the one after it. The clock adds two ``perf_counter`` calls per batch and stage and never touches the device.
+
 Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different
 communicators to be submitted in one order across ranks); the caller's thread issues fetch i+1 before it returns
@@ -62,7 +67,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["GcPauses", "PipelinedLoader", "StepsInFlight", "frozen_gc", "record_stream"]
+__all__ = ["GcPauses", "PipelinedLoader", "StageClock", "StepsInFlight", "frozen_gc", "record_stream"]
 
 S = TypeVar("S")
 B = TypeVar("B")
@@ -204,6 +209,33 @@ def _switch_interval(seconds: "float | None") -> Iterator[None]:
         sys.setswitchinterval(previous)
 
 
+@dataclasses.dataclass
+class StageClock:
+    """Seconds the stage threads of a :class:`PipelinedLoader` spent, summed over its iterations; each field is
+    written by one thread only (a stretch counts when it ends), so take :meth:`snapshot` differences to read a span.
+
+    ``sample_busy``: in the wrapped loader's ``next()`` (sampling, or waiting for its worker processes);
+    ``sample_blocked``: waiting for room to hand a sampled batch on (the fetch stage is behind);
+    ``fetch_starved``: waiting for a sampled batch (the sampler is behind); ``fetch_busy``: in ``fetch`` (with the
+    stream bookkeeping around it); ``fetch_blocked``: waiting for room to hand a fetched batch on (the caller is
+    behind; zero with ``fetch_thread=False``, where the caller fetches itself).
+    """
+
+    sample_busy: float = 0.0
+    sample_blocked: float = 0.0
+    fetch_starved: float = 0.0
+    fetch_busy: float = 0.0
+    fetch_blocked: float = 0.0
+
+    def snapshot(self) -> "StageClock":
+        return dataclasses.replace(self)
+
+    def since(self, earlier: "StageClock") -> "StageClock":
+        """The seconds spent between ``earlier`` (a snapshot) and now."""
+        return StageClock(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                             for f in dataclasses.fields(self)})
+
+
 class PipelinedLoader(Generic[S, B]):
     """Iterate ``batches`` with sampling, fetching and the caller's training step overlapped (module docstring).
 
@@ -223,6 +255,9 @@ class PipelinedLoader(Generic[S, B]):
             (``sys.setswitchinterval``) is set to this, and restored afterwards. ``None`` leaves it alone.
         freeze_gc: while an iteration runs, the objects alive when it started are frozen (``gc.freeze``; unfrozen
             when it ends), unless the process has frozen objects of its own.
+
+    Attributes:
+        clock: the stage threads' busy and waiting time over every iteration (:class:`StageClock`).
     """
 
     def __init__(self, batches: Iterable[S], fetch: "Callable[[S], B] | None" = None, *,
@@ -254,6 +289,7 @@ class PipelinedLoader(Generic[S, B]):
         self.record = record if record is not None else record_stream
         self._cuda = self.device.type == "cuda"
         self._streams: "tuple[Any, Any] | None" = None
+        self.clock = StageClock()
 
     def __len__(self) -> int:
         return len(self.batches)  # type: ignore[arg-type]
@@ -307,11 +343,21 @@ class PipelinedLoader(Generic[S, B]):
 
     def _sample_loop(self, batches: Iterator[Any], out: "queue.Queue[Any]", stop: threading.Event,
                      stream: Any) -> None:
+        clock = self.clock
         try:
             self._use_device()
             with _on_stream(stream):
-                for item in batches:
-                    if not _put(out, _Item(item, _record_event(stream)), stop):
+                while True:
+                    t0 = time.perf_counter()
+                    item = next(batches, _End)
+                    if item is _End:
+                        break
+                    ready = _Item(item, _record_event(stream))
+                    t1 = time.perf_counter()
+                    clock.sample_busy += t1 - t0
+                    handed = _put(out, ready, stop)
+                    clock.sample_blocked += time.perf_counter() - t1
+                    if not handed:
                         return
             _put(out, _End, stop)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
@@ -332,14 +378,23 @@ class PipelinedLoader(Generic[S, B]):
 
     def _fetch_loop(self, inp: "queue.Queue[Any]", out: "queue.Queue[Any]", stop: threading.Event,
                     stream: Any) -> None:
+        clock = self.clock
         try:
             self._use_device()
             while True:
+                t0 = time.perf_counter()
                 item = _get(inp, stop)
+                t1 = time.perf_counter()
+                clock.fetch_starved += t1 - t0
                 if item is _End or isinstance(item, _Failure):
                     _put(out, item, stop)
                     return
-                if not _put(out, self._fetch_one(item, stream), stop):
+                ready = self._fetch_one(item, stream)
+                t2 = time.perf_counter()
+                clock.fetch_busy += t2 - t1
+                handed = _put(out, ready, stop)
+                clock.fetch_blocked += time.perf_counter() - t2
+                if not handed:
                     return
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             _put(out, _Failure(exc), stop)
@@ -365,8 +420,12 @@ class PipelinedLoader(Generic[S, B]):
         """The caller's thread fetches batch i+1 before it returns batch i (collective fetches). A failure is
         raised after the batches before it were handed over, as in the threaded path."""
         pending: "_Item | None" = None
+        clock = self.clock
         while True:
+            t0 = time.perf_counter()
             item = _get(sampled, stop)
+            t1 = time.perf_counter()
+            clock.fetch_starved += t1 - t0
             if item is _End:
                 break
             failure: "BaseException | None" = item.exc if isinstance(item, _Failure) else None
@@ -375,6 +434,7 @@ class PipelinedLoader(Generic[S, B]):
                     ready = self._fetch_one(item, stream)
                 except BaseException as exc:  # noqa: BLE001 - raised below, after the batch before it
                     failure = exc
+                clock.fetch_busy += time.perf_counter() - t1
             if pending is not None:
                 yield self._hand_over(pending)
                 pending = None

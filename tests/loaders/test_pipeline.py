@@ -90,6 +90,46 @@ def test_stages_overlap_in_threads() -> None:
 
 
 @pytest.mark.parametrize("fetch_thread", [True, False])
+@pytest.mark.parametrize("slow", ["sample", "fetch", "caller"])
+def test_stage_clock_names_the_stage_that_holds_the_pipeline_back(fetch_thread: bool, slow: str) -> None:
+    """One stage sleeps 20 ms a batch, the others nothing: the clock puts that time in the slow stage's busy field,
+    makes the stages after it starved and the stages before it blocked."""
+    from ibpcache.loaders.pipeline import PipelinedLoader, StageClock
+
+    n, nap = 10, 0.02
+
+    def fetch(i: int) -> int:
+        if slow == "fetch":
+            time.sleep(nap)
+        return i
+
+    loader = PipelinedLoader(_Epochs(n, sleep=nap if slow == "sample" else 0.0), fetch, fetch_thread=fetch_thread)
+    assert loader.clock == StageClock()
+    list(loader)  # an epoch before the span read below: the clock sums over iterations
+    before = loader.clock.snapshot()
+    for _ in loader:
+        if slow == "caller":
+            time.sleep(nap)
+    c = loader.clock.since(before)
+    total = n * nap
+    assert min(c.sample_busy, c.sample_blocked, c.fetch_starved, c.fetch_busy, c.fetch_blocked) >= 0.0
+    if slow == "sample":
+        assert c.sample_busy >= 0.9 * total and c.fetch_starved >= 0.6 * total
+        assert c.sample_blocked < 0.3 * total and c.fetch_busy < 0.3 * total
+    elif slow == "fetch":
+        assert c.fetch_busy >= 0.9 * total and c.sample_blocked >= 0.6 * total
+        assert c.sample_busy < 0.3 * total and c.fetch_starved < 0.3 * total
+    else:
+        assert c.sample_busy < 0.3 * total and c.fetch_busy < 0.3 * total
+        if fetch_thread:  # the fetch thread waits for the caller; without it the caller fetches for itself
+            assert c.fetch_blocked >= 0.6 * total
+        else:
+            assert c.sample_blocked >= 0.6 * total
+    if not fetch_thread:
+        assert c.fetch_blocked == 0.0
+
+
+@pytest.mark.parametrize("fetch_thread", [True, False])
 @pytest.mark.parametrize("where", ["sample", "fetch"])
 def test_errors_reach_the_caller_at_their_batch(fetch_thread: bool, where: str) -> None:
     from ibpcache.loaders.pipeline import PipelinedLoader
