@@ -1,0 +1,187 @@
+"""Experiment: does giving the fetch its own multiprocessors let a training step run beside it?
+
+Hypothesis (issue 25, docs/results/2026-11-28-h200-s45): a pipelined GraphSAGE epoch on MiniLM-SU or Cora-SU rows
+is 0.99-1.06x its stages' GPU time summed: the fetch (bound by host reads over the link) and the step's kernels do
+not run at the same time. A bounded fetch grid did not help (fetch_grid_overlap.py: overlap 1.05-1.21x): a matmul
+block seemingly cannot share an SM with a fetch block. CUDA green contexts split the SMs instead: the fetch's
+kernels on a stream of a context with ``k`` SMs, the step's on a stream of a context with the others, so neither
+waits for the other's blocks to leave an SM. The fetch keeps its throughput if ``k`` SMs keep enough host reads in
+flight for the link.
+
+For each ``k`` in ``--sms`` (and, as the baseline, no partition: two streams of the primary context), in that order
+and then in reverse (every setting twice), on real MiniLM rows (float32, 1536 B) tiled to ``--gb`` GB of pinned
+host rows, a 1% cache, Zipf ids, IBP(C/M) and raw rows:
+
+* ``fetch_ms``: ``--fetches`` fetches of ``--ids`` ids alone; ``train_ms``: a stand-in step alone (a chain of
+  [``--m``, 1024] x [1024, 1024] matmuls, sized to take about as long as the fetches);
+* ``together_ms``: both enqueued at once; ``overlap``: (fetch_ms + train_ms) / together_ms (1.0: none; 2.0: full).
+
+Times are host wall clock between stream synchronizations (medians of ``--repeats``): events and device-wide syncs
+are per context. Every fetch's output is checked against the rows, bit for bit. Needs a torch whose
+``torch.cuda.green_contexts.GreenContext`` has ``Stream()`` and a driver with green contexts (CUDA 12.4+); where
+either is missing, or the cache's kernels cannot run on a green context's stream, the record says why and the run
+goes on without that setting. Writes ``fetch_sm_partition.json`` / ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from ibpcache.cache.feature_cache import FeatureCache
+from ibpcache.datasets import zipf_ids
+from ibpcache.testing.timing import add_out_argument, cuda_time, write_results
+from fetch_grid_overlap import tiled_rows  # this folder is sys.path[0] when run as a script
+
+
+def green_streams(k: int, total: int) -> "tuple[Any, Any, list[Any]]":
+    """(fetch stream on ``k`` SMs, step stream on the other ``total - k``, the contexts to keep alive)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    def make(n: int) -> Any:
+        try:
+            return GreenContext.create(num_sms=n, device_id=torch.cuda.current_device())
+        except TypeError:  # older torch: positional (num_sms, device_id)
+            return GreenContext.create(n, torch.cuda.current_device())
+
+    a, b = make(k), make(total - k)
+    if not hasattr(a, "Stream"):
+        raise RuntimeError(f"torch {torch.__version__}: GreenContext has no Stream()")
+    return a.Stream(), b.Stream(), [a, b]
+
+
+def wall(fns: "list[tuple[Callable[[], None], Any]]") -> float:
+    """ms from enqueueing every ``fn`` on its stream to the end of the last, host clock."""
+    for _, s in fns:
+        s.synchronize()
+    t0 = time.perf_counter()
+    for fn, s in fns:
+        with torch.cuda.stream(s):
+            fn()
+    for _, s in fns:
+        s.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(fetch_all: Callable[[], None], train: Callable[[], None], s_fetch: Any, s_train: Any, repeats: int
+            ) -> dict[str, float]:
+    f, t, both = [], [], []
+    for _ in range(repeats):
+        f.append(wall([(fetch_all, s_fetch)]))
+        t.append(wall([(train, s_train)]))
+        both.append(wall([(fetch_all, s_fetch), (train, s_train)]))
+    return {"fetch_ms": statistics.median(f), "train_ms": statistics.median(t),
+            "together_ms": statistics.median(both)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gb", type=float, default=2.0)
+    p.add_argument("--ids", type=int, default=60_000)
+    p.add_argument("--fetches", type=int, default=5)
+    p.add_argument("--m", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--sms", default="16,32,48,66", help="SMs of the fetch's context, comma-separated")
+    add_out_argument(p)
+    args = p.parse_args()
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    settings: list[int] = [0] + [int(s) for s in args.sms.split(",")]  # 0: no partition (the baseline)
+    rows = tiled_rows(args.gb)
+    n = rows.shape[0]
+    ids = [zipf_ids(n, args.ids, a=1.05, seed=s, hot_seed=0).cuda() for s in range(args.fetches)]
+    expect = [rows[i.cpu()].view(torch.int32) for i in ids]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(args.m, 1024, device="cuda", generator=gen)
+    w = torch.randn(1024, 1024, device="cuda", generator=gen) / 32
+    records: list[dict[str, Any]] = []
+    for name, compress in (("IBP(C/M)", True), ("raw", False)):
+        fc = FeatureCache(rows, 0.01, device="cuda", compress_cache=compress, compress_host=compress,
+                          codec="auto" if compress else None, validate="lazy")
+        outs = [torch.empty(args.ids, rows.shape[1], device="cuda") for _ in ids]
+
+        def fetch_all() -> None:
+            for i, o in zip(ids, outs):
+                fc.fetch(i, out=o)
+
+        def check(what: str) -> None:
+            for o, e in zip(outs, expect):
+                assert torch.equal(o.cpu().view(torch.int32), e), what
+
+        fetch_all()
+        torch.cuda.synchronize()
+        check(name)
+        fetch_ms = measure(fetch_all, lambda: None, torch.cuda.Stream(), torch.cuda.Stream(), 3)["fetch_ms"]
+        k_mm = max(1, round(fetch_ms / cuda_time(lambda: torch.relu(x @ w), warmup=3, iters=10)["median_ms"]))
+
+        def train(k: int = k_mm) -> None:
+            y = x
+            for _ in range(k):
+                y = torch.relu(y @ w)
+
+        for run, order in enumerate((settings, list(reversed(settings)))):
+            for k in order:
+                rec: dict[str, Any] = {"rows": name, "run": run, "fetch_sms": k or total,
+                                       "partitioned": bool(k), "train_sms": total - k if k else total,
+                                       "matmuls": k_mm}
+                try:
+                    keep: list[Any] = []
+                    if k:
+                        s_fetch, s_train, keep = green_streams(k, total)
+                    else:
+                        s_fetch, s_train = torch.cuda.Stream(), torch.cuda.Stream()
+                    with torch.cuda.stream(s_fetch):
+                        fetch_all()  # warm-up on this stream: a launch failure shows here
+                    s_fetch.synchronize()
+                    m = measure(fetch_all, train, s_fetch, s_train, args.repeats)
+                    check(f"{name} k={k}")
+                    fc.check_errors()
+                    del keep
+                except Exception as exc:  # noqa: BLE001 - an experiment: record why a setting could not run
+                    rec["error"] = f"{type(exc).__name__}: {exc}"
+                    records.append(rec)
+                    print(f"{name:9s} run {run} fetch SMs {k or total:3d}: {rec['error']}", flush=True)
+                    continue
+                gb = sum(i.numel() for i in ids) * rows.shape[1] * 4 / 1e9
+                rec.update(m, sum_ms=m["fetch_ms"] + m["train_ms"],
+                           overlap=(m["fetch_ms"] + m["train_ms"]) / m["together_ms"],
+                           fetch_output_gbps=gb / (m["fetch_ms"] * 1e-3))
+                records.append(rec)
+                print(f"{name:9s} run {run} fetch SMs {rec['fetch_sms']:3d} / step SMs {rec['train_sms']:3d}: fetch "
+                      f"{m['fetch_ms']:7.2f} ms ({rec['fetch_output_gbps']:5.1f} GB/s out), step {m['train_ms']:7.2f}, "
+                      f"together {m['together_ms']:7.2f} (overlap {rec['overlap']:.2f}x)", flush=True)
+        del fc
+    write_results(args.out, "fetch_sm_partition", records, plot,
+                  meta={"gb": args.gb, "ids": args.ids, "fetches": args.fetches, "m": args.m, "sms": settings,
+                        "device_sms": total, "repeats": args.repeats, "rows": "MiniLM float32 [*, 384] tiled",
+                        "cache": 0.01, "torch": torch.__version__})
+
+
+def plot(records: list[dict[str, Any]]) -> Any:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, marker in (("IBP(C/M)", "o"), ("raw", "s")):
+        for run in (0, 1):
+            rs = sorted((r for r in records if r["rows"] == name and r["run"] == run and "error" not in r),
+                        key=lambda r: r["fetch_sms"])
+            xs = [r["fetch_sms"] for r in rs]
+            axes[0].plot(xs, [r["fetch_ms"] for r in rs], marker=marker, label=f"{name} fetch alone, run {run}")
+            axes[0].plot(xs, [r["together_ms"] for r in rs], marker=marker, ls="--",
+                         label=f"{name} with the step, run {run}")
+            axes[1].plot(xs, [r["overlap"] for r in rs], marker=marker, label=f"{name}, run {run}")
+    for ax in axes:
+        ax.set_xlabel("the fetch's SMs (all: no partition)")
+    axes[0].set_ylabel("ms")
+    axes[1].set_ylabel("(fetch + step alone) / together")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    main()
