@@ -98,6 +98,7 @@ def main() -> None:
     x = torch.randn(args.m, 1024, device="cuda", generator=gen)
     w = torch.randn(1024, 1024, device="cuda", generator=gen) / 32
     records: list[dict[str, Any]] = []
+    alive: list[Any] = []  # green contexts live to the end: their streams' memory stays with the allocator
     for name, compress in (("IBP(C/M)", True), ("raw", False)):
         fc = FeatureCache(rows, 0.01, device="cuda", compress_cache=compress, compress_host=compress,
                           codec="auto" if compress else None, validate="lazy")
@@ -128,9 +129,9 @@ def main() -> None:
                                        "partitioned": bool(k), "train_sms": total - k if k else total,
                                        "matmuls": k_mm}
                 try:
-                    keep: list[Any] = []
                     if k:
                         s_fetch, s_train, keep = green_streams(k, total)
+                        alive.extend(keep)
                     else:
                         s_fetch, s_train = torch.cuda.Stream(), torch.cuda.Stream()
                     with torch.cuda.stream(s_fetch):
@@ -139,7 +140,6 @@ def main() -> None:
                     m = measure(fetch_all, train, s_fetch, s_train, args.repeats)
                     check(f"{name} k={k}")
                     fc.check_errors()
-                    del keep
                 except Exception as exc:  # noqa: BLE001 - an experiment: record why a setting could not run
                     rec["error"] = f"{type(exc).__name__}: {exc}"
                     records.append(rec)
