@@ -82,37 +82,58 @@ def measure(fc: FeatureCache, ids: list[torch.Tensor], outs: list[torch.Tensor],
             "together_ms": statistics.median(both)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options this experiment and ``fetch_sm_partition.py`` share (rows, ids, step size, repeats, --out)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=2.0)
     p.add_argument("--ids", type=int, default=60_000)
     p.add_argument("--fetches", type=int, default=5)
     p.add_argument("--m", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=7)
     add_out_argument(p)
-    args = p.parse_args()
+    return p
+
+
+def workload(args: argparse.Namespace) -> "tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]":
+    """(host rows, each fetch's ids on the GPU, the stand-in step's input and weight)."""
     rows = tiled_rows(args.gb)
-    n = rows.shape[0]
-    ids = [zipf_ids(n, args.ids, a=1.05, seed=s, hot_seed=0).cuda() for s in range(args.fetches)]
+    ids = [zipf_ids(rows.shape[0], args.ids, a=1.05, seed=s, hot_seed=0).cuda() for s in range(args.fetches)]
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.m, 1024, device="cuda", generator=gen)
     w = torch.randn(1024, 1024, device="cuda", generator=gen) / 32
+    return rows, ids, x, w
+
+
+def new_cache(rows: torch.Tensor, compress: bool) -> FeatureCache:
+    """IBP(C/M) (``compress``) or raw rows, 1% cache, lazy id checks (no host sync per fetch)."""
+    return FeatureCache(rows, 0.01, device="cuda", compress_cache=compress, compress_host=compress,
+                        codec="auto" if compress else None, validate="lazy")
+
+
+def stand_in_step(x: torch.Tensor, w: torch.Tensor, fetch_ms: float) -> "tuple[Any, int]":
+    """A training step's stand-in: a chain of ``relu(y @ w)`` about ``fetch_ms`` long; (step, its matmuls)."""
+    k = max(1, round(fetch_ms / cuda_time(lambda: torch.relu(x @ w), warmup=3, iters=10)["median_ms"]))
+
+    def train() -> None:
+        y = x
+        for _ in range(k):
+            y = torch.relu(y @ w)
+
+    return train, k
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    rows, ids, x, w = workload(args)
     records: list[dict[str, Any]] = []
     for name, compress in (("IBP(C/M)", True), ("raw", False)):
-        fc = FeatureCache(rows, 0.01, device="cuda", compress_cache=compress, compress_host=compress,
-                          codec="auto" if compress else None, validate="lazy")
+        fc = new_cache(rows, compress)
         outs = [torch.empty(args.ids, rows.shape[1], device="cuda") for _ in ids]
         for i, o in zip(ids, outs):  # warm-up, and every byte checked
             fc.fetch(i, out=o)
             assert torch.equal(o.cpu().view(torch.int32), rows[i.cpu()].view(torch.int32)), name
         fc.check_errors()
-        fetch_ms = measure(fc, ids, outs, lambda: None, 3)["fetch_ms"]
-        k = max(1, round(fetch_ms / cuda_time(lambda: torch.relu(x @ w), warmup=3, iters=10)["median_ms"]))
-
-        def train(k: int = k) -> None:
-            y = x
-            for _ in range(k):
-                y = torch.relu(y @ w)
+        train, k = stand_in_step(x, w, measure(fc, ids, outs, lambda: None, 3)["fetch_ms"])
 
         for run, order in enumerate((SETTINGS, tuple(reversed(SETTINGS)))):
             for b in order:

@@ -17,29 +17,35 @@ host rows, a 1% cache, Zipf ids, IBP(C/M) and raw rows:
 * ``together_ms``: both enqueued at once; ``overlap``: (fetch_ms + train_ms) / together_ms (1.0: none; 2.0: full).
 
 Times are host wall clock between stream synchronizations (medians of ``--repeats``): events and device-wide syncs
-are per context. Every fetch's output is checked against the rows, bit for bit. Needs a torch whose
-``torch.cuda.green_contexts.GreenContext`` has ``Stream()`` and a driver with green contexts (CUDA 12.4+); where
-either is missing, or the cache's kernels cannot run on a green context's stream, the record says why and the run
-goes on without that setting. Writes ``fetch_sm_partition.json`` / ``.png``.
+are per context. Every fetch's output is checked against the rows, bit for bit. The green contexts come from the
+driver API through cuda-python (two disjoint SM sets; records say ``made_by``, ``disjoint`` and the SMs granted),
+else from ``torch.cuda.green_contexts`` (whose contexts may share SMs). Where neither works, or the cache's kernels
+cannot run on a green context's stream, the record says why and the run goes on without that setting. Writes
+``fetch_sm_partition.json`` / ``.png``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-from ibpcache.cache.feature_cache import FeatureCache
-from ibpcache.datasets import zipf_ids
-from ibpcache.testing.timing import add_out_argument, cuda_time, write_results
-from fetch_grid_overlap import tiled_rows  # this folder is sys.path[0] when run as a script
+from ibpcache.testing.timing import write_results
+from fetch_grid_overlap import new_cache, parser, stand_in_step, workload  # this folder is sys.path[0] as a script
 
 
-def green_streams(k: int, total: int) -> "tuple[Any, Any, list[Any]]":
-    """(fetch stream on ``k`` SMs, step stream on the other ``total - k``, the contexts to keep alive)."""
+def green_streams(k: int, total: int) -> "tuple[Any, Any, list[Any], dict[str, Any]]":
+    """(fetch stream on ``k`` SMs, step stream on the others, what to keep alive, how they were made).
+
+    The driver's API (cuda-python) splits the SMs once into ``k`` and the rest, so the two sets are disjoint. torch's
+    ``GreenContext`` splits the whole device for each context, so its two sets may share SMs (said in the record);
+    it is the fallback where cuda-python is missing."""
+    try:
+        return _driver_green_streams(k)
+    except Exception as exc:  # noqa: BLE001 - fall back, and say why
+        why = f"{type(exc).__name__}: {exc}"
     from torch.cuda.green_contexts import GreenContext
 
     def make(n: int) -> Any:
@@ -50,8 +56,34 @@ def green_streams(k: int, total: int) -> "tuple[Any, Any, list[Any]]":
 
     a, b = make(k), make(total - k)
     if not hasattr(a, "Stream"):
-        raise RuntimeError(f"torch {torch.__version__}: GreenContext has no Stream()")
-    return a.Stream(), b.Stream(), [a, b]
+        raise RuntimeError(f"torch {torch.__version__}: GreenContext has no Stream() (cuda-python: {why})")
+    return a.Stream(), b.Stream(), [a, b], {"made_by": "torch", "disjoint": False, "driver_path": why}
+
+
+def _driver_green_streams(k: int) -> "tuple[Any, Any, list[Any], dict[str, Any]]":
+    """Two green contexts over disjoint SM sets (``k`` SMs, rounded up by the driver to its granularity, and the
+    rest), each with a non-blocking stream, wrapped as torch streams."""
+    from cuda.bindings import driver as drv  # cuda-python
+
+    def ok(ret: Any) -> Any:
+        err, *out = ret if isinstance(ret, tuple) else (ret,)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver: {err}")
+        return out[0] if len(out) == 1 else out
+
+    dev = ok(drv.cuDeviceGet(torch.cuda.current_device()))
+    whole = ok(drv.cuDeviceGetDevResource(dev, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, _, rest = ok(drv.cuDevSmResourceSplitByCount(1, whole, 0, k))
+    made, keep, sms = [], [], []
+    for res in (groups[0], rest):
+        desc = ok(drv.cuDevResourceGenerateDesc([res], 1))
+        ctx = ok(drv.cuGreenCtxCreate(desc, dev, drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        stream = ok(drv.cuGreenCtxStreamCreate(ctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        keep += [ctx, stream]
+        made.append(torch.cuda.ExternalStream(int(stream)))
+        sms.append(int(res.sm.smCount))
+    return made[0], made[1], keep, {"made_by": "cuda-python", "disjoint": True, "fetch_sms_granted": sms[0],
+                                    "train_sms_granted": sms[1]}
 
 
 def wall(fns: "list[tuple[Callable[[], None], Any]]") -> float:
@@ -79,29 +111,17 @@ def measure(fetch_all: Callable[[], None], train: Callable[[], None], s_fetch: A
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gb", type=float, default=2.0)
-    p.add_argument("--ids", type=int, default=60_000)
-    p.add_argument("--fetches", type=int, default=5)
-    p.add_argument("--m", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=7)
+    p = parser(__doc__)
     p.add_argument("--sms", default="16,32,48,66", help="SMs of the fetch's context, comma-separated")
-    add_out_argument(p)
     args = p.parse_args()
     total = torch.cuda.get_device_properties(0).multi_processor_count
     settings: list[int] = [0] + [int(s) for s in args.sms.split(",")]  # 0: no partition (the baseline)
-    rows = tiled_rows(args.gb)
-    n = rows.shape[0]
-    ids = [zipf_ids(n, args.ids, a=1.05, seed=s, hot_seed=0).cuda() for s in range(args.fetches)]
+    rows, ids, x, w = workload(args)
     expect = [rows[i.cpu()].view(torch.int32) for i in ids]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(args.m, 1024, device="cuda", generator=gen)
-    w = torch.randn(1024, 1024, device="cuda", generator=gen) / 32
     records: list[dict[str, Any]] = []
     alive: list[Any] = []  # green contexts live to the end: their streams' memory stays with the allocator
     for name, compress in (("IBP(C/M)", True), ("raw", False)):
-        fc = FeatureCache(rows, 0.01, device="cuda", compress_cache=compress, compress_host=compress,
-                          codec="auto" if compress else None, validate="lazy")
+        fc = new_cache(rows, compress)
         outs = [torch.empty(args.ids, rows.shape[1], device="cuda") for _ in ids]
 
         def fetch_all() -> None:
@@ -115,13 +135,8 @@ def main() -> None:
         fetch_all()
         torch.cuda.synchronize()
         check(name)
-        fetch_ms = measure(fetch_all, lambda: None, torch.cuda.Stream(), torch.cuda.Stream(), 3)["fetch_ms"]
-        k_mm = max(1, round(fetch_ms / cuda_time(lambda: torch.relu(x @ w), warmup=3, iters=10)["median_ms"]))
-
-        def train(k: int = k_mm) -> None:
-            y = x
-            for _ in range(k):
-                y = torch.relu(y @ w)
+        train, k_mm = stand_in_step(x, w, measure(fetch_all, lambda: None, torch.cuda.Stream(), torch.cuda.Stream(),
+                                                 3)["fetch_ms"])
 
         for run, order in enumerate((settings, list(reversed(settings)))):
             for k in order:
@@ -130,8 +145,9 @@ def main() -> None:
                                        "matmuls": k_mm}
                 try:
                     if k:
-                        s_fetch, s_train, keep = green_streams(k, total)
+                        s_fetch, s_train, keep, how = green_streams(k, total)
                         alive.extend(keep)
+                        rec.update(how)
                     else:
                         s_fetch, s_train = torch.cuda.Stream(), torch.cuda.Stream()
                     with torch.cuda.stream(s_fetch):
