@@ -122,6 +122,13 @@ def stand_in_step(x: torch.Tensor, w: torch.Tensor, fetch_ms: float) -> "tuple[A
     return train, k
 
 
+def derived(m: dict[str, float], ids: list[torch.Tensor], rows: torch.Tensor) -> dict[str, float]:
+    """From ``measure``'s times: their sum, the overlap (sum / together) and the fetches' output GB/s."""
+    gb = sum(i.numel() for i in ids) * rows.shape[1] * rows.element_size() / 1e9
+    return {"sum_ms": m["fetch_ms"] + m["train_ms"], "overlap": (m["fetch_ms"] + m["train_ms"]) / m["together_ms"],
+            "fetch_output_gbps": gb / (m["fetch_ms"] * 1e-3)}
+
+
 def main() -> None:
     args = parser(__doc__).parse_args()
     rows, ids, x, w = workload(args)
@@ -141,11 +148,8 @@ def main() -> None:
                 m = measure(fc, ids, outs, train, args.repeats)
                 for i, o in zip(ids, outs):
                     assert torch.equal(o.cpu().view(torch.int32), rows[i.cpu()].view(torch.int32)), (name, b)
-                gb = sum(i.numel() for i in ids) * rows.shape[1] * 4 / 1e9
                 rec = {"rows": name, "run": run, "fetch_blocks_per_sm": b, **m, "matmuls": k,
-                       "sum_ms": m["fetch_ms"] + m["train_ms"],
-                       "overlap": (m["fetch_ms"] + m["train_ms"]) / m["together_ms"],
-                       "fetch_output_gbps": gb / (m["fetch_ms"] * 1e-3), "hit_rate": fc.stats()["hit_rate"]}
+                       **derived(m, ids, rows), "hit_rate": fc.stats()["hit_rate"]}
                 records.append(rec)
                 print(f"{name:9s} run {run} blocks/SM {b:2d}: fetch {m['fetch_ms']:7.2f} ms "
                       f"({rec['fetch_output_gbps']:5.1f} GB/s out), step {m['train_ms']:7.2f}, together "
@@ -157,21 +161,28 @@ def main() -> None:
 
 
 def plot(records: list[dict[str, Any]]) -> Any:
+    return overlap_plot(records, "fetch_blocks_per_sm", "fetch kernel blocks per SM", log2=True)
+
+
+def overlap_plot(records: list[dict[str, Any]], x_key: str, x_label: str, log2: bool = False) -> Any:
+    """Fetch alone and with the step (ms), and the overlap, against ``x_key``: one line per rows kind and run
+    (records with an ``error`` left out)."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, marker in (("IBP(C/M)", "o"), ("raw", "s")):
         for run in (0, 1):
-            rs = sorted((r for r in records if r["rows"] == name and r["run"] == run),
-                        key=lambda r: r["fetch_blocks_per_sm"])
-            xs = [r["fetch_blocks_per_sm"] for r in rs]
+            rs = sorted((r for r in records if r["rows"] == name and r["run"] == run and "error" not in r),
+                        key=lambda r: r[x_key])
+            xs = [r[x_key] for r in rs]
             axes[0].plot(xs, [r["fetch_ms"] for r in rs], marker=marker, label=f"{name} fetch alone, run {run}")
             axes[0].plot(xs, [r["together_ms"] for r in rs], marker=marker, ls="--",
                          label=f"{name} with the step, run {run}")
             axes[1].plot(xs, [r["overlap"] for r in rs], marker=marker, label=f"{name}, run {run}")
     for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("fetch kernel blocks per SM")
+        if log2:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(x_label)
     axes[0].set_ylabel("ms")
     axes[1].set_ylabel("(fetch + step alone) / together")
     axes[0].legend(fontsize=7)

@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 
 from ibpcache.testing.timing import write_results
-from fetch_grid_overlap import new_cache, parser, stand_in_step, workload  # this folder is sys.path[0] as a script
+from fetch_grid_overlap import (derived, new_cache, overlap_plot, parser,  # sys.path[0] when run as a script
+                                stand_in_step, workload)
 
 
 def green_streams(k: int, total: int) -> "tuple[Any, Any, list[Any], dict[str, Any]]":
@@ -161,10 +162,7 @@ def main() -> None:
                     records.append(rec)
                     print(f"{name:9s} run {run} fetch SMs {k or total:3d}: {rec['error']}", flush=True)
                     continue
-                gb = sum(i.numel() for i in ids) * rows.shape[1] * 4 / 1e9
-                rec.update(m, sum_ms=m["fetch_ms"] + m["train_ms"],
-                           overlap=(m["fetch_ms"] + m["train_ms"]) / m["together_ms"],
-                           fetch_output_gbps=gb / (m["fetch_ms"] * 1e-3))
+                rec.update(m, **derived(m, ids, rows))
                 records.append(rec)
                 print(f"{name:9s} run {run} fetch SMs {rec['fetch_sms']:3d} / step SMs {rec['train_sms']:3d}: fetch "
                       f"{m['fetch_ms']:7.2f} ms ({rec['fetch_output_gbps']:5.1f} GB/s out), step {m['train_ms']:7.2f}, "
@@ -177,26 +175,7 @@ def main() -> None:
 
 
 def plot(records: list[dict[str, Any]]) -> Any:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, marker in (("IBP(C/M)", "o"), ("raw", "s")):
-        for run in (0, 1):
-            rs = sorted((r for r in records if r["rows"] == name and r["run"] == run and "error" not in r),
-                        key=lambda r: r["fetch_sms"])
-            xs = [r["fetch_sms"] for r in rs]
-            axes[0].plot(xs, [r["fetch_ms"] for r in rs], marker=marker, label=f"{name} fetch alone, run {run}")
-            axes[0].plot(xs, [r["together_ms"] for r in rs], marker=marker, ls="--",
-                         label=f"{name} with the step, run {run}")
-            axes[1].plot(xs, [r["overlap"] for r in rs], marker=marker, label=f"{name}, run {run}")
-    for ax in axes:
-        ax.set_xlabel("the fetch's SMs (all: no partition)")
-    axes[0].set_ylabel("ms")
-    axes[1].set_ylabel("(fetch + step alone) / together")
-    axes[0].legend(fontsize=7)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    return overlap_plot(records, "fetch_sms", "the fetch's SMs (all: no partition)")
 
 
 if __name__ == "__main__":
