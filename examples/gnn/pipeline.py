@@ -29,7 +29,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from torch import nn
 
 from ibpcache.errors import ConfigError, IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
-from ibpcache.loaders.pipeline import GcPauses, PipelinedLoader, StepsInFlight, frozen_gc
+from ibpcache.loaders.pipeline import GcPauses, PipelinedLoader, StageClock, StepsInFlight, frozen_gc
 from ibpcache.loaders.sampling import Hop, NeighborSampler, batch_key, choose_sampler_device
 
 __all__ = [
@@ -1044,7 +1044,7 @@ def _stage_times(batches: Any, fetch: _Fetch, new_model: "Callable[[], tuple[Gra
 
 
 #: the pipelined loader's stage-thread times kept per epoch (EpochTimes, StageClock)
-_CLOCK_FIELDS = ("sample_busy", "sample_blocked", "fetch_starved", "fetch_busy", "fetch_blocked")
+_CLOCK_FIELDS = tuple(f.name for f in fields(StageClock))
 
 #: batches fetched, then trained, between device syncs in the timed stage pass (:func:`_stage_times`): enough that
 #: the sync's bubble is a small part of a window, few enough that their features fit beside training
