@@ -39,6 +39,7 @@ from torch import nn
 from ibpcache.errors import ConfigError, IbpcacheError
 from ibpcache.loaders.dgl import FetchMode, attach, import_dgl, make_storage
 from ibpcache.loaders.pipeline import GcPauses, PipelinedLoader, StageClock, StepsInFlight, frozen_gc
+from ibpcache.loaders.sm_split import split_sms
 from ibpcache.loaders.sampling import Hop, NeighborSampler, batch_key, choose_sampler_device
 
 __all__ = [
@@ -423,6 +424,7 @@ class TrainConfig:
     gc_freeze: bool = False  # every mode's epochs: the objects alive at their start frozen (ibpcache frozen_gc)
     gil_switch_ms: "float | None" = None  # pipelined: Python's thread switch interval while iterating (None: 5 ms)
     fetch_blocks_per_sm: "int | None" = None  # cached modes: the fetch kernel's grid bound (FeatureCache; None: 16)
+    fetch_sms: "int | None" = None  # pipelined, CUDA: sampler and fetch on this many SMs, the step on the rest
 
 
 @dataclass
@@ -689,8 +691,19 @@ def _epochs(batches: Any, fetch: _Fetch, cfg: TrainConfig, device: torch.device)
     """Re-iterable batches of a run: pipelined (library's PipelinedLoader) or in turn."""
     if cfg.pipelined:
         return PipelinedLoader(batches, fetch, device=device, prefetch=cfg.prefetch, sample_ahead=cfg.sample_ahead,
-                               switch_interval=switch_interval(cfg))
+                               switch_interval=switch_interval(cfg), fetch_sms=_fetch_sms(cfg, device))
     return _InTurn(batches, fetch)
+
+
+def _fetch_sms(cfg: TrainConfig, device: torch.device) -> "int | None":
+    """``PipelinedLoader``'s ``fetch_sms``: the config's on a GPU, None on the CPU (nothing to split)."""
+    return cfg.fetch_sms if device.type == "cuda" else None
+
+
+def _capture_stream(cfg: TrainConfig, device: torch.device) -> Any:
+    """Where a pipelined run with ``fetch_sms`` captures its step graphs: on the step's SMs, where they replay."""
+    sms = _fetch_sms(cfg, device) if cfg.pipelined else None
+    return split_sms(device, sms).capture_stream if sms is not None else None
 
 
 def switch_interval(cfg: TrainConfig) -> "float | None":
@@ -831,20 +844,21 @@ class GraphedStep:
 
     def __init__(self, model: GraphSAGE, opt: torch.optim.Optimizer, device: torch.device, *,
                  graphs: bool = True, max_graphs: int = 64,
-                 reduce: "Callable[[torch.Tensor], None] | None" = None) -> None:
+                 reduce: "Callable[[torch.Tensor], None] | None" = None, capture_stream: Any = None) -> None:
         """``reduce``: called with the flat gradient buffer (every parameter's ``.grad`` is a view of it) between
         the replayed backward and the optimizer step, e.g. a data-parallel all-reduce in place.
 
         An optimizer built with ``capturable=True`` (every param group) steps inside the graph too when no
         ``reduce`` sits between backward and step: a replay is then the whole step, and the optimizer's host work
-        (about 0.3 ms a step for Adam) leaves the interpreter the pipeline's stages share."""
+        (about 0.3 ms a step for Adam) leaves the interpreter the pipeline's stages share. ``capture_stream``: see
+        :class:`~ibpcache.cache.step_graphs.StepGraphs`."""
         from ibpcache.cache.step_graphs import StepGraphs
 
         if graphs and device.type != "cuda":
             raise ConfigError(f"GraphedStep: CUDA graphs need a CUDA device, got {device}")
         self.model, self.opt, self.device, self.reduce = model, opt, device, reduce
         self.hidden = model.layers[0].fc_self.out_features
-        self.graphs = StepGraphs(device, max_graphs=max_graphs)
+        self.graphs = StepGraphs(device, max_graphs=max_graphs, capture_stream=capture_stream)
         if not graphs:
             self.graphs.disable("graphs=False")
         self._x = torch.empty(0)
@@ -940,39 +954,41 @@ def new_optimizer(model: GraphSAGE, cfg: TrainConfig, device: torch.device) -> t
     return torch.optim.Adam(model.parameters(), lr=cfg.lr, capturable=capturable)
 
 
-def make_step(model: GraphSAGE, opt: torch.optim.Optimizer, cfg: TrainConfig,
-              device: torch.device) -> Callable[[_Batch], torch.Tensor]:
-    """The training step a run uses: :class:`GraphedStep` when ``cfg.step_graphs`` and training on CUDA, else the
-    eager :func:`_step`."""
+def make_step(model: GraphSAGE, opt: torch.optim.Optimizer, cfg: TrainConfig, device: torch.device,
+              capture_stream: Any = None) -> Callable[[_Batch], torch.Tensor]:
+    """The training step a run uses: :class:`GraphedStep` (capturing on ``capture_stream`` if given) when
+    ``cfg.step_graphs`` and training on CUDA, else the eager :func:`_step`."""
     if cfg.step_graphs and device.type == "cuda":
-        return GraphedStep(model, opt, device)
+        return GraphedStep(model, opt, device, capture_stream=capture_stream)
     return functools.partial(_step, model, opt)
 
 
 def _train_epoch(model: GraphSAGE, step: "Callable[[_Batch], torch.Tensor]", batches: Any, device: torch.device,
-                 cfg: TrainConfig, threads: int, verify: GnnDataset | None = None) -> tuple[EpochTimes, list[float]]:
-    """One epoch; the host reads nothing back until its end (a pipelined loader keeps running ahead) and runs at
-    most two steps ahead of the GPU (StepsInFlight)."""
+                 cfg: TrainConfig, threads: int, verify: GnnDataset | None = None,
+                 stream: Any = None) -> tuple[EpochTimes, list[float]]:
+    """One epoch, its steps on ``stream`` (default: the current one); the host reads nothing back until its end (a
+    pipelined loader keeps running ahead) and runs at most two steps ahead of the GPU (StepsInFlight)."""
     times, losses = EpochTimes(), []
-    in_flight = StepsInFlight(device, limit=2)
     model.train()
     _sync(device)
     start = time.perf_counter()
-    it = iter(batches)
-    while True:
-        t0 = time.perf_counter()
-        batch = next(it, None)
-        times.wait += time.perf_counter() - t0
-        if batch is None:
-            break
-        if verify is not None and times.batches < cfg.verify_batches:
-            _verify(batch, verify)
-        _pin_cpu_threads(device, threads)
-        losses.append(step(batch))
-        in_flight.step_done()
-        times.batches += 1
-        times.input_rows += int(batch.x.shape[0])
-    values = torch.stack(losses).tolist() if losses else []
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        in_flight = StepsInFlight(device, limit=2)
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            times.wait += time.perf_counter() - t0
+            if batch is None:
+                break
+            if verify is not None and times.batches < cfg.verify_batches:
+                _verify(batch, verify)
+            _pin_cpu_threads(device, threads)
+            losses.append(step(batch))
+            in_flight.step_done()
+            times.batches += 1
+            times.input_rows += int(batch.x.shape[0])
+        values = torch.stack(losses).tolist() if losses else []  # on the steps' stream: waits for the last
     _sync(device)
     times.epoch = time.perf_counter() - start
     return times, values
@@ -1185,16 +1201,16 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
     threads = torch.get_num_threads()
     in_dim = int(np.prod(ds.row_shape))
 
-    def new_model() -> tuple[GraphSAGE, Callable[[_Batch], torch.Tensor]]:
+    def new_model(capture_stream: Any = None) -> tuple[GraphSAGE, Callable[[_Batch], torch.Tensor]]:
         model = GraphSAGE(in_dim, cfg.hidden, ds.num_classes, len(cfg.fanouts), cfg.dropout)
         model.seed_dropout(cfg.seed)
         model = model.to(device)
-        return model, make_step(model, new_optimizer(model, cfg, device), cfg, device)
+        return model, make_step(model, new_optimizer(model, cfg, device), cfg, device, capture_stream)
 
     with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
         torch.manual_seed(cfg.seed)
         dgl.seed(cfg.seed)
-        model, step = new_model()
+        model, step = new_model(_capture_stream(cfg, device))  # the stage pass's new_model(): the whole GPU
         train_batches = _batches(ds, g, cfg, device, sampler, train=True)
         loop = _epochs(AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
         epochs = (epoch_slices(loop, len(train_batches), cfg.epochs) if across
@@ -1208,7 +1224,8 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
                 clock = loop.clock.snapshot() if isinstance(loop, PipelinedLoader) else None
                 with GcPauses() as pauses:
                     times, losses = _train_epoch(model, step, batches, device, cfg, threads,
-                                                 verify=ds if epoch == 0 else None)
+                                                 verify=ds if epoch == 0 else None,
+                                                 stream=getattr(loop, "step_stream", None))
                 times.gc_full, times.gc_young, times.gc_seconds = pauses.full, pauses.young, pauses.seconds
                 if clock is not None:
                     spent = loop.clock.since(clock)
@@ -1439,7 +1456,8 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        optimizer_in_graph=bool(model.get("optimizer_in_graph", base.optimizer_in_graph)),
                        gc_freeze=bool(model.get("gc_freeze", base.gc_freeze)),
                        gil_switch_ms=_optional_float(model.get("gil_switch_ms", base.gil_switch_ms)),
-                       fetch_blocks_per_sm=_optional_int(model.get("fetch_blocks_per_sm", base.fetch_blocks_per_sm)))
+                       fetch_blocks_per_sm=_optional_int(model.get("fetch_blocks_per_sm", base.fetch_blocks_per_sm)),
+                       fetch_sms=_optional_int(model.get("fetch_sms", base.fetch_sms)))
 
 
 def _optional_float(value: Any) -> "float | None":

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -82,8 +82,12 @@ class StepGraphs:
     """Captured steps of one owner, keyed (see the module docstring); at most ``max_graphs`` kept, least recently
     replayed dropped first."""
 
-    def __init__(self, device: torch.device, max_graphs: int = 16) -> None:
+    def __init__(self, device: torch.device, max_graphs: int = 16, capture_stream: Optional[Any] = None) -> None:
+        """``capture_stream``: where steps are captured (default: a new stream of ``device``). A graph's kernels run
+        in the context of the stream they were captured on, so steps replayed on a CUDA green context's stream, to
+        run on its SMs only, are captured on another stream of that context."""
         self.device = device
+        self.capture_stream = capture_stream
         self.max_graphs = int(max_graphs)
         self.enabled = device.type == "cuda"
         self.error: Optional[str] = None
@@ -149,7 +153,7 @@ class StepGraphs:
         static_out = None if by_ref else torch.empty_like(out)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = self.capture_stream if self.capture_stream is not None else torch.cuda.Stream(self.device)
         caller = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(caller)  # the static copies are made on the caller's stream
         graph = torch.cuda.CUDAGraph()

@@ -45,6 +45,12 @@ has lost overlap somewhere, and only the stage threads know where: a stage starv
 one before it was busy names the stage that holds the epoch back; a stage blocked (waiting to hand a batch on) names
 the one after it. The clock adds two ``perf_counter`` calls per batch and stage and never touches the device.
 
+Why ``fetch_sms`` exists: where the fetch and the training step both run on the GPU, their kernels do not run at the
+same time (a training kernel's blocks fill the SMs), so the epoch is bounded by their GPU time summed.
+``fetch_sms=k`` runs the sampler's and the fetch's kernels on a CUDA green context of ``k`` SMs and offers
+:attr:`PipelinedLoader.step_stream` on the others (:mod:`ibpcache.loaders.sm_split`, which says what it gained in
+an experiment); the caller trains under ``torch.cuda.stream(loader.step_stream)``. Opt-in: the step gets fewer SMs.
+
 Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different
 communicators to be submitted in one order across ranks); the caller's thread issues fetch i+1 before it returns
@@ -66,6 +72,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ..errors import InvalidArgumentError
+from .sm_split import SmSplit, split_sms
 
 __all__ = ["GcPauses", "PipelinedLoader", "StageClock", "StepsInFlight", "frozen_gc", "record_stream"]
 
@@ -255,15 +262,21 @@ class PipelinedLoader(Generic[S, B]):
             (``sys.setswitchinterval``) is set to this, and restored afterwards. ``None`` leaves it alone.
         freeze_gc: while an iteration runs, the objects alive when it started are frozen (``gc.freeze``; unfrozen
             when it ends), unless the process has frozen objects of its own.
+        fetch_sms: CUDA only: the sampler's and the fetch's streams on a green context of this many of the GPU's SMs
+            (:func:`~ibpcache.loaders.sm_split.split_sms`), the caller's step on :attr:`step_stream`, the others.
+            ``None``: every stream on the whole GPU.
 
     Attributes:
         clock: the stage threads' busy and waiting time over every iteration (:class:`StageClock`).
+        sm_split: with ``fetch_sms``, the split (:class:`~ibpcache.loaders.sm_split.SmSplit`), else ``None``.
+        step_stream: with ``fetch_sms``, the stream to train on (the SMs the fetch does not use), else ``None``.
     """
 
     def __init__(self, batches: Iterable[S], fetch: "Callable[[S], B] | None" = None, *,
                  device: "str | torch.device | None" = None, prefetch: int = 2, sample_ahead: int = 2,
                  fetch_thread: bool = True, record: "Callable[[Any, Any], None] | None" = None,
-                 switch_interval: "float | None" = None, freeze_gc: bool = False) -> None:
+                 switch_interval: "float | None" = None, freeze_gc: bool = False,
+                 fetch_sms: "int | None" = None) -> None:
         if not hasattr(batches, "__iter__"):
             raise InvalidArgumentError(f"PipelinedLoader: batches must be iterable, got {type(batches).__name__}")
         for name, value in (("prefetch", prefetch), ("sample_ahead", sample_ahead)):
@@ -290,6 +303,16 @@ class PipelinedLoader(Generic[S, B]):
         self._cuda = self.device.type == "cuda"
         self._streams: "tuple[Any, Any] | None" = None
         self.clock = StageClock()
+        self.sm_split: "SmSplit | None" = None
+        if fetch_sms is not None:
+            if not self._cuda:
+                raise InvalidArgumentError(f"PipelinedLoader: fetch_sms splits a GPU's SMs; device is {self.device}")
+            self.sm_split = split_sms(self.device, fetch_sms)
+            self._streams = (self.sm_split.sample_stream, self.sm_split.fetch_stream)
+
+    @property
+    def step_stream(self) -> Any:
+        return self.sm_split.step_stream if self.sm_split is not None else None
 
     def __len__(self) -> int:
         return len(self.batches)  # type: ignore[arg-type]

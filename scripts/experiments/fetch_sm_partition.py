@@ -17,11 +17,9 @@ host rows, a 1% cache, Zipf ids, IBP(C/M) and raw rows:
 * ``together_ms``: both enqueued at once; ``overlap``: (fetch_ms + train_ms) / together_ms (1.0: none; 2.0: full).
 
 Times are host wall clock between stream synchronizations (medians of ``--repeats``): events and device-wide syncs
-are per context. Every fetch's output is checked against the rows, bit for bit. The green contexts come from the
-driver API through cuda-python (two disjoint SM sets; records say ``made_by``, ``disjoint`` and the SMs granted),
-else from ``torch.cuda.green_contexts`` (whose contexts may share SMs). Where neither works, or the cache's kernels
-cannot run on a green context's stream, the record says why and the run goes on without that setting. Writes
-``fetch_sm_partition.json`` / ``.png``.
+are per context. Every fetch's output is checked against the rows, bit for bit. The green contexts are the library's
+(:func:`ibpcache.loaders.sm_split.split_sms`: two disjoint SM sets; records say the SMs granted). Where a setting
+cannot run, the record says why and the run goes on without it. Writes ``fetch_sm_partition.json`` / ``.png``.
 """
 
 from __future__ import annotations
@@ -32,59 +30,19 @@ from typing import Any, Callable
 
 import torch
 
+from ibpcache.loaders.sm_split import split_sms
 from ibpcache.testing.timing import write_results
 from fetch_grid_overlap import (derived, new_cache, overlap_plot, parser,  # sys.path[0] when run as a script
                                 stand_in_step, workload)
 
 
-def green_streams(k: int, total: int) -> "tuple[Any, Any, list[Any], dict[str, Any]]":
-    """(fetch stream on ``k`` SMs, step stream on the others, what to keep alive, how they were made).
-
-    The driver's API (cuda-python) splits the SMs once into ``k`` and the rest, so the two sets are disjoint. torch's
-    ``GreenContext`` splits the whole device for each context, so its two sets may share SMs (said in the record);
-    it is the fallback where cuda-python is missing."""
-    try:
-        return _driver_green_streams(k)
-    except Exception as exc:  # noqa: BLE001 - fall back, and say why
-        why = f"{type(exc).__name__}: {exc}"
-    from torch.cuda.green_contexts import GreenContext
-
-    def make(n: int) -> Any:
-        try:
-            return GreenContext.create(num_sms=n, device_id=torch.cuda.current_device())
-        except TypeError:  # older torch: positional (num_sms, device_id)
-            return GreenContext.create(n, torch.cuda.current_device())
-
-    a, b = make(k), make(total - k)
-    if not hasattr(a, "Stream"):
-        raise RuntimeError(f"torch {torch.__version__}: GreenContext has no Stream() (cuda-python: {why})")
-    return a.Stream(), b.Stream(), [a, b], {"made_by": "torch", "disjoint": False, "driver_path": why}
-
-
-def _driver_green_streams(k: int) -> "tuple[Any, Any, list[Any], dict[str, Any]]":
-    """Two green contexts over disjoint SM sets (``k`` SMs, rounded up by the driver to its granularity, and the
-    rest), each with a non-blocking stream, wrapped as torch streams."""
-    from cuda.bindings import driver as drv  # cuda-python
-
-    def ok(ret: Any) -> Any:
-        err, *out = ret if isinstance(ret, tuple) else (ret,)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver: {err}")
-        return out[0] if len(out) == 1 else out
-
-    dev = ok(drv.cuDeviceGet(torch.cuda.current_device()))
-    whole = ok(drv.cuDeviceGetDevResource(dev, drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-    groups, _, rest = ok(drv.cuDevSmResourceSplitByCount(1, whole, 0, k))
-    made, keep, sms = [], [], []
-    for res in (groups[0], rest):
-        desc = ok(drv.cuDevResourceGenerateDesc([res], 1))
-        ctx = ok(drv.cuGreenCtxCreate(desc, dev, drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-        stream = ok(drv.cuGreenCtxStreamCreate(ctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
-        keep += [ctx, stream]
-        made.append(torch.cuda.ExternalStream(int(stream)))
-        sms.append(int(res.sm.smCount))
-    return made[0], made[1], keep, {"made_by": "cuda-python", "disjoint": True, "fetch_sms_granted": sms[0],
-                                    "train_sms_granted": sms[1]}
+def green_streams(k: int) -> "tuple[Any, Any, dict[str, Any]]":
+    """(fetch stream on ``k`` SMs, step stream on the others, how they were split): the library's split
+    (:func:`ibpcache.loaders.sm_split.split_sms`, disjoint SM sets), as ``PipelinedLoader(fetch_sms=k)`` uses it."""
+    split = split_sms(torch.cuda.current_device(), k)
+    return split.fetch_stream, split.step_stream, {"made_by": "split_sms", "disjoint": True,
+                                                   "fetch_sms_granted": split.fetch_sms,
+                                                   "train_sms_granted": split.step_sms}
 
 
 def wall(fns: "list[tuple[Callable[[], None], Any]]") -> float:
@@ -120,7 +78,6 @@ def main() -> None:
     rows, ids, x, w = workload(args)
     expect = [rows[i.cpu()].view(torch.int32) for i in ids]
     records: list[dict[str, Any]] = []
-    alive: list[Any] = []  # green contexts live to the end: their streams' memory stays with the allocator
     for name, compress in (("IBP(C/M)", True), ("raw", False)):
         fc = new_cache(rows, compress)
         outs = [torch.empty(args.ids, rows.shape[1], device="cuda") for _ in ids]
@@ -146,8 +103,7 @@ def main() -> None:
                                        "matmuls": k_mm}
                 try:
                     if k:
-                        s_fetch, s_train, keep, how = green_streams(k, total)
-                        alive.extend(keep)
+                        s_fetch, s_train, how = green_streams(k)
                         rec.update(how)
                     else:
                         s_fetch, s_train = torch.cuda.Stream(), torch.cuda.Stream()

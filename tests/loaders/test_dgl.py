@@ -6,6 +6,7 @@ Real data only: Cora (sparse binary rows, bundled) and a small power-law graph c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import replace
@@ -540,33 +541,40 @@ def test_padded_steps_train_deterministically_and_graphs_need_cuda() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("capturable", [False, True])
-def test_gpu_step_graphs_equal_the_same_padded_steps_taken_eagerly(capturable: bool) -> None:
+@pytest.mark.parametrize("capturable,split", [(False, False), (True, False), (True, True)])
+def test_gpu_step_graphs_equal_the_same_padded_steps_taken_eagerly(capturable: bool, split: bool) -> None:
     """Replayed graphs give the eager padded step's losses and weights bit for bit (dropout on), capture once per
     padded shape, and replay without a host sync; a capturable Adam steps inside the graph (the whole step one
-    replay) and gives the same bits as its eager steps."""
+    replay) and gives the same bits as its eager steps. With ``split`` the graphed steps are captured and replayed
+    on the step side of an SM split (a green context of fewer SMs), as a pipelined run with ``fetch_sms`` does."""
     from examples.gnn import pipeline as gnn
+    from ibpcache.loaders.sm_split import split_sms
 
     ds, dev = gnn.load_gnn_dataset("cora"), torch.device("cuda", torch.cuda.current_device())
     cfg, batches = _sampled_batches(gnn, ds, dev, 6)
+    sms = split_sms(dev, 32) if split else None
     with gnn.deterministic_cuda(True, tf32=True):
         eager_model, graph_model = _model(gnn, ds, cfg, dev), _model(gnn, ds, cfg, dev)
         eager = gnn.GraphedStep(eager_model, torch.optim.Adam(eager_model.parameters(), lr=0.01,
                                                               capturable=capturable), dev, graphs=False)
         graphs = gnn.GraphedStep(graph_model, torch.optim.Adam(graph_model.parameters(), lr=0.01,
-                                                               capturable=capturable), dev)
+                                                               capturable=capturable), dev,
+                                 capture_stream=sms.capture_stream if sms else None)
         assert graphs.optimizer_in_graph == capturable and not eager.optimizer_in_graph
         if capturable:
             with pytest.raises(ConfigError, match="inside the graph"):
                 graphs.forward_backward(batches[0])
         want = [eager(b) for b in batches * 3]
-        got = [graphs(b) for b in batches * 2]  # a shape's first batch steps eagerly, its second is captured
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            got += [graphs(b) for b in batches]  # replays only
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        with torch.cuda.stream(sms.step_stream) if sms else contextlib.nullcontext():
+            got = [graphs(b) for b in batches * 2]  # a shape's first batch steps eagerly, its second is captured
+            torch.cuda.current_stream().synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got += [graphs(b) for b in batches]  # replays only
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.current_stream().synchronize()
     assert [float(x) for x in got] == [float(x) for x in want]
     assert all(torch.equal(a, b) for a, b in zip(eager_model.parameters(), graph_model.parameters()))
     stats = graphs.stats()
@@ -597,6 +605,28 @@ def test_gpu_step_graphs_give_every_mode_the_same_losses(dgl: Any, cora: Any, op
             assert all(0 <= c and 0 <= p <= e["batches"] for (c, p), e in zip(each, r["run"]["epochs"]))
             if epochs == 3:
                 assert each == [(0, 0), (1, 1), (0, 1)], (r["mode"], r["pipelined"], each)
+
+
+@pytest.mark.gpu
+def test_gpu_split_sms_runs_give_the_losses_of_the_whole_gpu(dgl: Any, cora: Any) -> None:
+    """``fetch_sms``: the sampler and the fetch on a green context's SMs, the graphed step captured and replayed on
+    the others. Every mode's losses and predictions are equal, and equal the run on the whole GPU (same batches,
+    same kernels); the one-shape config captures in epoch 2 and replays in epoch 3, so the graphs ran there."""
+    from examples.gnn import pipeline as gnn
+
+    ds = gnn.load_gnn_dataset("cora")
+    base = gnn.TrainConfig(batch_size=256, fanouts=(-1, -1), epochs=3, hidden=64, lr=0.01, num_workers=1,
+                           sampler="torch", sampler_device="cuda", step_graphs=True)
+    losses = {}
+    for sms in (None, 32):
+        recs = gnn.compare_modes(ds, ["dgl", "ibp_cm"], replace(base, fetch_sms=sms), device=torch.device("cuda"),
+                                 variants=[("torch", True)])
+        assert all(r["identical_losses"] and r["identical_predictions"] for r in recs)
+        for r in recs:
+            each = [(e["graph_captures"], e["graph_replays"]) for e in r["run"]["epochs"]]
+            assert each == [(0, 0), (1, 1), (0, 1)], (sms, r["mode"], each)
+        losses[sms] = [r["run"]["losses"] for r in recs]
+    assert losses[None] == losses[32]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ gone when the caller stops; on a GPU, batches fetched on a side stream are compl
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -268,11 +269,12 @@ def test_record_stream_walks_batches() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fetch_thread", [True, False])
-def test_gpu_side_stream_batches_are_complete_and_stay_intact(fetch_thread: bool) -> None:
+@pytest.mark.parametrize("fetch_thread,fetch_sms", [(True, None), (False, None), (True, 32)])
+def test_gpu_side_stream_batches_are_complete_and_stay_intact(fetch_thread: bool, fetch_sms: "int | None") -> None:
     """The sampler and the fetch each write their batch on their own stream after a GPU delay; the caller reads it
     on its stream without any host sync, while later batches are being made (and the allocator would hand their
-    blocks to new tensors if record_stream were missing)."""
+    blocks to new tensors if record_stream were missing). With ``fetch_sms`` the stages run on a green context's
+    SMs and the caller on the loader's step stream (the other SMs): events order them across the contexts."""
     from ibpcache.loaders.pipeline import PipelinedLoader
 
     dev = torch.device("cuda")
@@ -292,10 +294,13 @@ def test_gpu_side_stream_batches_are_complete_and_stay_intact(fetch_thread: bool
         return ids, ids * 2 + 1
 
     sums = []
-    for ids, x in PipelinedLoader(Sampled(), fetch, device=dev, fetch_thread=fetch_thread):
-        torch.cuda._sleep(400_000)  # the step outlives the stages' next allocations
-        sums.append(torch.stack([ids.sum(), x.sum()]))
-    got = torch.stack(sums).cpu()
+    loader = PipelinedLoader(Sampled(), fetch, device=dev, fetch_thread=fetch_thread, fetch_sms=fetch_sms)
+    assert (loader.step_stream is None) == (fetch_sms is None)
+    with torch.cuda.stream(loader.step_stream) if fetch_sms else contextlib.nullcontext():
+        for ids, x in loader:
+            torch.cuda._sleep(400_000)  # the step outlives the stages' next allocations
+            sums.append(torch.stack([ids.sum(), x.sum()]))
+        got = torch.stack(sums).cpu()
     want = torch.tensor([[i * n, (2 * i + 1) * n] for i in range(40)])
     assert torch.equal(got, want)
 
