@@ -425,6 +425,7 @@ class TrainConfig:
     gil_switch_ms: "float | None" = None  # pipelined: Python's thread switch interval while iterating (None: 5 ms)
     fetch_blocks_per_sm: "int | None" = None  # cached modes: the fetch kernel's grid bound (FeatureCache; None: 16)
     fetch_sms: "int | None" = None  # pipelined, CUDA: sampler and fetch on this many SMs, the step on the rest
+    fetch_validate: str = "eager"  # cached modes: the cache's id check, eager (a host sync per fetch) or lazy
 
 
 @dataclass
@@ -1150,6 +1151,15 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"sample_chunk must be >= 1, got {cfg.sample_chunk}")
 
 
+def _one_of(cfgs: Sequence[TrainConfig], field: str, default: Any) -> Any:
+    """The value of a storage setting every config shares (one storage serves them all)."""
+    values = {getattr(c, field) for c in cfgs}
+    if len(values) > 1:
+        raise ConfigError(f"run_variants: one storage serves every config, so they need one {field}, "
+                          f"got {sorted(values, key=str)}")
+    return values.pop() if values else default
+
+
 def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence[TrainConfig], *,
                  device: torch.device, budget: float | int = 0.01, policy: str = "static", codec: Any = "auto",
                  progress: "Callable[[TrainConfig], Callable[[int], None]] | None" = None,
@@ -1165,13 +1175,10 @@ def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence
     for cfg in cfgs:
         _check_config(cfg)
     t0 = time.perf_counter()
-    blocks = {c.fetch_blocks_per_sm for c in cfgs}
-    if len(blocks) > 1:
-        raise ConfigError(f"run_variants: one storage serves every config, so they need one fetch_blocks_per_sm, "
-                          f"got {sorted(blocks, key=str)}")
     storage = make_storage(ds.features, mode, device=device, budget=budget, policy=policy, codec=codec,
                            hotness=_degree_scores(g) if mode.uses_cache and policy == "static" else None,
-                           name=ds.name, fetch_blocks_per_sm=blocks.pop() if blocks else None)
+                           name=ds.name, fetch_blocks_per_sm=_one_of(cfgs, "fetch_blocks_per_sm", None),
+                           validate=_one_of(cfgs, "fetch_validate", "eager"))
     attach(g, {"feat": storage})
     _sync(device)
     setup_s = time.perf_counter() - t0
@@ -1457,7 +1464,8 @@ def train_config(model: Any, dataset: Any, *, epochs: int, seed: int) -> TrainCo
                        gc_freeze=bool(model.get("gc_freeze", base.gc_freeze)),
                        gil_switch_ms=_optional_float(model.get("gil_switch_ms", base.gil_switch_ms)),
                        fetch_blocks_per_sm=_optional_int(model.get("fetch_blocks_per_sm", base.fetch_blocks_per_sm)),
-                       fetch_sms=_optional_int(model.get("fetch_sms", base.fetch_sms)))
+                       fetch_sms=_optional_int(model.get("fetch_sms", base.fetch_sms)),
+                       fetch_validate=str(model.get("fetch_validate", base.fetch_validate)))
 
 
 def _optional_float(value: Any) -> "float | None":

@@ -533,6 +533,7 @@ def make_storage(
     codec: Any = "auto",
     name: str = "",
     fetch_blocks_per_sm: "int | None" = None,
+    validate: str = "eager",
 ) -> Any:
     """Wrap feature rows in an :class:`IBPFeatureStorage` for one of the six :class:`FetchMode` paths.
 
@@ -541,8 +542,11 @@ def make_storage(
     (0, 1]); the paper uses 1%. ``hotness``: per-row score for the static cache (e.g. :func:`degree_hotness`).
     ``codec``: ``"auto"`` fits one on the rows, or pass a fitted ``Codec`` to share it between modes.
     ``fetch_blocks_per_sm``: the cache's lookup grid bound (:class:`FeatureCache`), leaving multiprocessors to a
-    training step that runs beside a pipelined fetch. DGL modes ignore budget, hotness, policy, codec and
-    ``fetch_blocks_per_sm``.
+    training step that runs beside a pipelined fetch. ``validate``: the cache's id check (:class:`FeatureCache`):
+    ``"eager"`` raises in the fetch at a host sync; ``"lazy"`` lets the lookup kernel check ids and raises at a
+    later fetch or ``stats()``, so a fetch never waits for the GPU (a pipelined loader's fetch thread then runs
+    ahead of the device instead of waiting for each batch's sampling and the fetch before it). DGL modes ignore
+    budget, hotness, policy, codec, ``fetch_blocks_per_sm`` and ``validate``.
     """
     mode = FetchMode.from_str(mode)
     rows = check_rows(rows, "rows")
@@ -560,7 +564,8 @@ def make_storage(
     compress = mode.compress_cache or mode.compress_host
     cache = FeatureCache(rows, budget_bytes=budget, hotness=hotness, policy=policy, device=dev,
                          codec=codec if compress else None, compress_cache=mode.compress_cache,
-                         compress_host=mode.compress_host, fetch_blocks_per_sm=fetch_blocks_per_sm)
+                         compress_host=mode.compress_host, fetch_blocks_per_sm=fetch_blocks_per_sm,
+                         validate=validate)
     return _new_storage(_CacheBackend(cache), n_rows, row_shape, dtype, mode, dev, name)
 
 

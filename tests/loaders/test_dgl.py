@@ -610,23 +610,24 @@ def test_gpu_step_graphs_give_every_mode_the_same_losses(dgl: Any, cora: Any, op
 @pytest.mark.gpu
 def test_gpu_split_sms_runs_give_the_losses_of_the_whole_gpu(dgl: Any, cora: Any) -> None:
     """``fetch_sms``: the sampler and the fetch on a green context's SMs, the graphed step captured and replayed on
-    the others. Every mode's losses and predictions are equal, and equal the run on the whole GPU (same batches,
-    same kernels); the one-shape config captures in epoch 2 and replays in epoch 3, so the graphs ran there."""
+    the others; ``fetch_validate="lazy"``: fetches that never wait for the GPU. Every mode's losses and predictions
+    are equal, and equal the run on the whole GPU with eager checks (same batches, same kernels); the one-shape
+    config captures in epoch 2 and replays in epoch 3, so the graphs ran there."""
     from examples.gnn import pipeline as gnn
 
     ds = gnn.load_gnn_dataset("cora")
     base = gnn.TrainConfig(batch_size=256, fanouts=(-1, -1), epochs=3, hidden=64, lr=0.01, num_workers=1,
                            sampler="torch", sampler_device="cuda", step_graphs=True)
     losses = {}
-    for sms in (None, 32):
-        recs = gnn.compare_modes(ds, ["dgl", "ibp_cm"], replace(base, fetch_sms=sms), device=torch.device("cuda"),
-                                 variants=[("torch", True)])
+    for sms, check in ((None, "eager"), (32, "eager"), (32, "lazy")):
+        cfg = replace(base, fetch_sms=sms, fetch_validate=check)
+        recs = gnn.compare_modes(ds, ["dgl", "ibp_cm"], cfg, device=torch.device("cuda"), variants=[("torch", True)])
         assert all(r["identical_losses"] and r["identical_predictions"] for r in recs)
         for r in recs:
             each = [(e["graph_captures"], e["graph_replays"]) for e in r["run"]["epochs"]]
             assert each == [(0, 0), (1, 1), (0, 1)], (sms, r["mode"], each)
-        losses[sms] = [r["run"]["losses"] for r in recs]
-    assert losses[None] == losses[32]
+        losses[sms, check] = [r["run"]["losses"] for r in recs]
+    assert losses[None, "eager"] == losses[32, "eager"] == losses[32, "lazy"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -682,9 +683,14 @@ def test_gc_freeze_holds_over_every_mode_s_epochs_and_changes_no_loss(dgl: Any, 
     assert runs[0].losses == runs[1].losses == runs[2].losses
 
 
-def test_fetch_blocks_per_sm_reaches_the_cache_from_the_model_config(dgl: Any, mod: Any, cora: Any) -> None:
-    """``model.fetch_blocks_per_sm`` (configs/model/sage.yaml) -> TrainConfig -> make_storage -> FeatureCache; one
-    storage serves a mode's configs, so configs that disagree are refused."""
+@pytest.mark.parametrize("field,value,kwarg,default", [
+    ("fetch_blocks_per_sm", 4, "fetch_blocks_per_sm", None),
+    ("fetch_validate", "lazy", "validate", "eager"),
+])
+def test_storage_settings_reach_the_cache_from_the_model_config(dgl: Any, mod: Any, cora: Any, field: str,
+                                                                 value: Any, kwarg: str, default: Any) -> None:
+    """``model.<field>`` (configs/model/sage.yaml) -> TrainConfig -> make_storage -> FeatureCache; one storage
+    serves a mode's configs, so configs that disagree are refused."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
@@ -694,14 +700,14 @@ def test_fetch_blocks_per_sm_reaches_the_cache_from_the_model_config(dgl: Any, m
 
     model = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs" / "model" / "sage.yaml")
     data = {"batch_size": 32}
-    assert gnn.train_config(model, data, epochs=1, seed=0).fetch_blocks_per_sm is None
-    model.fetch_blocks_per_sm = 4
-    assert gnn.train_config(model, data, epochs=1, seed=0).fetch_blocks_per_sm == 4
-    storage = mod.make_storage(cora.features, "ibp_cm", device="cpu", budget=0.05, fetch_blocks_per_sm=3)
-    assert storage.stats()["fetch_blocks_per_sm"] == 3
+    assert getattr(gnn.train_config(model, data, epochs=1, seed=0), field) == default
+    setattr(model, field, value)
+    assert getattr(gnn.train_config(model, data, epochs=1, seed=0), field) == value
+    storage = mod.make_storage(cora.features, "ibp_cm", device="cpu", budget=0.05, **{kwarg: value})
+    assert getattr(storage.backend.cache, kwarg) == value
     ds = gnn.load_gnn_dataset("cora")
-    cfgs = [gnn.TrainConfig(epochs=1, fetch_blocks_per_sm=b) for b in (None, 2)]
-    with pytest.raises(ConfigError, match="fetch_blocks_per_sm"):
+    cfgs = [gnn.TrainConfig(epochs=1, **{field: v}) for v in (default, value)]
+    with pytest.raises(ConfigError, match=field):
         gnn.run_variants(ds, gnn.build_graph(ds), "ibp_cm", cfgs, device=torch.device("cpu"))
 
 
