@@ -48,8 +48,9 @@ the one after it. The clock adds two ``perf_counter`` calls per batch and stage 
 Why ``fetch_sms`` exists: where the fetch and the training step both run on the GPU, their kernels do not run at the
 same time (a training kernel's blocks fill the SMs), so the epoch is bounded by their GPU time summed.
 ``fetch_sms=k`` runs the sampler's and the fetch's kernels on a CUDA green context of ``k`` SMs and offers
-:attr:`PipelinedLoader.step_stream` on the others (:mod:`ibpcache.loaders.sm_split`, which says what it gained in
-an experiment); the caller trains under ``torch.cuda.stream(loader.step_stream)``. Opt-in: the step gets fewer SMs.
+:attr:`PipelinedLoader.step_stream` on the others (:mod:`ibpcache.loaders.sm_split`, which says what it gained and
+cost GraphSAGE epochs); the caller trains under ``torch.cuda.stream(loader.step_stream)``. Opt-in: the step gets
+fewer SMs, which lengthens epochs whose step holds the GPU.
 
 Why ``fetch_thread=False`` exists: a fetch that is a collective (e.g. ``DistributedRows.fetch``) must be issued in
 the same order as the training step's own collectives on every rank (NCCL requires operations on different

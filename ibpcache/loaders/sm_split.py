@@ -6,8 +6,10 @@ the SMs, and the fetch's blocks (or the step's) wait for them to leave; a bounde
 Giving each stage its own SMs does. Measured on one H200 (132 SMs) with ``scripts/experiments/fetch_sm_partition.py``
 (docs/results/2026-11-28-h200-s46): the fetch on 32 SMs kept its full throughput (68.6-73.4 vs 71.0-73.1 GB/s of
 rows out on the whole GPU), a stand-in matmul step on the other 100 ran 1.46x slower alone, and the two together
-took 10.7-11.7 ms against 12.6-12.8 ms in turn on the whole GPU. Whether a real step gains depends on how much of the
-GPU it uses; measure it (``train_gnn.py model.fetch_sms=...``).
+took 10.7-11.7 ms against 12.6-12.8 ms in turn on the whole GPU. Whether a real epoch gains depends on which stage
+holds the GPU: in ``train_gnn.py`` (GraphSAGE, same results folder) ``fetch_sms`` 32 or 48 shortened MiniLM-SU's
+epochs (dense rows, the fetch 46 of 69 GPU ms: 59-70 vs 71-76 ms) and lengthened Cora-SU's (the step 41 of 64 GPU
+ms, now on fewer SMs: 74-77 vs 65-71 ms); 24 SMs was slower on both. Measure before setting it.
 
 A green context is a context of the device restricted to a set of SMs; kernels launched on a stream of it run only
 there, whatever library launches them (CuPy's raw kernels, torch, cuBLAS). The driver's API splits the SMs once into
