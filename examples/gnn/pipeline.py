@@ -425,7 +425,7 @@ class TrainConfig:
     gil_switch_ms: "float | None" = None  # pipelined: Python's thread switch interval while iterating (None: 5 ms)
     fetch_blocks_per_sm: "int | None" = None  # cached modes: the fetch kernel's grid bound (FeatureCache; None: 16)
     fetch_sms: "int | None" = None  # pipelined, CUDA: sampler and fetch on this many SMs, the step on the rest
-    fetch_validate: str = "eager"  # cached modes: the cache's id check, eager (a host sync per fetch) or lazy
+    fetch_validate: str = "lazy"  # cached modes: the cache's id check, lazy (in the lookup kernel) or eager (a sync)
 
 
 @dataclass
@@ -1178,7 +1178,7 @@ def run_variants(ds: GnnDataset, g: Any, mode: "str | FetchMode", cfgs: Sequence
     storage = make_storage(ds.features, mode, device=device, budget=budget, policy=policy, codec=codec,
                            hotness=_degree_scores(g) if mode.uses_cache and policy == "static" else None,
                            name=ds.name, fetch_blocks_per_sm=_one_of(cfgs, "fetch_blocks_per_sm", None),
-                           validate=_one_of(cfgs, "fetch_validate", "eager"))
+                           validate=_one_of(cfgs, "fetch_validate", "lazy"))
     attach(g, {"feat": storage})
     _sync(device)
     setup_s = time.perf_counter() - t0

@@ -685,7 +685,7 @@ def test_gc_freeze_holds_over_every_mode_s_epochs_and_changes_no_loss(dgl: Any, 
 
 @pytest.mark.parametrize("field,value,kwarg,default", [
     ("fetch_blocks_per_sm", 4, "fetch_blocks_per_sm", None),
-    ("fetch_validate", "lazy", "validate", "eager"),
+    ("fetch_validate", "eager", "validate", "lazy"),
 ])
 def test_storage_settings_reach_the_cache_from_the_model_config(dgl: Any, mod: Any, cora: Any, field: str,
                                                                  value: Any, kwarg: str, default: Any) -> None:
