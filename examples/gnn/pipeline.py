@@ -1217,7 +1217,7 @@ def _run_one(ds: GnnDataset, g: Any, storage: Any, mode: FetchMode, cfg: TrainCo
     with deterministic_cuda(cfg.deterministic and device.type == "cuda", tf32=cfg.tf32):
         torch.manual_seed(cfg.seed)
         dgl.seed(cfg.seed)
-        model, step = new_model(_capture_stream(cfg, device))  # the stage pass's new_model(): the whole GPU
+        model, step = new_model(_capture_stream(cfg, device))  # (the stage pass's models use the whole GPU)
         train_batches = _batches(ds, g, cfg, device, sampler, train=True)
         loop = _epochs(AllEpochs(train_batches, cfg.epochs) if across else train_batches, fetch, cfg, device)
         epochs = (epoch_slices(loop, len(train_batches), cfg.epochs) if across

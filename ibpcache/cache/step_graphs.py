@@ -83,9 +83,9 @@ class StepGraphs:
     replayed dropped first."""
 
     def __init__(self, device: torch.device, max_graphs: int = 16, capture_stream: Optional[Any] = None) -> None:
-        """``capture_stream``: where steps are captured (default: a new stream of ``device``). A graph's kernels run
-        in the context of the stream they were captured on, so steps replayed on a CUDA green context's stream, to
-        run on its SMs only, are captured on another stream of that context."""
+        """``capture_stream``: where steps are captured (default: a new stream of ``device``). A captured kernel keeps
+        the context it was captured in, so steps meant to run on a CUDA green context's SMs only are captured on a
+        stream of that context."""
         self.device = device
         self.capture_stream = capture_stream
         self.max_graphs = int(max_graphs)

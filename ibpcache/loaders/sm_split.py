@@ -14,9 +14,9 @@ ms, now on fewer SMs: 74-77 vs 65-71 ms); 24 SMs was slower on both. Measure bef
 A green context is a context of the device restricted to a set of SMs; kernels launched on a stream of it run only
 there, whatever library launches them (CuPy's raw kernels, torch, cuBLAS). The driver's API splits the SMs once into
 disjoint sets (rounded up to its granularity: 8 SMs on Hopper), so the two contexts never share one. Kernels launched
-on the primary context's streams still use every SM, so both stages must run on the split's streams; a CUDA graph
-runs its kernels in the context it was captured in, so capture a step on :attr:`SmSplit.capture_stream` to replay it
-on the step's SMs.
+on the primary context's streams still use every SM, so both stages must run on the split's streams. A captured
+kernel node keeps the context it was captured in (``CUDA_KERNEL_NODE_PARAMS.ctx``), so capture a step on
+:attr:`SmSplit.capture_stream` for its replays to run on the step's SMs.
 
 Memory is the primary context's: tensors move freely between the split's streams and any other, with the usual
 stream semantics (events, ``wait_stream``, ``record_stream``).
