@@ -174,6 +174,30 @@ def _same(a: dict, b: dict) -> bool:
     return True
 
 
+_COALESCED_MARK = "_ibpcache_coalesced_grad"
+
+
+def mark_coalesced(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Remember that ``grad``, a sparse gradient built for ``param`` with ``is_coalesced=True``, is coalesced.
+
+    Why: autograd's accumulation re-wraps a sparse gradient's indices and values in a new tensor without the flag
+    (torch 2.11-2.13), so torch's Adagrad and SparseAdam coalesce it again: a sort and, on CUDA, a host sync per
+    step, for nothing. :func:`restore_coalesced` puts the flag back on exactly that gradient (the same index and
+    value memory, the same length), never on one that was accumulated with another."""
+    param.__dict__[_COALESCED_MARK] = (grad._indices().data_ptr(), grad._values().data_ptr(), grad._nnz())
+
+
+def restore_coalesced(param: torch.Tensor) -> None:
+    """Flag ``param.grad`` coalesced again if it is the gradient :func:`mark_coalesced` saw (bit-exact: coalescing a
+    coalesced gradient sums each row once, from +0, which its values already went through)."""
+    mark = param.__dict__.pop(_COALESCED_MARK, None)
+    grad = param.grad
+    if mark is None or grad is None or not grad.is_sparse or grad.is_coalesced():
+        return
+    if mark == (grad._indices().data_ptr(), grad._values().data_ptr(), grad._nnz()):
+        param.grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), grad.shape, is_coalesced=True)
+
+
 class RowOptimizer:
     """An optimizer attached to a :class:`~ibpcache.cache.row_cache.CachedRowManager` (see the module docstring).
 
@@ -223,6 +247,7 @@ class RowOptimizer:
         self._pending = None
         if param.grad is None:
             return  # torch skips a parameter without a gradient: not an update
+        restore_coalesced(param)
         group = _group_of(optimizer, param)
         if group is None:
             return

@@ -72,6 +72,7 @@ from ..cache.admission import SETTLED_ADMIT_EVERY, check_admit_every
 from ..cache.host_store import FitOptions, HostStore, Transfer
 from ..cache.plan_layout import slot_option
 from ..cache.policy import EvictionStrategy
+from ..cache.row_optimizer import mark_coalesced
 from ..cache.row_cache import (STAGE_BYTES, BagLayout, CachedRowManager, Prepared, check_adoptable_rows,
                                pool_supported)
 
@@ -1011,6 +1012,7 @@ class RowGather(torch.autograd.Function):
     def forward(ctx: Any, weight: torch.Tensor, slot_u: torch.Tensor,
                 segments: Optional[Sequence[int]] = None) -> torch.Tensor:
         ctx.save_for_backward(slot_u)
+        ctx.weight = weakref.ref(weight)  # the parameter, for mark_coalesced (a reference would keep it alive)
         ctx.weight_shape = tuple(weight.shape)
         ctx.segments = segments
         return weight.index_select(0, slot_u)
@@ -1031,6 +1033,9 @@ class RowGather(torch.autograd.Function):
         rows = slot_u.index_select(0, idx)
         order = torch.argsort(rows)
         out = torch.sparse_coo_tensor(rows[order].unsqueeze(0), vals.index_select(0, order), shape, is_coalesced=True)
+        weight = ctx.weight()
+        if weight is not None:
+            mark_coalesced(weight, out)
         return out, None, None
 
 

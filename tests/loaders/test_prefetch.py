@@ -361,6 +361,8 @@ def _audited_steps(minilm: torch.Tensor, optimizer: str, layout: str, tables: in
 
     audits = []
     for m, opt, ids, offs in _prefetched_steps(minilm, optimizer, tables, layout, seed=6):
+        # (under the audit's dispatch mode autograd keeps a sparse gradient's coalesced flag, which it drops
+        # otherwise: the optimizer's own coalesce of an unflagged gradient is pinned by the test below)
         with sync_audit() as audit:
             m(ids, offs).pow(2).sum().backward()
             opt.step()
@@ -415,6 +417,69 @@ def test_prefetched_adagrad_step_syncs_only_where_known(minilm: torch.Tensor, ta
     """A prefetched sparse-Adagrad step runs exactly the known sync-prone ops (see the cases), no new one."""
     for audit in _audited_steps(minilm, "adagrad", "offsets", tables):
         assert audit.sites() == expected, audit.table()
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_adagrad_gets_its_gradient_flagged_coalesced_once(minilm: torch.Tensor, backwards: int) -> None:
+    """Autograd drops the coalesced flag of the gradient RowGather builds, so torch's Adagrad would coalesce it again
+    (a sort, and a host sync on CUDA); the attached optimizer's hook flags it again, only when it is that gradient:
+    not after two backward passes accumulated theirs. Only the step is audited: under the audit's dispatch mode
+    autograd keeps the flag. Trained tables stay bit-identical to ``nn.EmbeddingBag`` with
+    Adagrad (ids with duplicates, so each coalesce sums)."""
+    from ibpcache.loaders.embedding_bag import TableBatchedCachedEmbeddingBag
+    from ibpcache.testing.sync_audit import sync_audit
+
+    w = minilm[:400, :64].clone()  # one table: the CPU coalesces as CUDA does (several: per table, test above)
+    m = TableBatchedCachedEmbeddingBag([400], 64, _weight=w.clone(), mode="sum", sparse=True, cache_ratio=0.5,
+                                       warmup_ratio=0.0, device="cpu")
+    ref = torch.nn.EmbeddingBag(400, 64, mode="sum", sparse=True, _weight=w.clone())
+    opt, ref_opt = torch.optim.Adagrad(m.parameters(), lr=0.05), torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    m.attach_optimizer(opt)
+    seen: list[bool] = []
+    opt.register_step_pre_hook(lambda *_: seen.append(m.cached_weight.grad.is_coalesced()))  # runs after ours
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        ids = torch.randint(0, 150, (128,), generator=gen)  # duplicates; 150 distinct at most: the batch fits
+        offs = torch.arange(0, 128, 4)
+        m.prefetch(ids, offs)
+        for _ in range(backwards):
+            m(ids, offs).pow(2).sum().backward()
+            ref(ids, offs).pow(2).sum().backward()
+        with sync_audit() as audit:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        coalesces = sum(n for (op, _), n in audit.found.items() if op == "_coalesce")
+        assert coalesces == (0 if backwards == 1 else 1), audit.table()
+    assert seen == [backwards == 1] * 4
+    assert torch.equal(m.weight.view(torch.int32), ref.weight.detach().view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_adagrad_step_does_not_coalesce_again(minilm: torch.Tensor) -> None:
+    """On CUDA, where a coalesce is a host sync: the prefetched Adagrad step's optimizer runs no ``_coalesce`` (the
+    gradient arrives flagged), and the trained table equals ``nn.EmbeddingBag`` with Adagrad bit for bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    w, m = _tb(minilm, "cuda", 1)
+    ref = torch.nn.EmbeddingBag(200, 64, mode="sum", sparse=True, _weight=w.clone().cuda())
+    opt, ref_opt = torch.optim.Adagrad(m.parameters(), lr=0.05), torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    m.attach_optimizer(opt)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ids = torch.randint(0, 90, (64,), generator=gen).cuda()  # duplicates; at most 90 distinct: the batch fits
+        offs = torch.arange(0, 64, 2, device="cuda")
+        m.prefetch(ids, offs)
+        m(ids, offs).pow(2).sum().backward()
+        ref(ids, offs).pow(2).sum().backward()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert not [ev.name for ev in prof.events() if ev.name == "aten::_coalesce"]
+    assert torch.equal(m.weight.cpu().view(torch.int32), ref.weight.detach().cpu().view(torch.int32))
 
 
 def _evicting_prefetches(minilm: torch.Tensor, optimizer: str, seed: int, **kw) -> tuple:
