@@ -973,7 +973,7 @@ def _train_epoch(model: GraphSAGE, step: "Callable[[_Batch], torch.Tensor]", bat
     model.train()
     _sync(device)
     start = time.perf_counter()
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with torch.cuda.stream(stream):  # None: a no-op
         in_flight = StepsInFlight(device, limit=2)
         it = iter(batches)
         while True:

@@ -6,7 +6,6 @@ gone when the caller stops; on a GPU, batches fetched on a side stream are compl
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -296,7 +295,7 @@ def test_gpu_side_stream_batches_are_complete_and_stay_intact(fetch_thread: bool
     sums = []
     loader = PipelinedLoader(Sampled(), fetch, device=dev, fetch_thread=fetch_thread, fetch_sms=fetch_sms)
     assert (loader.step_stream is None) == (fetch_sms is None)
-    with torch.cuda.stream(loader.step_stream) if fetch_sms else contextlib.nullcontext():
+    with torch.cuda.stream(loader.step_stream):  # None without fetch_sms: a no-op
         for ids, x in loader:
             torch.cuda._sleep(400_000)  # the step outlives the stages' next allocations
             sums.append(torch.stack([ids.sum(), x.sum()]))
