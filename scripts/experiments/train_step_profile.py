@@ -7,8 +7,10 @@ events (device ms) and perf_counter (host ms: the call's wall time, the sync at 
 same number of steps back to back, as a training loop runs them (mean ms per step, and each phase's host ms); then
 torch.profiler over a few steps: per step the CUDA kernel launches, the aten ops, and the calls that make the host
 wait for the device (``aten::item`` / ``_local_scalar_dense``, ``aten::nonzero``, ``aten::unique``-style ops,
-``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``). On the CPU (``--device cpu``) the same counts without kernel
-times: the ops and the would-be syncs are what a GPU step pays for. Writes ``train_step_profile.json`` under --out.
+``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``); then as many steps again with Python stacks recorded, for
+the function that issued each of those (``sync_sites_per_step``; kept apart because recording stacks slows the
+host). On the CPU (``--device cpu``) the same counts without kernel times: the ops and the would-be syncs are what a
+GPU step pays for. Writes ``train_step_profile.json`` under --out.
 
     PYTHONPATH=$PWD python scripts/experiments/train_step_profile.py --out /tmp/tsp            # GPU, < 60 s
     PYTHONPATH=$PWD python scripts/experiments/train_step_profile.py --device cpu --rows 2000 --batches 256 --out /tmp/tsp
@@ -108,6 +110,44 @@ def count_host_reads() -> Iterator[Counter]:
         yield seen
 
 
+_OURS = ("ibpcache/", "scripts/", "torch/optim/")
+"""Frames worth naming as a wait's site: this project's lines and torch's optimizers (their sparse updates wait)."""
+
+
+def _site(ev: Any) -> str:
+    """The Python function that issued a profiler event: with ``with_stack`` the profiler nests each op under events
+    named after the Python frames that called it ("path(first line): function"); the innermost of :data:`_OURS`, else
+    the innermost frame, else "?"."""
+    frames = []
+    ev = ev.cpu_parent
+    while ev is not None:
+        if ".py(" in ev.name and not ev.name.startswith("<"):
+            frames.append(ev.name)
+        ev = ev.cpu_parent
+    ours = [f for f in frames if any(k in f for k in _OURS)]
+    return (ours or frames or ["?"])[0]
+
+
+def sync_sites(events: Any, n: int) -> dict[str, float]:
+    """Per step, each :data:`SYNC_OPS` event counted by the function that issued it ("op @ path(line): function"):
+    where a step's waits come from, so they can be taken out one by one."""
+    sites: Counter = Counter()
+    for ev in events:
+        if ev.name in SYNC_OPS:
+            sites[f"{ev.name} @ {_site(ev)}"] += 1
+    return {k: c / n for k, c in sites.most_common()}
+
+
+def _sites(step: Callable[[], Any], n: int) -> dict[str, float]:
+    """:func:`sync_sites` of ``n`` steps profiled with Python stacks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(n):
+            step()
+    return sync_sites(prof.events(), n)
+
+
 def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
     """Per-step counts: kernel launches, aten ops, the events that make the host wait (SYNC_OPS) and host reads."""
     from torch.profiler import ProfilerActivity, profile
@@ -145,7 +185,7 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
     """Steps of one (bag, batch) point on ``method`` (trained on, as bench_dlrm's windows do): timings, profile counts,
     and the hit rate of the point's own lookups."""
     trace.reset(batch + 7919 * bag)
-    n = args.warmup + 2 * args.iters + args.profile_steps + 1
+    n = args.warmup + 2 * args.iters + 2 * args.profile_steps + 1
     inputs = [method.inputs(trace.batch(batch, bag), bag) for _ in range(n)]
     method.module.prefetch(inputs[0][0], inputs[0][1])
     before = method.module.stats()
@@ -159,13 +199,14 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
     run_ms, phase_ms = _back_to_back(lambda i, marks: method.step(inputs[i], bag, inputs[i + 1], marks),
                                      range(k0, k0 + args.iters), cuda)
     k0 += args.iters
-    it = iter(range(k0, k0 + args.profile_steps))
+    it = iter(range(k0, k0 + 2 * args.profile_steps))
 
     def step() -> None:
         i = next(it)
         method.step(inputs[i], bag, inputs[i + 1])
 
     prof = _profile(step, args.profile_steps, cuda)
+    prof["sync_sites_per_step"] = _sites(step, args.profile_steps)
     after = method.module.stats()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     return {"bag": bag, "batch": batch, "tables": args.tables, "rows_per_table": args.rows,
