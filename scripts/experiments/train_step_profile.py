@@ -8,9 +8,9 @@ same number of steps back to back, as a training loop runs them (mean ms per ste
 torch.profiler over a few steps: per step the CUDA kernel launches, the aten ops, and the calls that make the host
 wait for the device (``aten::item`` / ``_local_scalar_dense``, ``aten::nonzero``, ``aten::unique``-style ops,
 ``cudaStreamSynchronize`` / ``cudaDeviceSynchronize``); then as many steps again with Python stacks recorded, for
-the function that issued each of those (``sync_sites_per_step``; kept apart because recording stacks slows the
-host). On the CPU (``--device cpu``) the same counts without kernel times: the ops and the would-be syncs are what a
-GPU step pays for. Writes ``train_step_profile.json`` under --out.
+the function that issued each of those and each launch (``sync_sites_per_step``, ``launch_sites_per_step``; kept
+apart because recording stacks slows the host). On the CPU (``--device cpu``) the same counts without kernel times:
+the ops and the would-be syncs are what a GPU step pays for. Writes ``train_step_profile.json`` under --out.
 
     PYTHONPATH=$PWD python scripts/experiments/train_step_profile.py --out /tmp/tsp            # GPU, < 60 s
     PYTHONPATH=$PWD python scripts/experiments/train_step_profile.py --device cpu --rows 2000 --batches 256 --out /tmp/tsp
@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -128,24 +128,30 @@ def _site(ev: Any) -> str:
     return (ours or frames or ["?"])[0]
 
 
-def sync_sites(events: Any, n: int) -> dict[str, float]:
-    """Per step, each :data:`SYNC_OPS` event counted by the function that issued it ("op @ path(line): function"):
-    where a step's waits come from, so they can be taken out one by one."""
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemsetAsync", "cudaMemcpyAsync")
+"""CUDA runtime calls that put work on a stream: a step's launches, by the function that issued them."""
+
+
+def sync_sites(events: Any, n: int, names: tuple = SYNC_OPS, top: Optional[int] = None) -> dict[str, float]:
+    """Per step, each event named in ``names`` (default :data:`SYNC_OPS`) counted by the function that issued it
+    ("op @ path(line): function"), the ``top`` most frequent: where a step's waits (or launches) come from, so they
+    can be taken out one by one."""
     sites: Counter = Counter()
     for ev in events:
-        if ev.name in SYNC_OPS:
+        if ev.name in names:
             sites[f"{ev.name} @ {_site(ev)}"] += 1
-    return {k: c / n for k, c in sites.most_common()}
+    return {k: c / n for k, c in sites.most_common(top)}
 
 
-def _sites(step: Callable[[], Any], n: int) -> dict[str, float]:
-    """:func:`sync_sites` of ``n`` steps profiled with Python stacks."""
+def _sites(step: Callable[[], Any], n: int) -> dict[str, dict[str, float]]:
+    """Of ``n`` steps profiled with Python stacks: :func:`sync_sites` of the waits, and of the launches (top 30)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(n):
             step()
-    return sync_sites(prof.events(), n)
+    events = prof.events()
+    return {"sync_sites_per_step": sync_sites(events, n), "launch_sites_per_step": sync_sites(events, n, LAUNCHES, 30)}
 
 
 def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
@@ -206,7 +212,7 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
         method.step(inputs[i], bag, inputs[i + 1])
 
     prof = _profile(step, args.profile_steps, cuda)
-    prof["sync_sites_per_step"] = _sites(step, args.profile_steps)
+    prof.update(_sites(step, args.profile_steps))
     after = method.module.stats()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     return {"bag": bag, "batch": batch, "tables": args.tables, "rows_per_table": args.rows,
@@ -231,7 +237,8 @@ def main(argv: "list[str] | None" = None) -> None:
             for batch in (int(b) for b in args.batches.split(",")):
                 r = {"optimizer": opt, **run_point(method, trace, args, bag, batch, device.type == "cuda")}
                 results.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "top_ops"}), flush=True)
+                shown = {k: v for k, v in r.items() if k not in ("top_ops", "launch_sites_per_step")}
+                print(json.dumps(shown), flush=True)
         del method
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
