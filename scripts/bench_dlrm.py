@@ -49,7 +49,9 @@ Methods (one module over all tables each, so one lookup call per step):
 
 For every point and method: the steady-state hit rate over the timed steps (``hit_rate``) and the static top-k
 oracle's for the method's cache capacity (``oracle_hit_rate``: the k most probable rows, k = cache rows, from the
-trace's probabilities). Every step is timed alone with CUDA events (device idle before it: the latency a serving step
+trace's probabilities). Ours in training also ``prefetch_hit_rate``: of the distinct rows each prefetch looked for,
+the share already resident (the prefetched forward then finds every row, so its ``hit_rate`` is near 1 whatever the
+step read from the host; Colossal-AI counts at its forward, which has no prefetch). Every step is timed alone with CUDA events (device idle before it: the latency a serving step
 sees); medians. Our outputs are checked bit for bit against torch's embedding_bag over the full table on the GPU,
 before and after timing (a wrong output fails the run). The pipelined step (TorchRec's order: lookup i, prefetch
 i + 1 on the side stream, the dense part of step i) is timed for ours at one batch per configuration
@@ -342,7 +344,9 @@ class Method:
                     "host_layout": st.get("host_layout"), "slots": st.get("fused_cache_slots"),
                     "slot_bytes": st.get("fused_slot_bytes"), "slot_form": st.get("fused_slot_form"),
                     "admission": st.get("fused_admission"), "way_steps": st.get("fused_way_steps")}
-        return {"requests": float(st["hits"] + st["misses"]), "hits": float(st["hits"]), "host_ratio": st["host_ratio"]}
+        return {"requests": float(st["hits"] + st["misses"]), "hits": float(st["hits"]), "host_ratio": st["host_ratio"],
+                "prefetch_requests": float(st["prefetch_unique_ids"]),
+                "prefetch_hits": float(st["prefetch_unique_ids"] - st["prefetch_misses"])}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -400,6 +404,8 @@ def _counter_fields(before: dict[str, Any], after: dict[str, Any], steps: int) -
         res["hit_rate"] = d["hits"] / max(d["requests"], 1.0)
         if "unique_misses" in d:
             res["unique_hit_rate"] = 1.0 - d["unique_misses"] / max(d["unique"], 1.0)
+        if d.get("prefetch_requests"):  # ours, prefetched training: the forward finds every row the prefetch placed
+            res["prefetch_hit_rate"] = d["prefetch_hits"] / d["prefetch_requests"]
         if "host_bytes" in d:
             res["host_mb_per_step"] = d["host_bytes"] / max(steps, 1) / 1e6
             res["transfer_ratio"] = d["raw_host_bytes"] / max(d["host_bytes"], 1.0)
@@ -810,11 +816,12 @@ def _merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(ok[0])
     out["M_lookups_per_s"] = float(np.mean(rates))
     out["median_ms"] = float(np.mean([r["median_ms"] for r in ok]))
-    if all("hit_rate" in r for r in ok):
-        out["hit_rate"] = float(np.mean([r["hit_rate"] for r in ok]))
+    for key in ("hit_rate", "prefetch_hit_rate"):
+        if all(key in r for r in ok):
+            out[key] = float(np.mean([r[key] for r in ok]))
     out["verified"] = None if any(r["verified"] is None for r in ok) else all(r["verified"] for r in ok)
-    out["runs"] = [{k: r.get(k) for k in ("M_lookups_per_s", "median_ms", "hit_rate", "iters", "plan", "verified",
-                                          "host_layout")}
+    out["runs"] = [{k: r.get(k) for k in ("M_lookups_per_s", "median_ms", "hit_rate", "prefetch_hit_rate", "iters",
+                                          "plan", "verified", "host_layout")}
                    for r in ok]
     if len(rates) > 1:
         out["spread"] = (max(rates) - min(rates)) / max(rates)
@@ -947,7 +954,9 @@ def run_method(name: str, table: torch.Tensor, table_dev: torch.Tensor, traces: 
                 out.append(rec)
                 print(f"  {trace_name} {base['dtype']} {base['row_bytes']} B cache {ratio:g} bag {bag} batch {b} "
                       f"{name}: {rec.get('M_lookups_per_s', float('nan')):.1f} M lookups/s, hit {rec.get('hit_rate')}, "
-                      f"oracle {rec.get('oracle_hit_rate')}", flush=True)
+                      f"oracle {rec.get('oracle_hit_rate')}"
+                      + (f", at prefetch {rec['prefetch_hit_rate']:.3f}" if "prefetch_hit_rate" in rec else ""),
+                      flush=True)
     del modules
     free_memory()
     return out

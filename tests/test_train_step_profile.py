@@ -68,3 +68,4 @@ def test_cpu_run_names_a_site_for_every_wait(tmp_path: Path, shared_data_dir: Pa
     by_op = {op: sum(v for k, v in sites.items() if k.startswith(op + " @ ")) for op in point["sync_ops_per_step"]}
     assert by_op == point["sync_ops_per_step"]  # the same waits in the stacked steps as in the counted ones
     assert point["launch_sites_per_step"] == {}  # the CPU launches nothing; see the fake trees for the rule
+    assert 0.0 <= point["prefetch_hit_rate"] <= 1.0

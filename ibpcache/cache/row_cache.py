@@ -217,6 +217,10 @@ class CachedRowManager:
         self.optim: Optional[RowOptimizer] = None  # the attached optimizer (attach_optimizer)
         self.coalesce_sparse_grads = False
         self.prefetched_rows = 0  # rows admitted by prefetch (not counted as lookups)
+        # distinct rows the prefetches looked for, and those not resident then: a prefetched step's forward finds
+        # every row, so its hit rate says nothing of what the step read from the host; these do
+        self.prefetch_unique_ids = 0
+        self.prefetch_misses = 0
         self.prefetch_write_backs = 0
         self.order = StreamOrder(self.device)  # one operation at a time, from any thread or CUDA stream
         self.fused: "FusedLookup | None" = None
@@ -422,6 +426,8 @@ class CachedRowManager:
         else:
             self.prefetched_rows += int(n_miss)
             self.prefetch_write_backs += int(written)
+            self.prefetch_unique_ids += n_uniq
+            self.prefetch_misses += vals[1]
             if remember is not None and all_placed and self.slots == self.base_slots:
                 self._ahead = _Ahead(remember, prep, counts, int(flat.numel()))
         return prep
@@ -646,6 +652,10 @@ class CachedRowManager:
             "evictions": self.evictions,
             "write_backs": int(sum(self.num_write_back_history)) + self.prefetch_write_backs,
             "prefetched_rows": self.prefetched_rows,
+            "prefetch_unique_ids": self.prefetch_unique_ids,
+            "prefetch_misses": self.prefetch_misses,
+            "prefetch_hit_rate": (1.0 - self.prefetch_misses / self.prefetch_unique_ids
+                                  if self.prefetch_unique_ids else None),
             "cache_rows": self.capacity,
             "pinned_rows": self.n_pinned,
             "cached_rows": int((self.id_of >= 0).sum()),

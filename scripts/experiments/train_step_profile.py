@@ -189,7 +189,8 @@ def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
 
 def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch: int, cuda: bool) -> dict[str, Any]:
     """Steps of one (bag, batch) point on ``method`` (trained on, as bench_dlrm's windows do): timings, profile counts,
-    and the hit rate of the point's own lookups."""
+    and the hit rates of the point's own lookups and of its prefetches (the share of the distinct rows each prefetch
+    looked for that were resident: what the step did not read from the host)."""
     trace.reset(batch + 7919 * bag)
     n = args.warmup + 2 * args.iters + 2 * args.profile_steps + 1
     inputs = [method.inputs(trace.batch(batch, bag), bag) for _ in range(n)]
@@ -215,10 +216,12 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
     prof.update(_sites(step, args.profile_steps))
     after = method.module.stats()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    probed = after["prefetch_unique_ids"] - before["prefetch_unique_ids"]
+    missed = after["prefetch_misses"] - before["prefetch_misses"]
     return {"bag": bag, "batch": batch, "tables": args.tables, "rows_per_table": args.rows,
             "device_ms": statistics.median(dev_ms), "host_ms": statistics.median(host_ms), "back_to_back_ms": run_ms,
             "back_to_back_host_ms_by_phase": phase_ms,
-            "hit_rate": hits / max(1, hits + misses), **prof}
+            "hit_rate": hits / max(1, hits + misses), "prefetch_hit_rate": 1.0 - missed / max(1, probed), **prof}
 
 
 def main(argv: "list[str] | None" = None) -> None:

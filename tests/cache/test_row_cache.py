@@ -194,10 +194,16 @@ def test_flush_writes_every_cached_row_and_keeps_it(words: torch.Tensor, dtype: 
 
 def test_prefetch_admits_without_counting_a_lookup(words: torch.Tensor) -> None:
     mgr = _manager(words, 8)
+    assert mgr.stats()["prefetch_hit_rate"] is None
     mgr.prepare_unique(torch.tensor([1, 2, 3]), count=False)
     assert mgr.step == 0 and mgr.num_hits_history == [] and mgr.prefetched_rows == 3
     mgr.prepare_ids(torch.tensor([1, 2, 3, 4]))
     assert mgr.num_hits_history == [3] and mgr.num_miss_history == [1]
+    # the prefetch's own count: distinct rows looked for, and those not resident then (duplicates count once)
+    mgr.prepare_unique(torch.tensor([4, 5, 5, 1, 6]), count=False)
+    st = mgr.stats()
+    assert (st["prefetch_unique_ids"], st["prefetch_misses"], st["prefetched_rows"]) == (7, 5, 5)
+    assert st["prefetch_hit_rate"] == pytest.approx(2 / 7) and st["hit_rate"] == pytest.approx(3 / 4)
 
 
 def test_load_weight_replaces_the_table_and_the_cached_rows(words: torch.Tensor) -> None:

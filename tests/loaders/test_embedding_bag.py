@@ -1000,6 +1000,10 @@ def test_bench_dlrm_train_smoke(tmp_path, shared_data_dir) -> None:
         chk = r["trained_weights"]
         assert chk["status"] == "ok" and chk["steps"] == 3 and chk["bit_exact"] and chk["rows_differing"] == 0, chk
     assert all("trained_weights" not in r for r in records if r["method"] == "colossal")  # unavailable on CPU
+    # prefetched steps: the forward finds every row; the prefetch's own hit rate says what was read from the host
+    # (a 5% cache of 1200 rows cannot hold 3-id bags of 64 samples: rows miss at every prefetch)
+    for r in ours:
+        assert 0.0 <= r["prefetch_hit_rate"] < r["hit_rate"] <= 1.0, r
 
 
 def test_bench_dlrm_compare_tables_reports_differences(script_module) -> None:
