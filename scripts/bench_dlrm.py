@@ -15,6 +15,9 @@ Traces (ids per table, bounded Zipf ``--zipf`` 1.05 over the table's rows, ranks
   zipf-stable  one permutation per table for the whole run (a fixed hot set); steady state over consecutive points
   zipf-drift   the permutation is drawn anew every ``--drift-period`` steps (the hot set moves)
   zipf         the earlier benchmarks' trace: the same law, ids restarted from a per-point seed at every point
+  hot-set      as zipf-stable, the law over the table's ``--hot-fraction`` most probable ranks only (a hot set that
+               a cache of more than that fraction holds whole: issue 27's "where the hot set fits" training target)
+Default: the first three (inference), ``zipf-stable`` (``--train``; it takes any of them).
 Every method gets the same ids (each point restarts the trace from the same seed), generated outside timed regions.
 
 Methods (one module over all tables each, so one lookup call per step):
@@ -80,6 +83,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import itertools
 import sys
 import time
 import types
@@ -104,8 +108,9 @@ OURS = {"ibpcache": dict(), "ibpcache_ibp": dict(compress=True), "ibpcache_raw":
 FORCED = ("ibpcache_ibp", "ibpcache_raw", "ibpcache_unstaged", "ibpcache_decoded", "ibpcache_stored", "ibpcache_exp",
           "ibpcache_eager", "ibpcache_admit1")
 """Ours with one setting forced: run only for ``--forced-dtypes`` and ``--forced-traces``."""
-TRACES = ("zipf-stable", "zipf-drift", "zipf")
-ORDER = ("zipf-stable", "zipf", "zipf-drift")
+TRACES = ("zipf-stable", "zipf-drift", "zipf", "hot-set")
+DEFAULT_TRACES = {"inference": "zipf-stable,zipf-drift,zipf", "training": "zipf-stable"}
+ORDER = ("zipf-stable", "zipf", "zipf-drift", "hot-set")
 """The order a module meets the traces in (it keeps its cache): the stationary ones first, the moving one last."""
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -136,12 +141,16 @@ class Trace:
     (``zipf-drift``: a new one every ``drift_period`` steps). ``reset(seed)`` restarts the stream (and the drift
     epochs), so every method replays the same ids."""
 
-    def __init__(self, kind: str, rows: int, tables: int, a: float, device: torch.device, drift_period: int) -> None:
+    def __init__(self, kind: str, rows: int, tables: int, a: float, device: torch.device, drift_period: int,
+                 hot_fraction: float = 0.05) -> None:
         if kind not in TRACES:
             raise SystemExit(f"unknown trace {kind!r}; choose from {TRACES}")
-        weights = torch.arange(1, rows + 1, dtype=torch.float64).pow_(-a)
-        self.p = weights / weights.sum()
-        self.cdf = self.p.cumsum(0).to(device)
+        support = max(1, round(rows * hot_fraction)) if kind == "hot-set" else rows
+        weights = torch.arange(1, support + 1, dtype=torch.float64).pow_(-a)
+        self.p = torch.zeros(rows, dtype=torch.float64)
+        self.p[:support] = weights / weights.sum()
+        self.cdf = self.p[:support].cumsum(0).to(device)
+        self.support = support
         self.kind, self.rows, self.tables, self.device = kind, rows, tables, device
         self.period = max(1, int(drift_period))
         self.gen = torch.Generator(device=device)
@@ -168,7 +177,7 @@ class Trace:
             self.perm = self._permutation(self.step // self.period)
         self.step += 1
         u = torch.rand((self.tables, batch * bag), generator=self.gen, device=self.device, dtype=torch.float64)
-        ranks = torch.searchsorted(self.cdf, u).clamp_(max=self.rows - 1)
+        ranks = torch.searchsorted(self.cdf, u).clamp_(max=self.support - 1)
         return self.perm.gather(1, ranks)
 
     def oracle(self, k: int) -> float:
@@ -878,7 +887,8 @@ def inference_grid(args: argparse.Namespace, device: torch.device, methods: list
             rows = plan[entry]
             table = datasets.resample_rows(real_rows(entry, dtype), rows * args.tables, seed=entry)
             table_dev = table.to(device) if device.type == "cuda" else table
-            trace_objs = {t: Trace(t, rows, args.tables, args.zipf, device, args.drift_period) for t in traces}
+            trace_objs = {t: Trace(t, rows, args.tables, args.zipf, device, args.drift_period, args.hot_fraction)
+                          for t in traces}
             traces = sorted(traces, key=ORDER.index)  # zipf-stable first: modules reach their steady state there
             for ratio in ratios:
                 base = {"row_bytes": entry, "dtype": dname, "rows_per_table": rows, "tables": args.tables,
@@ -969,15 +979,16 @@ def training_grid(args: argparse.Namespace, device: torch.device, methods: list[
     batches = [int(x) for x in args.batches.split(",")]
     bags = [int(x) for x in args.bags.split(",")]
     optimizers = [o for o in args.optimizers.split(",") if o]
+    traces = [t for t in args.traces.split(",") if t]
     check = args.check_steps > 0
     records: list[dict[str, Any]] = []
-    windows = len(entries) * len(ratios) * len(batches) * len(bags) * len(optimizers) * len(methods)
+    windows = len(entries) * len(traces) * len(ratios) * len(batches) * len(bags) * len(optimizers) * len(methods)
     budget = Budget(args.budget_s, windows, args.min_seconds_per_point)
-    for entry in entries:
+    for entry, trace_name in itertools.product(entries, traces):
         rows = plan[entry]
         table = datasets.resample_rows(real_rows(entry), rows * args.tables, seed=entry)
         table_dev = table.to(device) if device.type == "cuda" else table
-        trace = Trace("zipf-stable", rows, args.tables, args.zipf, device, args.drift_period)
+        trace = Trace(trace_name, rows, args.tables, args.zipf, device, args.drift_period, args.hot_fraction)
         check_batch = min(batches)
         for opt_name in optimizers:
             references: dict[int, "torch.Tensor | None"] = {}
@@ -993,7 +1004,7 @@ def training_grid(args: argparse.Namespace, device: torch.device, methods: list[
                 for name in methods:
                     base = {"row_bytes": entry, "dtype": "fp32", "rows_per_table": rows, "tables": args.tables,
                             "cache_ratio": ratio, "method": name, "mode": "training", "train": True,
-                            "trace": "zipf-stable", "optimizer": opt_name}
+                            "trace": trace_name, "optimizer": opt_name}
                     if name in unavailable:
                         records += [{**base, "batch": b, "bag": bag, "status": "unavailable",
                                      "error": unavailable[name]} for b in batches for bag in bags]
@@ -1020,7 +1031,7 @@ def training_grid(args: argparse.Namespace, device: torch.device, methods: list[
                                              device, opt_name)
                         rec = next(r for r in records if r["row_bytes"] == entry and r["cache_ratio"] == ratio
                                    and r["method"] == name and r["batch"] == check_batch and r["bag"] == bag
-                                   and r["optimizer"] == opt_name)
+                                   and r["optimizer"] == opt_name and r["trace"] == trace_name)
                         rec["trained_weights"] = chk
                         print(f"trained weights after {chk['steps']} {opt_name} steps, {entry} B, cache {ratio:g}, "
                               f"bag {bag}, {name}: {_check_line(chk)}", flush=True)
@@ -1041,7 +1052,9 @@ def main() -> None:
     p.add_argument("--cache-ratios", default="0.01,0.1")
     p.add_argument("--bags", default=None, help="ids per table per sample (summed); default 1 (inference), 1,20 "
                                                 "(--train)")
-    p.add_argument("--traces", default=",".join(TRACES))
+    p.add_argument("--traces", default=None, help=f"of {', '.join(TRACES)}; default {DEFAULT_TRACES['inference']} "
+                                                  f"(--train: {DEFAULT_TRACES['training']})")
+    p.add_argument("--hot-fraction", type=float, default=0.05, help="hot-set: the share of a table's rows it draws from")
     p.add_argument("--drift-period", type=int, default=200, help="zipf-drift: steps between two hot sets")
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--iters", type=int, default=400, help="most timed steps per window")
@@ -1071,6 +1084,8 @@ def main() -> None:
     args = p.parse_args()
     if args.bags is None:
         args.bags = "1,20" if args.train else "1"
+    if args.traces is None:
+        args.traces = DEFAULT_TRACES["training" if args.train else "inference"]
     if args.methods is None:
         args.methods = ("colossal,torch,ibpcache" if args.train
                         else "fbgemm_lfu,fbgemm_lru,ibpcache,ibpcache_ibp,ibpcache_raw,ibpcache_unstaged,"
