@@ -54,11 +54,11 @@ For every point and method: the steady-state hit rate over the timed steps (``hi
 oracle's for the method's cache capacity (``oracle_hit_rate``: the k most probable rows, k = cache rows, from the
 trace's probabilities). Ours in training also ``prefetch_hit_rate``: of the distinct rows each prefetch looked for,
 the share already resident (the prefetched forward then finds every row, so its ``hit_rate`` is near 1 whatever the
-step read from the host; Colossal-AI counts at its forward, which has no prefetch). Every step is timed alone with CUDA events (device idle before it: the latency a serving step
-sees); medians. Our outputs are checked bit for bit against torch's embedding_bag over the full table on the GPU,
-before and after timing (a wrong output fails the run). The pipelined step (TorchRec's order: lookup i, prefetch
-i + 1 on the side stream, the dense part of step i) is timed for ours at one batch per configuration
-(``pipelined``).
+step read from the host; Colossal-AI counts at its forward, which has no prefetch). Every step is timed alone with
+CUDA events (device idle before it: the latency a serving step sees); medians. Our outputs are checked bit for bit
+against torch's embedding_bag over the full table on the GPU, before and after timing (a wrong output fails the
+run). The pipelined step (TorchRec's order: lookup i, prefetch i + 1 on the side stream, the dense part of step i) is
+timed for ours at one batch per configuration (``pipelined``).
 
 --train: forward + backward + an optimizer (``--optimizers`` sgd,adagrad; sparse gradients; ours with
 attach_optimizer for Adagrad and ``prefetch`` of the next batch after each step), bags ``--bags`` (1,20), against
@@ -1054,7 +1054,8 @@ def main() -> None:
                                                 "(--train)")
     p.add_argument("--traces", default=None, help=f"of {', '.join(TRACES)}; default {DEFAULT_TRACES['inference']} "
                                                   f"(--train: {DEFAULT_TRACES['training']})")
-    p.add_argument("--hot-fraction", type=float, default=0.05, help="hot-set: the share of a table's rows it draws from")
+    p.add_argument("--hot-fraction", type=float, default=0.05,
+                   help="hot-set: the share of a table's rows it draws from")
     p.add_argument("--drift-period", type=int, default=200, help="zipf-drift: steps between two hot sets")
     p.add_argument("--zipf", type=float, default=1.05)
     p.add_argument("--iters", type=int, default=400, help="most timed steps per window")
