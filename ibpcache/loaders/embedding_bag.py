@@ -448,7 +448,9 @@ class _CachedBagBase(nn.Module):
         the free and evictable slots are left to the forward (which serves an oversized batch from a grown cache).
         When every row found a slot, the forward of the same ``input`` / ``offsets`` tensors (not written to since, and
         no other cache operation in between) takes their slots from here: no ``unique``, no host sync, so with SGD the
-        whole step (forward, backward, optimizer) never waits for the device.
+        whole step (forward, backward, optimizer) never waits for the device. That forward then hits every row, so
+        ``stats()["hit_rate"]`` says little of a prefetched loop; ``stats()["prefetch_hit_rate"]`` is the share of the
+        distinct rows the prefetches looked for that were already resident (the rest came from the host).
         """
         self._check_ready()
         if not self.cache_op:
