@@ -39,16 +39,16 @@ def test_site_is_the_innermost_frame_of_the_project_or_a_torch_optimizer() -> No
     assert tsp._site(_chain("aten::nonzero", "aten::index")) == "?"
 
 
-def test_sync_sites_counts_only_the_named_events_per_step() -> None:
+def test_event_sites_counts_only_the_named_events_per_step() -> None:
     back = "/x/ibpcache/loaders/embedding_bag.py(1021): backward"
     pre = "/x/ibpcache/cache/row_cache.py(356): prepare_unique"
     evs = [_chain("aten::_coalesce", back), _chain("aten::_coalesce", back), _chain("aten::add", back),
            _chain("cudaLaunchKernel", "aten::add", back), _chain("cudaLaunchKernel", "aten::sort", pre),
            _chain("cudaLaunchKernel", "aten::sort", pre), _chain("cudaMemsetAsync", "aten::zeros", pre)]
-    assert tsp.sync_sites(evs, 2) == {f"aten::_coalesce @ {back}": 1.0}
-    assert tsp.sync_sites(evs, 2, tsp.LAUNCHES) == {f"cudaLaunchKernel @ {pre}": 1.0, f"cudaLaunchKernel @ {back}": 0.5,
+    assert tsp.event_sites(evs, 2) == {f"aten::_coalesce @ {back}": 1.0}
+    assert tsp.event_sites(evs, 2, tsp.LAUNCHES) == {f"cudaLaunchKernel @ {pre}": 1.0, f"cudaLaunchKernel @ {back}": 0.5,
                                                     f"cudaMemsetAsync @ {pre}": 0.5}
-    assert list(tsp.sync_sites(evs, 2, tsp.LAUNCHES, top=1)) == [f"cudaLaunchKernel @ {pre}"]
+    assert list(tsp.event_sites(evs, 2, tsp.LAUNCHES, top=1)) == [f"cudaLaunchKernel @ {pre}"]
 
 
 def test_cpu_run_names_a_site_for_every_wait(tmp_path: Path, shared_data_dir: Path) -> None:

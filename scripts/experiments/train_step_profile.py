@@ -132,7 +132,7 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMe
 """CUDA runtime calls that put work on a stream: a step's launches, by the function that issued them."""
 
 
-def sync_sites(events: Any, n: int, names: tuple = SYNC_OPS, top: Optional[int] = None) -> dict[str, float]:
+def event_sites(events: Any, n: int, names: tuple = SYNC_OPS, top: Optional[int] = None) -> dict[str, float]:
     """Per step, each event named in ``names`` (default :data:`SYNC_OPS`) counted by the function that issued it
     ("op @ path(line): function"), the ``top`` most frequent: where a step's waits (or launches) come from, so they
     can be taken out one by one."""
@@ -143,15 +143,16 @@ def sync_sites(events: Any, n: int, names: tuple = SYNC_OPS, top: Optional[int] 
     return {k: c / n for k, c in sites.most_common(top)}
 
 
-def _sites(step: Callable[[], Any], n: int) -> dict[str, dict[str, float]]:
-    """Of ``n`` steps profiled with Python stacks: :func:`sync_sites` of the waits, and of the launches (top 30)."""
+def _stacked_sites(step: Callable[[], Any], n: int) -> dict[str, dict[str, float]]:
+    """Of ``n`` steps profiled with Python stacks: :func:`event_sites` of the waits, and of the launches (top 30)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         for _ in range(n):
             step()
     events = prof.events()
-    return {"sync_sites_per_step": sync_sites(events, n), "launch_sites_per_step": sync_sites(events, n, LAUNCHES, 30)}
+    return {"sync_sites_per_step": event_sites(events, n),
+            "launch_sites_per_step": event_sites(events, n, LAUNCHES, 30)}
 
 
 def _profile(step: Callable[[], Any], n: int, cuda: bool) -> dict[str, Any]:
@@ -213,7 +214,7 @@ def run_point(method: Any, trace: Any, args: argparse.Namespace, bag: int, batch
         method.step(inputs[i], bag, inputs[i + 1])
 
     prof = _profile(step, args.profile_steps, cuda)
-    prof.update(_sites(step, args.profile_steps))
+    prof.update(_stacked_sites(step, args.profile_steps))
     after = method.module.stats()
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     probed = after["prefetch_unique_ids"] - before["prefetch_unique_ids"]
