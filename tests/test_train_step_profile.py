@@ -46,8 +46,9 @@ def test_event_sites_counts_only_the_named_events_per_step() -> None:
            _chain("cudaLaunchKernel", "aten::add", back), _chain("cudaLaunchKernel", "aten::sort", pre),
            _chain("cudaLaunchKernel", "aten::sort", pre), _chain("cudaMemsetAsync", "aten::zeros", pre)]
     assert tsp.event_sites(evs, 2) == {f"aten::_coalesce @ {back}": 1.0}
-    assert tsp.event_sites(evs, 2, tsp.LAUNCHES) == {f"cudaLaunchKernel @ {pre}": 1.0, f"cudaLaunchKernel @ {back}": 0.5,
-                                                    f"cudaMemsetAsync @ {pre}": 0.5}
+    assert tsp.event_sites(evs, 2, tsp.LAUNCHES) == {f"cudaLaunchKernel @ {pre}": 1.0,
+                                                     f"cudaLaunchKernel @ {back}": 0.5,
+                                                     f"cudaMemsetAsync @ {pre}": 0.5}
     assert list(tsp.event_sites(evs, 2, tsp.LAUNCHES, top=1)) == [f"cudaLaunchKernel @ {pre}"]
 
 
